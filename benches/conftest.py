@@ -1,0 +1,47 @@
+"""Benchmarks: kvblock against the pure-Python reference, same inputs, one run.
+
+Each pair of benchmarks shares a ``group``; at the end a table of reference/kvblock ratios
+(by min and by median time) is printed. Run with ``make bench`` or
+``pytest benches --benchmark-columns=min,median,rounds``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+_RESULTS: dict[str, dict[str, tuple[float, float, float]]] = defaultdict(dict)
+
+
+@pytest.fixture
+def record(benchmark):
+    """``record(group, impl, fn, *args, per=N)``: benchmark ``fn`` and keep its time per unit."""
+
+    def run(group: str, impl: str, fn, *args, per: int = 1, rounds: int | None = None):
+        benchmark.group = group
+        benchmark.extra_info["impl"] = impl
+        if rounds is None:
+            benchmark(fn, *args)
+        else:
+            benchmark.pedantic(fn, args=args, rounds=rounds, iterations=1, warmup_rounds=1)
+        st = benchmark.stats.stats
+        _RESULTS[group][impl] = (st.min / per, st.median / per, float(per))
+
+    return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _RESULTS:
+        return
+    tr = terminalreporter
+    tr.section("kvblock vs reference (time per unit; ratio = reference / kvblock)")
+    tr.write_line(f"{'group':58s} {'kvblock min':>14s} {'reference min':>14s} {'ratio(min)':>10s} {'ratio(median)':>13s}")
+    for group in sorted(_RESULTS):
+        r = _RESULTS[group]
+        if "kvblock" not in r or "reference" not in r:
+            continue
+        (kmin, kmed, _), (rmin, rmed, _) = r["kvblock"], r["reference"]
+        tr.write_line(
+            f"{group:58s} {kmin * 1e9:12.0f}ns {rmin * 1e9:12.0f}ns {rmin / kmin:9.1f}x {rmed / kmed:12.1f}x"
+        )

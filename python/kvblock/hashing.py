@@ -1,0 +1,389 @@
+"""Chained block hashing with vLLM 0.33.0's names and byte-identical digests (spec §1).
+
+``hash_i = HASH((parent, tuple(tokens_i), extra_keys_i))`` with ``parent = hash_{i-1}`` and the
+first parent :data:`NONE_HASH`. The four algorithms (``sha256`` - vLLM's default -,
+``sha256_cbor``, ``xxhash``, ``xxhash_cbor``) serialize the 3-tuple with pickle protocol 5 or
+canonical CBOR in Rust and digest it with SHA-256 (32 bytes) or XXH3-128 (16 bytes).
+
+The root :data:`NONE_HASH` is one value per process, as in vLLM: :func:`init_none_hash` sets it
+(vLLM's engine calls it once at start-up); if nothing set it before the first hash, it is
+initialised with the algorithm being used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NewType, Sequence
+
+from . import _core
+from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
+
+__all__ = [
+    "ALGORITHMS",
+    "BlockHash",
+    "BlockHashWithGroupId",
+    "BlockHashListWithBlockSize",
+    "DEFAULT_NONE_HASH_SEED",
+    "HashFunction",
+    "NONE_HASH",
+    "block_hash_to_event_int",
+    "get_block_hash",
+    "get_group_id",
+    "get_hash_fn_by_name",
+    "get_none_hash_seed",
+    "get_request_block_hasher",
+    "hash_block_tokens",
+    "hash_blocks",
+    "init_none_hash",
+    "make_block_hash_with_group_id",
+    "maybe_convert_block_hash",
+    "resolve_block_hashes",
+    "resolve_none_hash_seed",
+    "sha256",
+    "sha256_cbor",
+    "xxhash",
+    "xxhash_cbor",
+]
+
+#: A block hash: the raw digest bytes (32 for sha256*, 16 for xxhash*).
+BlockHash = NewType("BlockHash", bytes)
+#: ``block_hash + group_id.to_bytes(4, "big")``: the key of the hash -> block map.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
+
+HashFunction = _core.HashFunction
+#: The valid algorithm names, in vLLM's order.
+ALGORITHMS: tuple[str, ...] = tuple(_core.ALGORITHMS)
+
+sha256 = HashFunction("sha256")
+sha256_cbor = HashFunction("sha256_cbor")
+xxhash = HashFunction("xxhash")
+xxhash_cbor = HashFunction("xxhash_cbor")
+_BY_NAME = {f.name: f for f in (sha256, sha256_cbor, xxhash, xxhash_cbor)}
+
+#: The seed string of the root hash when ``PYTHONHASHSEED`` is unset (sha256, sha256_cbor).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+#: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
+NONE_HASH: BlockHash | None = None
+_NONE_HASH_SEED: str | None = None
+
+
+def get_hash_fn_by_name(hash_fn_name: str) -> HashFunction:
+    """The hash function for a vLLM algorithm name.
+
+    Returns a callable ``fn(obj) -> bytes`` equal to vLLM's function of that name.
+
+    Raises:
+        ValueError: for an unknown name; the message lists the valid algorithms.
+    """
+    try:
+        return _BY_NAME[hash_fn_name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unsupported hash function: {hash_fn_name!r}; valid algorithms are "
+            + ", ".join(ALGORITHMS)
+        ) from None
+
+
+def _algo_name(hash_fn: Any) -> str | None:
+    """The algorithm name of a kvblock hash function, else None (a foreign callable)."""
+    if isinstance(hash_fn, HashFunction):
+        return hash_fn.name
+    return None
+
+
+def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
+    """The root seed string vLLM 0.33.0 uses (spec §1.3).
+
+    ``PYTHONHASHSEED`` if set (any algorithm); else ``os.urandom(32).hex()`` for the
+    non-cryptographic xxhash algorithms; else ``"vllm-none-hash"``.
+    """
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env
+    name = _algo_name(hash_fn) or getattr(hash_fn, "__name__", "")
+    if name in ("xxhash", "xxhash_cbor"):
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Set :data:`NONE_HASH` to ``hash_fn(seed)`` with vLLM's seed rules."""
+    global NONE_HASH, _NONE_HASH_SEED
+    seed = resolve_none_hash_seed(hash_fn)
+    NONE_HASH = BlockHash(hash_fn(seed))
+    _NONE_HASH_SEED = seed
+
+
+def get_none_hash_seed() -> str:
+    """The seed actually used for :data:`NONE_HASH` (the default string before init)."""
+    return _NONE_HASH_SEED if _NONE_HASH_SEED is not None else DEFAULT_NONE_HASH_SEED
+
+
+def _root(hash_fn: Any) -> bytes:
+    if NONE_HASH is None:
+        init_none_hash(hash_fn)
+    assert NONE_HASH is not None
+    return NONE_HASH
+
+
+def _check_extra(extra_keys: Any) -> None:
+    if extra_keys is not None and not isinstance(extra_keys, tuple):
+        raise TypeError(f"extra_keys: must be None or a tuple, got {type(extra_keys).__name__}")
+
+
+def hash_block_tokens(
+    hash_function: Callable[[Any], bytes],
+    parent_block_hash: bytes | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple | None = None,
+) -> BlockHash:
+    """Hash one block: ``hash_function((parent, tuple(tokens), extra_keys))``.
+
+    Args:
+        hash_function: a kvblock hash function (fast path in Rust) or any callable on the
+            3-tuple (called as vLLM calls it).
+        parent_block_hash: the previous block's digest; a falsy value (``None``, ``b""``)
+            means the chain root :data:`NONE_HASH`.
+        curr_block_token_ids: the block's token ids (a list/tuple of int, or a 1-D integer
+            array).
+        extra_keys: ``None`` or a non-empty tuple of tagged keys.
+
+    Returns:
+        The digest (32 or 16 bytes).
+
+    Raises:
+        TypeError: a parent that is not bytes, non-integer tokens, or extra keys of types
+            block hashing does not use.
+    """
+    if not parent_block_hash:
+        parent_block_hash = _root(hash_function)
+    if not isinstance(parent_block_hash, bytes):
+        raise TypeError(
+            f"parent_block_hash: expected bytes, got {type(parent_block_hash).__name__}"
+        )
+    _check_extra(extra_keys)
+    if isinstance(hash_function, HashFunction):
+        return BlockHash(
+            _core.hash_block_tokens(hash_function, parent_block_hash, curr_block_token_ids, extra_keys)
+        )
+    return BlockHash(hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys)))
+
+
+def hash_blocks(
+    token_ids: Any,
+    block_size: int,
+    *,
+    algo: str | HashFunction = "sha256",
+    parent: bytes | None = None,
+    extra_keys: Sequence[tuple | None] | None = None,
+) -> list[BlockHash]:
+    """Hash every full block of a token sequence as one chain, in one call.
+
+    Args:
+        token_ids: a list or tuple of int, an ``array.array``, or a 1-D integer numpy array
+            (int32/int64/uint32/uint64; read zero-copy through the buffer protocol). Ints of any
+            size hash as vLLM hashes the Python int.
+        block_size: tokens per block (> 0). A trailing partial block is not hashed.
+        algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or ``"xxhash_cbor"``.
+        parent: the hash the chain continues from; ``None`` or ``b""`` means :data:`NONE_HASH`.
+        extra_keys: ``None``, or one entry (``None`` or a tuple) per full block.
+
+    Returns:
+        ``len(token_ids) // block_size`` digests, in block order.
+
+    Raises:
+        ValueError: unknown ``algo``, ``block_size <= 0``, a 2-D array, or an ``extra_keys``
+            length that is not the number of full blocks.
+        TypeError: non-integer tokens or a float array, a ``parent`` that is not bytes, or
+            malformed extra keys.
+
+    The GIL is released while hashing long inputs.
+    """
+    fn = get_hash_fn_by_name(algo) if isinstance(algo, str) else algo
+    if not isinstance(fn, HashFunction):
+        raise TypeError(f"algo: expected an algorithm name, got {type(algo).__name__}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size: expected int, got {type(block_size).__name__}")
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be > 0, got {block_size}")
+    if not parent:
+        parent = _root(fn)
+    return _core.hash_blocks(fn, token_ids, block_size, parent, extra_keys)
+
+
+def get_request_block_hasher(
+    block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
+) -> Callable[[Any], list[BlockHash]]:
+    """vLLM's ``get_request_block_hasher``: a closure that hashes a request's new full blocks.
+
+    The closure starts at ``len(request.block_hashes) * block_size``, returns ``[]`` when no
+    new block is complete, and otherwise hashes every newly completed block, chained from
+    ``request.block_hashes[-1]``, with the per-block extra keys of
+    :func:`kvblock.multimodal.generate_block_hash_extra_keys`. It does not mutate the request.
+    With kvblock hash functions all new blocks are hashed in one Rust call.
+
+    With ``num_hash_lookahead_tokens = L > 0`` (EAGLE), a block is hashed only once ``L``
+    tokens past its end exist, its extra keys cover ``[start, end + L)``, and the value hashed
+    as extra keys is ``(E, t_end, ..., t_end+L-1)``.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
+    if num_hash_lookahead_tokens < 0:
+        raise ValueError("num_hash_lookahead_tokens: must be >= 0")
+    lookahead = num_hash_lookahead_tokens
+    fast = isinstance(caching_hash_fn, HashFunction)
+
+    def request_block_hasher(request: Any) -> list[BlockHash]:
+        block_hashes = request.block_hashes
+        start = len(block_hashes) * block_size
+        tokens = request._all_token_ids
+        num_tokens = len(tokens)
+        num_new = (num_tokens - lookahead - start) // block_size
+        if num_new <= 0:
+            return []
+        parent = block_hashes[-1] if block_hashes else _root(caching_hash_fn)
+        extra: list | None = None
+        if (
+            request.lora_request
+            or request.mm_features
+            or request.cache_salt
+            or request.prompt_embeds is not None
+            or lookahead
+        ):
+            extra = _request_extra_keys(request, start, num_new, block_size, lookahead)
+        if fast:
+            end = start + num_new * block_size
+            return _core.hash_blocks(caching_hash_fn, tokens, block_size, parent, extra, start, end)
+        out: list[BlockHash] = []
+        for i in range(num_new):
+            s = start + i * block_size
+            parent = hash_block_tokens(
+                caching_hash_fn, parent, tokens[s : s + block_size], None if extra is None else extra[i]
+            )
+            out.append(parent)
+        return out
+
+    return request_block_hasher
+
+
+def _request_extra_keys(
+    request: Any, start: int, num_new: int, block_size: int, lookahead: int
+) -> list:
+    mm_features = request.mm_features
+    mm_idx = get_mm_features_in_window(mm_features, start, start + block_size) if start > 0 else 0
+    out: list = []
+    tokens = request._all_token_ids
+    for i in range(num_new):
+        s = start + i * block_size
+        e = s + block_size
+        if lookahead:
+            # keys over [s, e + L); the scan restarts at the first item still open at s
+            idx = get_mm_features_in_window(mm_features, s, e + lookahead)
+            keys, _ = generate_block_hash_extra_keys(request, s, e + lookahead, idx)
+            out.append((keys, *tokens[e : e + lookahead]))
+        else:
+            keys, mm_idx = generate_block_hash_extra_keys(request, s, e, mm_idx)
+            out.append(keys)
+    return out
+
+
+def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
+    """``block_hash + group_id.to_bytes(4, "big")`` (the key of the hash -> block map)."""
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
+
+
+def get_block_hash(key: bytes) -> BlockHash:
+    """The block hash part of a :data:`BlockHashWithGroupId`."""
+    return BlockHash(key[:-4])
+
+
+def get_group_id(key: bytes) -> int:
+    """The KV-cache group id of a :data:`BlockHashWithGroupId`."""
+    return int.from_bytes(key[-4:], "big", signed=False)
+
+
+def block_hash_to_event_int(block_hash: bytes) -> int:
+    """The 64-bit int KV events publish: the last 8 digest bytes, big-endian."""
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def maybe_convert_block_hash(block_hash: bytes, use_int: bool | None = None) -> int | bytes:
+    """vLLM's event hash form: the 64-bit int unless ``use_int`` is False (or
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), then the raw digest."""
+    if use_int is None:
+        use_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+    return block_hash_to_event_int(block_hash) if use_int else block_hash
+
+
+class BlockHashListWithBlockSize(Sequence[BlockHash]):
+    """The hashes of a coarser block size ``B = k * H`` over a list of ``H``-token hashes.
+
+    Block ``j``'s hash is the last fine hash inside it, ``hashes[(j + 1) * k - 1]`` (valid
+    because every hash chains its whole prefix); the length is ``len(hashes) // k``. The view
+    follows the underlying list as it grows. Mirrors vLLM 0.33.0 (spec §1.9).
+    """
+
+    __slots__ = ("block_hashes", "hash_block_size", "target_block_size", "scale_factor")
+
+    def __init__(self, block_hashes: list[BlockHash], hash_block_size: int, target_block_size: int):
+        if hash_block_size <= 0 or target_block_size <= 0:
+            raise ValueError("block sizes must be > 0")
+        if target_block_size % hash_block_size != 0:
+            raise ValueError(
+                f"target_block_size ({target_block_size}) must be a multiple of "
+                f"hash_block_size ({hash_block_size})"
+            )
+        self.block_hashes = block_hashes
+        self.hash_block_size = hash_block_size
+        self.target_block_size = target_block_size
+        self.scale_factor = target_block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self.block_hashes) // self.scale_factor
+
+    def __getitem__(self, idx):  # type: ignore[override]
+        if isinstance(idx, slice):
+            return [self[i] for i in range(*idx.indices(len(self)))]
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError("block index out of range")
+        return self.block_hashes[(idx + 1) * self.scale_factor - 1]
+
+    def __iter__(self):
+        k = self.scale_factor
+        return iter(self.block_hashes[k - 1 : len(self) * k : k])
+
+    def __repr__(self) -> str:
+        return f"BlockHashListWithBlockSize(len={len(self)}, {self.hash_block_size}->{self.target_block_size})"
+
+
+def resolve_block_hashes(
+    block_hashes: Any,
+    hash_block_size: int,
+    block_size: int,
+    *,
+    supports_fine_grained_hash_lookup: bool = False,
+    alignment_tokens: int | None = None,
+) -> Any:
+    """The hash list a group of block size ``block_size`` uses (spec §1.9).
+
+    The raw list if ``block_size == hash_block_size``; an existing view unchanged (its factor
+    must match); the raw list for fine-grained managers when ``alignment_tokens < block_size``;
+    else a :class:`BlockHashListWithBlockSize` view.
+    """
+    if block_size == hash_block_size:
+        return block_hashes
+    if isinstance(block_hashes, BlockHashListWithBlockSize):
+        if block_hashes.target_block_size != block_size:
+            raise ValueError(
+                f"a view for block size {block_hashes.target_block_size} cannot serve block size {block_size}"
+            )
+        return block_hashes
+    if supports_fine_grained_hash_lookup and alignment_tokens is not None and alignment_tokens < block_size:
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)

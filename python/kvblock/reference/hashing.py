@@ -1,0 +1,144 @@
+"""Reference block hashing: vLLM 0.33.0's functions in plain Python (spec §1).
+
+``sha256(obj) = hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()``, the CBOR variants use
+``cbor2.dumps(obj, canonical=True)``, the xxhash variants ``xxhash.xxh3_128_digest``. Chains are
+built one block at a time with ``hash_block_tokens``, exactly as vLLM's request hasher does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from typing import Any, Callable, Sequence
+
+import cbor2
+import xxhash as _xxhash
+
+from ..multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+NONE_HASH: bytes | None = None
+_NONE_HASH_SEED: str | None = None
+
+
+def sha256(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def xxhash(obj: Any) -> bytes:
+    return _xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    return _xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
+
+
+_BY_NAME: dict[str, Callable[[Any], bytes]] = {
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash,
+    "xxhash_cbor": xxhash_cbor,
+}
+
+
+def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
+    if hash_fn_name not in _BY_NAME:
+        raise ValueError(
+            f"Unsupported hash function: {hash_fn_name!r}; valid algorithms are "
+            + ", ".join(_BY_NAME)
+        )
+    return _BY_NAME[hash_fn_name]
+
+
+def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
+    env = os.environ.get("PYTHONHASHSEED")
+    if env is not None:
+        return env
+    if hash_fn in (xxhash, xxhash_cbor):
+        return os.urandom(32).hex()
+    return DEFAULT_NONE_HASH_SEED
+
+
+def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    global NONE_HASH, _NONE_HASH_SEED
+    seed = resolve_none_hash_seed(hash_fn)
+    NONE_HASH = hash_fn(seed)
+    _NONE_HASH_SEED = seed
+
+
+def _root(hash_fn: Callable[[Any], bytes]) -> bytes:
+    if NONE_HASH is None:
+        init_none_hash(hash_fn)
+    assert NONE_HASH is not None
+    return NONE_HASH
+
+
+def hash_block_tokens(
+    hash_function: Callable[[Any], bytes],
+    parent_block_hash: bytes | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: tuple | None = None,
+) -> bytes:
+    if not parent_block_hash:
+        parent_block_hash = _root(hash_function)
+    return hash_function((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    parent: bytes | None = None,
+    extra_keys: Sequence[tuple | None] | None = None,
+) -> list[bytes]:
+    fn = get_hash_fn_by_name(algo)
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be > 0, got {block_size}")
+    tokens = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
+    out: list[bytes] = []
+    prev = parent
+    for i in range(len(tokens) // block_size):
+        extra = None if extra_keys is None else extra_keys[i]
+        prev = hash_block_tokens(fn, prev, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(prev)
+    return out
+
+
+def get_request_block_hasher(
+    block_size: int,
+    caching_hash_fn: Callable[[Any], bytes],
+    num_hash_lookahead_tokens: int = 0,
+) -> Callable[[Any], list[bytes]]:
+    lookahead = num_hash_lookahead_tokens
+
+    def request_block_hasher(request: Any) -> list[bytes]:
+        start = len(request.block_hashes) * block_size
+        num_tokens = request.num_tokens
+        if start + block_size + lookahead > num_tokens:
+            return []
+        mm_idx = 0
+        if start > 0:
+            mm_idx = get_mm_features_in_window(request.mm_features, start, start + block_size)
+        prev = request.block_hashes[-1] if request.block_hashes else None
+        tokens = request.all_token_ids
+        out: list[bytes] = []
+        while start + block_size + lookahead <= num_tokens:
+            end = start + block_size
+            if lookahead:
+                idx = get_mm_features_in_window(request.mm_features, start, end + lookahead)
+                keys, _ = generate_block_hash_extra_keys(request, start, end + lookahead, idx)
+                extra: Any = (keys, *tokens[end : end + lookahead])
+            else:
+                extra, mm_idx = generate_block_hash_extra_keys(request, start, end, mm_idx)
+            prev = hash_block_tokens(caching_hash_fn, prev, tokens[start:end], extra)
+            out.append(prev)
+            start = end
+        return out
+
+    return request_block_hasher

@@ -1,0 +1,280 @@
+"""Request bookkeeping, shaped like vLLM 0.33.0's ``vllm.v1.request.Request``.
+
+A :class:`Request` holds the prompt and output token ids, ``num_computed_tokens``, its status,
+the LoRA / multimodal / salt / prompt-embeds inputs that enter block hashes, and
+``block_hashes``, kept up to date incrementally: when a ``block_hasher`` is given, the
+constructor hashes every full prompt block and :meth:`Request.append_output_token_ids` hashes
+only the blocks that the new tokens complete (spec §1.7).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+__all__ = [
+    "LoRARequest",
+    "MultiModalFeatureSpec",
+    "PlaceholderRange",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "validate_cache_salt",
+]
+
+#: The longest cache_salt vLLM's API accepts, in characters.
+MAX_CACHE_SALT_LEN = 128
+_FORBIDDEN_SALT_CHARS = ("@", "/", "\\", "\0")
+
+
+class RequestStatus(enum.IntEnum):
+    """Status of a request, as in vLLM (only the ordering ``> PREEMPTED`` = finished matters)."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+@dataclass
+class LoRARequest:
+    """A LoRA adapter: ``lora_name`` and ``lora_path`` enter block hashes; the int id does not
+    (vLLM 0.33.0; an open question upstream, see spec §13)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """Token range ``[offset, offset + length)`` of a multimodal item in the prompt."""
+
+    offset: int
+    length: int
+
+
+@dataclass
+class MultiModalFeatureSpec:
+    """A multimodal item: ``identifier`` (its encoder-cache hash string) and its placeholder
+    range. Only these two enter block hashes."""
+
+    identifier: str
+    mm_position: PlaceholderRange
+    modality: str = "image"
+    data: Any = None
+
+
+@dataclass
+class SamplingParams:
+    """The sampling parameters the block manager reads.
+
+    ``skip_reading_prefix_cache`` defaults to ``prompt_logprobs is not None`` (such requests
+    must compute every prompt position, so they never read the prefix cache but still write
+    it). ``extra_args["kv_cache_report_mode"] == "full"`` makes cache hits publish
+    ``BlockStored`` events.
+    """
+
+    max_tokens: int | None = 16
+    prompt_logprobs: int | None = None
+    skip_reading_prefix_cache: bool | None = None
+    extra_args: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
+
+
+def validate_cache_salt(cache_salt: Any) -> None:
+    """Raise ``ValueError`` unless ``cache_salt`` is None or what vLLM's API accepts: a
+    non-empty ``str`` of at most 128 characters without ``@``, ``/``, ``\\`` or NUL.
+
+    vLLM's engine core accepts anything and treats ``""`` as no salt, which silently isolates
+    nothing (CASES.md C06); kvblock applies the API rule by default.
+    """
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt: must be a str, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt: must not be empty (an empty salt would isolate nothing)")
+    if len(cache_salt) > MAX_CACHE_SALT_LEN:
+        raise ValueError(
+            f"cache_salt: at most {MAX_CACHE_SALT_LEN} characters, got {len(cache_salt)}"
+        )
+    for ch in _FORBIDDEN_SALT_CHARS:
+        if ch in cache_salt:
+            raise ValueError(f"cache_salt: must not contain {ch!r}")
+
+
+_check_salt = validate_cache_salt
+
+
+def _mm_features(mm_features: Iterable[Any] | None) -> list[MultiModalFeatureSpec] | None:
+    if mm_features is None:
+        return None
+    out: list[MultiModalFeatureSpec] = []
+    for f in mm_features:
+        if isinstance(f, tuple):
+            if len(f) != 3:
+                raise ValueError("mm_features: a tuple item must be (identifier, offset, length)")
+            f = MultiModalFeatureSpec(f[0], PlaceholderRange(int(f[1]), int(f[2])))
+        pos = f.mm_position
+        if pos.offset < 0 or pos.length <= 0:
+            raise ValueError(f"mm_features: bad placeholder range {pos}")
+        if f.identifier is None:
+            raise ValueError("mm_features: every item needs an identifier")
+        if out:
+            prev = out[-1].mm_position
+            if pos.offset < prev.offset + prev.length:
+                raise ValueError("mm_features: items must be sorted by offset and must not overlap")
+        out.append(f)
+    return out
+
+
+class Request:
+    """A request as the KV cache manager sees it (vLLM 0.33.0 names).
+
+    Args:
+        request_id: unique id (str).
+        prompt_token_ids: the prompt (a sequence of int); ``None`` with ``prompt_embeds``
+            means placeholder zeros, one per embedding row.
+        sampling_params: a :class:`SamplingParams` (or any object with ``max_tokens``,
+            ``skip_reading_prefix_cache`` and ``extra_args``).
+        lora_request: a :class:`LoRARequest` or None.
+        cache_salt: None or a salt string (validated unless ``validate_cache_salt=False``).
+        mm_features: multimodal items, sorted and non-overlapping:
+            :class:`MultiModalFeatureSpec` or ``(identifier, offset, length)`` tuples.
+        prompt_embeds: a ``[num_tokens, hidden]`` torch tensor or numpy array, or None.
+        block_hasher: from :func:`kvblock.hashing.get_request_block_hasher`; None means no
+            block hashes (prefix caching off).
+        max_tokens: overrides ``sampling_params.max_tokens``.
+
+    Raises:
+        ValueError: an invalid salt or multimodal layout; TypeError: non-integer token ids
+            (raised by the hasher, before the request exists).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | None,
+        sampling_params: Any = None,
+        pooling_params: Any = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+        mm_features: Iterable[Any] | None = None,
+        prompt_embeds: Any = None,
+        block_hasher: Callable[["Request"], list[bytes]] | None = None,
+        priority: int = 0,
+        *,
+        max_tokens: int | None = None,
+        validate_cache_salt: bool = True,
+    ) -> None:
+        if validate_cache_salt:
+            _check_salt(cache_salt)
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.lora_request = lora_request
+        self.cache_salt = cache_salt
+        self.mm_features = _mm_features(mm_features)
+        self.prompt_embeds = prompt_embeds
+        self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
+        if prompt_token_ids is None:
+            if prompt_embeds is None:
+                raise ValueError("prompt_token_ids: required unless prompt_embeds is given")
+            prompt_token_ids = [0] * len(prompt_embeds)
+        elif hasattr(prompt_token_ids, "tolist"):
+            prompt_token_ids = prompt_token_ids.tolist()
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = self.prompt_token_ids.copy()
+        if max_tokens is None:
+            max_tokens = getattr(sampling_params, "max_tokens", None)
+        self.max_tokens = max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
+        self.num_preemptions = 0
+        self.skip_reading_prefix_cache = self._skip_reading_prefix_cache()
+        extra_args = getattr(sampling_params, "extra_args", None) or {}
+        self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        self.update_block_hashes()
+
+    def _skip_reading_prefix_cache(self) -> bool:
+        sp = self.sampling_params
+        if sp is not None and getattr(sp, "skip_reading_prefix_cache", None) is not None:
+            return bool(sp.skip_reading_prefix_cache)
+        pp = self.pooling_params
+        if pp is not None and getattr(pp, "skip_reading_prefix_cache", None) is not None:
+            return bool(pp.skip_reading_prefix_cache)
+        return False
+
+    # -- token views -------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output token ids (do not mutate; use :meth:`append_output_token_ids`)."""
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output token ids (do not mutate; use :meth:`append_output_token_ids`)."""
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    # -- updates -----------------------------------------------------------------------------
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        """Append sampled token(s) and hash the blocks they complete (one batch call)."""
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Extend ``block_hashes`` with the hashes of newly completed blocks."""
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})"
+        )

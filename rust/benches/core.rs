@@ -1,0 +1,48 @@
+//! Criterion benchmarks of the pure-Rust core (no Python): block hashing per algorithm.
+
+use _core::hashing::{BlockHasher, HashAlgo};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E3779B97F4A7C15);
+    let mut z = x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+    z ^ (z >> 31)
+}
+
+fn prompt() -> Vec<i64> {
+    (0..4096u64).map(|i| (splitmix64((1234567u64 << 40) | (1048000 << 20) | i) % 128000) as i64).collect()
+}
+
+fn bench_hashing(c: &mut Criterion) {
+    let tokens = prompt();
+    let root = [7u8; 32];
+    let mut g = c.benchmark_group("hash_chain_4096_tokens_bs16");
+    g.throughput(Throughput::Elements(256));
+    for algo in [HashAlgo::Sha256, HashAlgo::Sha256Cbor, HashAlgo::Xxhash, HashAlgo::XxhashCbor] {
+        let mut h = BlockHasher::new(algo);
+        g.bench_with_input(BenchmarkId::from_parameter(algo.name()), &tokens, |b, t| {
+            b.iter(|| black_box(h.hash_chain(0, &root, black_box(t), 16, |_| None).unwrap()))
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("serialize_block_16");
+    for algo in [HashAlgo::Sha256, HashAlgo::Sha256Cbor] {
+        let mut h = BlockHasher::new(algo);
+        g.bench_function(algo.name(), |b| {
+            b.iter(|| black_box(h.serialize_block(0, &root, black_box(&tokens[160..176]), None).unwrap().len()))
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("digest_only_115_bytes");
+    let data = [0x5au8; 115];
+    for algo in [HashAlgo::Sha256, HashAlgo::Xxhash] {
+        g.bench_function(algo.name(), |b| b.iter(|| black_box(algo.digest(black_box(&data)))));
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_hashing);
+criterion_main!(benches);

@@ -1,0 +1,281 @@
+//! Chained block hashing, byte-identical to vLLM 0.33.0 (spec §1).
+//!
+//! `hash_i = HASH((parent, tuple(tokens_i), extra_keys_i))` with `parent = hash_{i-1}` (the raw
+//! digest) and the first parent `NONE_HASH`. The 3-tuple is serialized with pickle protocol 5
+//! (`sha256`, `xxhash`) or canonical CBOR (`sha256_cbor`, `xxhash_cbor`) and digested with
+//! SHA-256 (32 bytes) or XXH3-128 (16 bytes, big-endian).
+
+use crate::cbor;
+use crate::error::{Error, Result};
+use crate::pickle::Pickler;
+use crate::value::{ObjId, TokenId, Value};
+use sha2::{Digest as _, Sha256};
+
+/// The four block-hash algorithms of vLLM 0.33.0 (`get_hash_fn_by_name`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HashAlgo {
+    /// pickle protocol 5 + SHA-256 (vLLM's default).
+    Sha256,
+    /// canonical CBOR + SHA-256.
+    Sha256Cbor,
+    /// pickle protocol 5 + XXH3-128.
+    Xxhash,
+    /// canonical CBOR + XXH3-128.
+    XxhashCbor,
+}
+
+/// The algorithm names accepted by [`HashAlgo::from_name`], in vLLM's order.
+pub const ALGORITHM_NAMES: [&str; 4] = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"];
+
+impl HashAlgo {
+    /// Parse a vLLM algorithm name.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match name {
+            "sha256" => Ok(HashAlgo::Sha256),
+            "sha256_cbor" => Ok(HashAlgo::Sha256Cbor),
+            "xxhash" => Ok(HashAlgo::Xxhash),
+            "xxhash_cbor" => Ok(HashAlgo::XxhashCbor),
+            other => Err(Error::Value(format!(
+                "Unsupported hash function: {other:?}; valid algorithms are {}",
+                ALGORITHM_NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// The vLLM name.
+    pub fn name(self) -> &'static str {
+        match self {
+            HashAlgo::Sha256 => "sha256",
+            HashAlgo::Sha256Cbor => "sha256_cbor",
+            HashAlgo::Xxhash => "xxhash",
+            HashAlgo::XxhashCbor => "xxhash_cbor",
+        }
+    }
+
+    /// Digest length in bytes: 32 for SHA-256, 16 for XXH3-128.
+    pub fn digest_len(self) -> usize {
+        match self {
+            HashAlgo::Sha256 | HashAlgo::Sha256Cbor => 32,
+            HashAlgo::Xxhash | HashAlgo::XxhashCbor => 16,
+        }
+    }
+
+    /// True for the CBOR serializations.
+    pub fn uses_cbor(self) -> bool {
+        matches!(self, HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor)
+    }
+
+    /// True for the cryptographic algorithms (whose default NONE_HASH seed is fixed).
+    pub fn is_cryptographic(self) -> bool {
+        matches!(self, HashAlgo::Sha256 | HashAlgo::Sha256Cbor)
+    }
+
+    /// Digest serialized bytes held in a scratch buffer that may be extended (SHA-256 pads
+    /// the message in place and runs the compression function over it: no copy).
+    #[inline]
+    pub fn digest_buf(self, buf: &mut Vec<u8>) -> Digest {
+        match self {
+            HashAlgo::Sha256 | HashAlgo::Sha256Cbor => sha256_in_place(buf),
+            HashAlgo::Xxhash | HashAlgo::XxhashCbor => self.digest(buf),
+        }
+    }
+
+    /// Digest already-serialized bytes.
+    #[inline]
+    pub fn digest(self, data: &[u8]) -> Digest {
+        match self {
+            HashAlgo::Sha256 | HashAlgo::Sha256Cbor => {
+                let d = Sha256::digest(data);
+                let mut bytes = [0u8; 32];
+                bytes.copy_from_slice(&d);
+                Digest { len: 32, bytes }
+            }
+            HashAlgo::Xxhash | HashAlgo::XxhashCbor => {
+                let h = xxhash_rust::xxh3::xxh3_128(data);
+                let mut bytes = [0u8; 32];
+                bytes[..16].copy_from_slice(&h.to_be_bytes());
+                Digest { len: 16, bytes }
+            }
+        }
+    }
+}
+
+/// SHA-256 initial hash value (FIPS 180-4 §5.3.3).
+const SHA256_IV: [u32; 8] = [
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+];
+
+/// SHA-256 of `buf`, padding it in place (FIPS 180-4 §5.1.1) and calling the `sha2` crate's
+/// compression function (SHA-NI when the CPU has it) on the whole buffer.
+#[inline]
+fn sha256_in_place(buf: &mut Vec<u8>) -> Digest {
+    let bits = (buf.len() as u64) * 8;
+    buf.push(0x80);
+    let pad = (64 + 56 - buf.len() % 64) % 64;
+    buf.resize(buf.len() + pad, 0);
+    buf.extend_from_slice(&bits.to_be_bytes());
+    let mut state = SHA256_IV;
+    let (blocks, rest) = buf.as_chunks::<64>();
+    debug_assert!(rest.is_empty());
+    sha2::block_api::compress256(&mut state, blocks);
+    let mut bytes = [0u8; 32];
+    for (dst, w) in bytes.chunks_exact_mut(4).zip(state) {
+        dst.copy_from_slice(&w.to_be_bytes());
+    }
+    Digest { len: 32, bytes }
+}
+
+/// A block hash: the raw digest, 16 or 32 bytes (vLLM's `BlockHash`).
+#[derive(Copy, Clone, PartialEq, Eq, Hash)]
+pub struct Digest {
+    len: u8,
+    bytes: [u8; 32],
+}
+
+impl Digest {
+    /// Wrap raw bytes; `None` unless the length is 16 or 32.
+    pub fn from_slice(b: &[u8]) -> Option<Digest> {
+        if b.len() != 16 && b.len() != 32 {
+            return None;
+        }
+        let mut bytes = [0u8; 32];
+        bytes[..b.len()].copy_from_slice(b);
+        Some(Digest { len: b.len() as u8, bytes })
+    }
+    /// The digest bytes.
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+    /// vLLM's KV-event integer form: the last 8 bytes, big-endian, as u64.
+    pub fn event_int(&self) -> u64 {
+        let b = self.as_bytes();
+        let mut x = [0u8; 8];
+        x.copy_from_slice(&b[b.len() - 8..]);
+        u64::from_be_bytes(x)
+    }
+}
+
+impl std::fmt::Debug for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Serializes and digests blocks, reusing one buffer. Not thread-safe; make one per thread.
+pub struct BlockHasher {
+    algo: HashAlgo,
+    pickler: Pickler,
+    buf: Vec<u8>,
+}
+
+impl BlockHasher {
+    /// A hasher for `algo`.
+    pub fn new(algo: HashAlgo) -> Self {
+        BlockHasher { algo, pickler: Pickler::default(), buf: Vec::with_capacity(256) }
+    }
+
+    /// The algorithm.
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    /// The serialized bytes of `(parent, tuple(tokens), extra)` as vLLM feeds them to the
+    /// digest. `parent_id` is the parent object's identity (0 for a fresh digest): pickle
+    /// back-references an extra key that is the very same object.
+    pub fn serialize_block<T: TokenId>(
+        &mut self,
+        parent_id: ObjId,
+        parent: &[u8],
+        tokens: &[T],
+        extra: Option<&Value>,
+    ) -> Result<&[u8]> {
+        if self.algo.uses_cbor() {
+            let out = &mut self.buf;
+            out.clear();
+            cbor::put_array_head(out, 3);
+            cbor::put_bytes(out, parent);
+            cbor::put_tokens(out, tokens);
+            match extra {
+                None => out.push(0xf6),
+                Some(v) => cbor::put(out, v)?,
+            }
+            Ok(&self.buf)
+        } else {
+            let p = &mut self.pickler;
+            p.begin_block(parent_id, parent);
+            p.save_token_tuple(tokens);
+            match extra {
+                None => p.save_none(),
+                Some(v) => p.save(v),
+            }
+            p.finish_block();
+            Ok(&p.out)
+        }
+    }
+
+    /// `hash_fn((parent, tuple(tokens), extra))`; see [`BlockHasher::serialize_block`].
+    #[inline]
+    pub fn hash_block<T: TokenId>(
+        &mut self,
+        parent_id: ObjId,
+        parent: &[u8],
+        tokens: &[T],
+        extra: Option<&Value>,
+    ) -> Result<Digest> {
+        let algo = self.algo;
+        self.serialize_block(parent_id, parent, tokens, extra)?;
+        let buf = if algo.uses_cbor() { &mut self.buf } else { &mut self.pickler.out };
+        Ok(algo.digest_buf(buf))
+    }
+
+    /// `hash_fn(value)` for any value (e.g. the NONE_HASH seed string).
+    pub fn hash_value(&mut self, v: &Value) -> Result<Digest> {
+        let algo = self.algo;
+        if algo.uses_cbor() {
+            self.buf.clear();
+            cbor::put(&mut self.buf, v)?;
+            Ok(algo.digest_buf(&mut self.buf))
+        } else {
+            let p = &mut self.pickler;
+            p.begin();
+            p.save(v);
+            p.finish();
+            Ok(algo.digest_buf(&mut p.out))
+        }
+    }
+
+    /// Hash every full block of `tokens` as one chain starting from `parent`.
+    ///
+    /// `extra(i)` gives block `i`'s extra keys (relative to the first block of `tokens`);
+    /// `parent_id` is the identity of the first parent object (0 if unique).
+    /// Returns one digest per full block; a trailing partial block is ignored.
+    pub fn hash_chain<'v, T: TokenId>(
+        &mut self,
+        parent_id: ObjId,
+        parent: &[u8],
+        tokens: &[T],
+        block_size: usize,
+        mut extra: impl FnMut(usize) -> Option<&'v Value>,
+    ) -> Result<Vec<Digest>> {
+        if block_size == 0 {
+            return Err(Error::value("block_size", "must be > 0"));
+        }
+        let n = tokens.len() / block_size;
+        let mut out = Vec::with_capacity(n);
+        let mut prev: Option<Digest> = None;
+        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+            let (pid, p) = match &prev {
+                Some(d) => (0, d.as_bytes()),
+                None => (parent_id, parent),
+            };
+            let d = self.hash_block(pid, p, block, extra(i))?;
+            out.push(d);
+            prev = Some(d);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,14 @@
+//! kvblock core: vLLM-identical prefix-caching KV block management.
+//!
+//! This crate has no Python dependency unless the `python` feature is on; the bindings live in
+//! [`py`] only.
+
+pub mod cbor;
+pub mod error;
+pub mod hashing;
+pub mod pickle;
+pub mod token_simd;
+pub mod value;
+
+#[cfg(feature = "python")]
+mod py;

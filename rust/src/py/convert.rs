@@ -1,0 +1,453 @@
+//! Extraction of Python inputs: token-id sequences (lists, tuples, buffers such as numpy
+//! arrays and `array.array`, any other sequence) and hashable values.
+
+use super::errors::{type_err, value_err};
+use crate::value::{Int, ObjId, Value};
+use pyo3::buffer::{ElementType, PyBuffer, PyUntypedBuffer};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
+
+/// Token ids as received: borrowed from a contiguous buffer, or converted.
+pub enum Tokens {
+    I32(TokenBuf<i32>),
+    I64(TokenBuf<i64>),
+    U32(TokenBuf<u32>),
+    U64(TokenBuf<u64>),
+    /// A sequence holding ints beyond 64 bits.
+    Big(Vec<Int>),
+}
+
+/// A typed, 1-D token buffer: zero-copy over a C-contiguous Python buffer, else a copy.
+pub enum TokenBuf<T> {
+    Borrowed(PyBuffer<T>),
+    Owned(Vec<T>),
+}
+
+impl<T: pyo3::buffer::Element + Copy> TokenBuf<T> {
+    /// The token ids. For a borrowed buffer the exporter must not be mutated meanwhile (the
+    /// buffer export keeps it alive and unresizable).
+    #[inline]
+    pub fn as_slice(&self) -> &[T] {
+        match self {
+            TokenBuf::Owned(v) => v,
+            TokenBuf::Borrowed(b) => {
+                let n = b.item_count();
+                if n == 0 {
+                    return &[];
+                }
+                // SAFETY: the buffer is 1-D, C-contiguous, of element type T (checked in
+                // `extract_tokens`) and stays exported (hence alive) as long as `self`.
+                unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const T, n) }
+            }
+        }
+    }
+}
+
+impl Tokens {
+    /// Number of token ids.
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::I32(b) => b.as_slice().len(),
+            Tokens::I64(b) => b.as_slice().len(),
+            Tokens::U32(b) => b.as_slice().len(),
+            Tokens::U64(b) => b.as_slice().len(),
+            Tokens::Big(v) => v.len(),
+        }
+    }
+}
+
+/// Apply a generic function to the typed token slice of a [`Tokens`].
+#[macro_export]
+macro_rules! with_token_slice {
+    ($tokens:expr, |$s:ident| $body:expr) => {
+        match $tokens {
+            $crate::py::convert::Tokens::I32(b) => {
+                let $s = b.as_slice();
+                $body
+            }
+            $crate::py::convert::Tokens::I64(b) => {
+                let $s = b.as_slice();
+                $body
+            }
+            $crate::py::convert::Tokens::U32(b) => {
+                let $s = b.as_slice();
+                $body
+            }
+            $crate::py::convert::Tokens::U64(b) => {
+                let $s = b.as_slice();
+                $body
+            }
+            $crate::py::convert::Tokens::Big(v) => {
+                let $s: Vec<&$crate::value::Int> = v.iter().collect();
+                let $s = &$s[..];
+                $body
+            }
+        }
+    };
+}
+
+fn typed<T: pyo3::buffer::Element + Copy>(
+    py: Python<'_>,
+    raw: PyUntypedBuffer,
+    arg: &str,
+) -> PyResult<TokenBuf<T>> {
+    let buf: PyBuffer<T> = raw.into_typed::<T>().map_err(|e| type_err(arg, e))?;
+    if buf.is_c_contiguous() {
+        Ok(TokenBuf::Borrowed(buf))
+    } else {
+        Ok(TokenBuf::Owned(buf.to_vec(py)?))
+    }
+}
+
+fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Tokens> {
+    if raw.dimensions() != 1 {
+        return Err(value_err(
+            arg,
+            format!("expected a 1-D sequence of token ids, got a {}-D buffer", raw.dimensions()),
+        ));
+    }
+    let fmt = raw.format().to_string_lossy().into_owned();
+    Ok(match ElementType::from_format(raw.format()) {
+        ElementType::SignedInteger { bytes: 8 } => Tokens::I64(typed::<i64>(py, raw, arg)?),
+        ElementType::SignedInteger { bytes: 4 } => Tokens::I32(typed::<i32>(py, raw, arg)?),
+        ElementType::UnsignedInteger { bytes: 8 } => Tokens::U64(typed::<u64>(py, raw, arg)?),
+        ElementType::UnsignedInteger { bytes: 4 } => Tokens::U32(typed::<u32>(py, raw, arg)?),
+        ElementType::SignedInteger { bytes: 2 } => {
+            let b: PyBuffer<i16> = raw.into_typed().map_err(|e| type_err(arg, e))?;
+            Tokens::I32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(i32::from).collect()))
+        }
+        ElementType::SignedInteger { bytes: 1 } => {
+            let b: PyBuffer<i8> = raw.into_typed().map_err(|e| type_err(arg, e))?;
+            Tokens::I32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(i32::from).collect()))
+        }
+        ElementType::UnsignedInteger { bytes: 2 } => {
+            let b: PyBuffer<u16> = raw.into_typed().map_err(|e| type_err(arg, e))?;
+            Tokens::U32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(u32::from).collect()))
+        }
+        ElementType::UnsignedInteger { bytes: 1 } => {
+            let b: PyBuffer<u8> = raw.into_typed().map_err(|e| type_err(arg, e))?;
+            Tokens::U32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(u32::from).collect()))
+        }
+        ElementType::Float { .. } => {
+            return Err(type_err(arg, format!("expected integer token ids, got a float buffer (format {fmt:?})")))
+        }
+        ElementType::Bool => {
+            return Err(type_err(arg, "expected integer token ids, got a bool buffer"))
+        }
+        _ => {
+            return Err(type_err(arg, format!("expected integer token ids, got buffer format {fmt:?}")))
+        }
+    })
+}
+
+/// How this interpreter lays out `int` objects, for reading small ones without a call.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LongLayout {
+    /// Use `PyLong_AsLongLongAndOverflow`.
+    Api,
+    /// CPython 3.11: signed digit count in `ob_size`, 30-bit digits at offset 24.
+    SizeDigits,
+    /// CPython 3.12+: `lv_tag` (digit count << 3 | sign) at offset 16, digits at offset 24.
+    TagDigits,
+}
+
+static LAYOUT: std::sync::OnceLock<LongLayout> = std::sync::OnceLock::new();
+
+/// Read digits of a 1- or 2-digit int given its digit count and sign.
+#[inline(always)]
+unsafe fn from_digits(o: *mut ffi::PyObject, ndigits: usize, negative: bool) -> Option<i64> {
+    let d = (o as *const u8).add(24) as *const u32;
+    let mag = match ndigits {
+        0 => 0i64,
+        1 => *d as i64,
+        2 => (*d as i64) | ((*d.add(1) as i64) << 30),
+        _ => return None,
+    };
+    Some(if negative { -mag } else { mag })
+}
+
+#[inline(always)]
+unsafe fn read_layout(o: *mut ffi::PyObject, layout: LongLayout) -> Option<i64> {
+    match layout {
+        LongLayout::SizeDigits => {
+            let size = *((o as *const u8).add(16) as *const isize);
+            from_digits(o, size.unsigned_abs(), size < 0)
+        }
+        LongLayout::TagDigits => {
+            let tag = *((o as *const u8).add(16) as *const usize);
+            from_digits(o, tag >> 3, tag & 3 == 2)
+        }
+        LongLayout::Api => {
+            let mut overflow: std::os::raw::c_int = 0;
+            let v = ffi::PyLong_AsLongLongAndOverflow(o, &mut overflow);
+            if overflow == 0 {
+                Some(v)
+            } else {
+                None
+            }
+        }
+    }
+}
+
+fn detect_layout() -> LongLayout {
+    // SAFETY: called with the GIL held (from extraction); every object is created and released
+    // here. A candidate layout is kept only if it reads a set of probe values exactly.
+    unsafe {
+        let probes: [i64; 12] =
+            [0, 1, -1, 7, 255, 65536, (1 << 30) - 1, 1 << 30, -(1 << 31), (1 << 40) + 12345, -(1 << 59), (1 << 60) - 1];
+        let objs: Vec<*mut ffi::PyObject> = probes.iter().map(|&v| ffi::PyLong_FromLongLong(v)).collect();
+        if objs.iter().any(|o| o.is_null()) {
+            ffi::PyErr_Clear();
+            objs.iter().filter(|o| !o.is_null()).for_each(|&o| ffi::Py_DecRef(o));
+            return LongLayout::Api;
+        }
+        let version = std::ffi::CStr::from_ptr(ffi::Py_GetVersion()).to_string_lossy().into_owned();
+        let candidate = if version.starts_with("3.11.") {
+            LongLayout::SizeDigits
+        } else if version.starts_with("3.12.") || version.starts_with("3.13.") || version.starts_with("3.14.") {
+            LongLayout::TagDigits
+        } else {
+            LongLayout::Api
+        };
+        let ok = candidate != LongLayout::Api
+            && probes.iter().zip(&objs).all(|(&v, &o)| read_layout(o, candidate) == Some(v));
+        objs.iter().for_each(|&o| ffi::Py_DecRef(o));
+        if ok {
+            candidate
+        } else {
+            LongLayout::Api
+        }
+    }
+}
+
+/// The value of an exact `int` if it fits in 62 bits (two digits), else `None`; bigger
+/// values take the general path.
+///
+/// # Safety
+/// `o` must be a live exact `int` object and the GIL must be held.
+#[inline(always)]
+unsafe fn exact_int_i64(o: *mut ffi::PyObject) -> Option<i64> {
+    let layout = *LAYOUT.get_or_init(detect_layout);
+    match read_layout(o, layout) {
+        Some(v) => Some(v),
+        None if layout != LongLayout::Api => read_layout(o, LongLayout::Api),
+        None => None,
+    }
+}
+
+/// Convert one Python int to an [`Int`] (any size). `None` if `obj` is not an int (or is bool).
+pub fn int_of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Int>> {
+    if obj.is_instance_of::<PyBool>() {
+        return Ok(None);
+    }
+    let idx = if obj.is_instance_of::<PyInt>() {
+        obj.clone()
+    } else if obj.hasattr(pyo3::intern!(obj.py(), "__index__"))? && !obj.is_instance_of::<PyString>() {
+        // numpy integer scalars and other integer-likes: their integer value
+        match obj.call_method0(pyo3::intern!(obj.py(), "__index__")) {
+            Ok(v) => v,
+            Err(_) => return Ok(None),
+        }
+    } else {
+        return Ok(None);
+    };
+    if let Ok(v) = idx.extract::<i64>() {
+        return Ok(Some(Int::Small(v)));
+    }
+    let nbits: usize = idx.call_method0(pyo3::intern!(obj.py(), "bit_length"))?.extract()?;
+    let nbytes = (nbits >> 3) + 1;
+    let kw = pyo3::types::PyDict::new(obj.py());
+    kw.set_item("signed", true)?;
+    let le: Vec<u8> = idx
+        .call_method(pyo3::intern!(obj.py(), "to_bytes"), (nbytes, "little"), Some(&kw))?
+        .extract()?;
+    Ok(Some(Int::from_le_signed(&le)))
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// Extract token ids from `obj` starting at index `start`: a list or tuple of ints, a 1-D
+/// integer buffer (numpy array, `array.array`, memoryview), or any other sequence of ints.
+pub fn extract_tokens(obj: &Bound<'_, PyAny>, arg: &str, start: usize) -> PyResult<Tokens> {
+    extract_token_range(obj, arg, start, None)
+}
+
+/// [`extract_tokens`] limited to `obj[start:end]` (`end` = `None`: to the end).
+pub fn extract_token_range(
+    obj: &Bound<'_, PyAny>,
+    arg: &str,
+    start: usize,
+    end: Option<usize>,
+) -> PyResult<Tokens> {
+    let py = obj.py();
+    let check = |len: usize| -> PyResult<usize> {
+        let end = end.unwrap_or(len);
+        if end > len {
+            return Err(value_err("end", format!("{end} is past the end ({len} tokens)")));
+        }
+        if start > end {
+            return Err(value_err("start", format!("{start} is past the end ({end} tokens)")));
+        }
+        Ok(end)
+    };
+    // Lists and tuples: the fast path for vLLM-style `list[int]` token ids.
+    if let Ok(list) = obj.cast::<PyList>() {
+        let end = check(list.len())?;
+        if let Some(v) = list_i64(list, start, end) {
+            return Ok(Tokens::I64(TokenBuf::Owned(v)));
+        }
+        return from_items(py, (start..end).map(|i| list.get_item(i)), arg, start);
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        let end = check(t.len())?;
+        return from_items(py, (start..end).map(|i| t.get_item(i)), arg, start);
+    }
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 && !obj.is_instance_of::<PyBytes>() {
+        let raw = PyUntypedBuffer::get(obj)?;
+        let toks = from_buffer(py, raw, arg)?;
+        let end = check(toks.len())?;
+        if start == 0 && end == toks.len() {
+            return Ok(toks);
+        }
+        return Ok(match toks {
+            Tokens::I32(b) => Tokens::I32(TokenBuf::Owned(b.as_slice()[start..end].to_vec())),
+            Tokens::I64(b) => Tokens::I64(TokenBuf::Owned(b.as_slice()[start..end].to_vec())),
+            Tokens::U32(b) => Tokens::U32(TokenBuf::Owned(b.as_slice()[start..end].to_vec())),
+            Tokens::U64(b) => Tokens::U64(TokenBuf::Owned(b.as_slice()[start..end].to_vec())),
+            Tokens::Big(v) => Tokens::Big(v[start..end].to_vec()),
+        });
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj))));
+    }
+    let seq: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
+        Ok(it) => it.collect::<PyResult<_>>()?,
+        Err(_) => {
+            return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj))))
+        }
+    };
+    let end = check(seq.len())?;
+    from_items(py, seq.into_iter().take(end).skip(start).map(Ok), arg, start)
+}
+
+/// `list[start:end]` as i64 if every item is an exact int of at most 62 bits (the common
+/// case), read without touching reference counts; `None` to take the general path.
+fn list_i64(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+    let mut out = Vec::with_capacity(end - start);
+    let p = list.as_ptr();
+    for i in start..end {
+        // SAFETY: i < len (checked by the caller, and nothing here runs Python code that could
+        // shrink the list); the item is a borrowed reference kept alive by the list.
+        let item = unsafe { ffi::PyList_GET_ITEM(p, i as ffi::Py_ssize_t) };
+        // SAFETY: `item` is a live object; exact_int_i64 requires an exact int.
+        if unsafe { ffi::PyLong_CheckExact(item) } == 0 {
+            return None;
+        }
+        out.push(unsafe { exact_int_i64(item) }?);
+    }
+    Some(out)
+}
+
+fn from_items<'py>(
+    _py: Python<'py>,
+    items: impl ExactSizeIterator<Item = PyResult<Bound<'py, PyAny>>>,
+    arg: &str,
+    start: usize,
+) -> PyResult<Tokens> {
+    let mut small: Vec<i64> = Vec::with_capacity(items.len());
+    let mut big: Option<Vec<Int>> = None;
+    for (k, item) in items.enumerate() {
+        let item = item?;
+        // Exact ints that fit in i64: read straight from the int object.
+        let fast = if unsafe { ffi::PyLong_CheckExact(item.as_ptr()) } != 0 {
+            // SAFETY: an exact int object, kept alive by `item`.
+            unsafe { exact_int_i64(item.as_ptr()) }
+        } else {
+            None
+        };
+        let v = match fast {
+            Some(v) => Int::Small(v),
+            None => match int_of(&item)? {
+                Some(i) => i,
+                None => {
+                    return Err(type_err(
+                        &format!("{arg}[{}]", start + k),
+                        format!("token ids must be int, got {}", type_name(&item)),
+                    ))
+                }
+            },
+        };
+        match (&mut big, v) {
+            (Some(b), v) => b.push(v),
+            (None, Int::Small(x)) => small.push(x),
+            (None, v) => {
+                let mut b: Vec<Int> = small.iter().map(|&x| Int::Small(x)).collect();
+                b.push(v);
+                big = Some(b);
+            }
+        }
+    }
+    Ok(match big {
+        Some(b) => Tokens::Big(b),
+        None => Tokens::I64(TokenBuf::Owned(small)),
+    })
+}
+
+const MAX_DEPTH: usize = 32;
+
+/// Convert a hashable Python object (None, bool, int, str, bytes, tuple) to a [`Value`],
+/// recording object identity for pickle's memo.
+pub fn to_value(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Value> {
+    to_value_depth(obj, arg, 0)
+}
+
+fn ident(obj: &Bound<'_, PyAny>) -> ObjId {
+    obj.as_ptr() as usize as ObjId
+}
+
+fn to_value_depth(obj: &Bound<'_, PyAny>, arg: &str, depth: usize) -> PyResult<Value> {
+    if depth > MAX_DEPTH {
+        return Err(value_err(arg, format!("nested deeper than {MAX_DEPTH} levels")));
+    }
+    if obj.is_none() {
+        return Ok(Value::None);
+    }
+    if let Ok(b) = obj.cast_exact::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if let Ok(t) = obj.cast_exact::<PyTuple>() {
+        let mut items = Vec::with_capacity(t.len());
+        for (i, it) in t.iter().enumerate() {
+            items.push(to_value_depth(&it, &format!("{arg}[{i}]"), depth + 1)?);
+        }
+        return Ok(Value::Tuple { id: ident(obj), items });
+    }
+    if let Ok(s) = obj.cast_exact::<PyString>() {
+        return Ok(match s.to_str() {
+            Ok(st) => Value::Str { id: ident(obj), data: st.as_bytes().to_vec(), utf8_ok: true },
+            Err(_) => {
+                // lone surrogates: pickle writes them with 'surrogatepass'
+                let enc = obj.call_method1(pyo3::intern!(obj.py(), "encode"), ("utf-8", "surrogatepass"))?;
+                Value::Str { id: ident(obj), data: enc.extract::<Vec<u8>>()?, utf8_ok: false }
+            }
+        });
+    }
+    if let Ok(b) = obj.cast_exact::<PyBytes>() {
+        return Ok(Value::Bytes { id: ident(obj), data: b.as_bytes().to_vec() });
+    }
+    if obj.cast_exact::<PyInt>().is_ok() {
+        if let Some(i) = int_of(obj)? {
+            return Ok(Value::Int(i));
+        }
+    }
+    Err(type_err(
+        arg,
+        format!(
+            "cannot hash an object of type {}; block-hash inputs hold only None, bool, int, str, bytes and tuples of those",
+            type_name(obj)
+        ),
+    ))
+}

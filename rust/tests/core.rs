@@ -1,0 +1,120 @@
+//! Integration tests of the pure-Rust core against vLLM's golden vectors.
+
+use _core::cbor;
+use _core::hashing::{BlockHasher, HashAlgo, ALGORITHM_NAMES};
+use _core::pickle;
+use _core::value::{Int, Value};
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+#[test]
+fn none_hash_golden() {
+    let seed = Value::str(0, "vllm-none-hash");
+    let want = [
+        (HashAlgo::Sha256, "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"),
+        (HashAlgo::Sha256Cbor, "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"),
+    ];
+    for (algo, h) in want {
+        assert_eq!(hex(BlockHasher::new(algo).hash_value(&seed).unwrap().as_bytes()), h);
+    }
+    // PYTHONHASHSEED="0"
+    let zero = Value::str(0, "0");
+    assert_eq!(
+        hex(BlockHasher::new(HashAlgo::Xxhash).hash_value(&zero).unwrap().as_bytes()),
+        "6fb31cc38bba6066183f7f2104b9c051"
+    );
+    assert_eq!(
+        hex(BlockHasher::new(HashAlgo::XxhashCbor).hash_value(&zero).unwrap().as_bytes()),
+        "1ebe36576dcb573f26b99533a20aaeca"
+    );
+}
+
+#[test]
+fn plain_chain_golden() {
+    let tokens: Vec<i64> = (0..32).collect();
+    let cases = [
+        (HashAlgo::Sha256, "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
+         ["fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798",
+          "8be7aaa33831156d316f1f463ae57e643deb63f42e633e2d631df88815cc4629"]),
+        (HashAlgo::Sha256Cbor, "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
+         ["dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749",
+          "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c"]),
+        (HashAlgo::Xxhash, "6fb31cc38bba6066183f7f2104b9c051",
+         ["8ef953407c0da43eacbb3639ed2bff4d", "5a51cc5ac3a4b1f7d5efd012fb00201a"]),
+        (HashAlgo::XxhashCbor, "1ebe36576dcb573f26b99533a20aaeca",
+         ["209f5d549fc07c8e39d823615ede61ce", "03888914ee75b87e89df867a21beb72b"]),
+    ];
+    for (algo, root, want) in cases {
+        let mut h = BlockHasher::new(algo);
+        let got = h.hash_chain(0, &unhex(root), &tokens, 16, |_| None).unwrap();
+        assert_eq!(got.iter().map(|d| hex(d.as_bytes())).collect::<Vec<_>>(), want, "{}", algo.name());
+    }
+    let mut h = BlockHasher::new(HashAlgo::Sha256);
+    let ser = h.serialize_block(0, &unhex(cases[0].1), &tokens[..16], None).unwrap();
+    assert_eq!(
+        hex(ser),
+        "8005954a000000000000004320066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d7119894284b004b014b024b034b044b054b064b074b084b094b0a4b0b4b0c4b0d4b0e4b0f74944e87942e"
+    );
+}
+
+#[test]
+fn multimodal_memo_golden() {
+    // Vector C, block 1: (("mm","img-a",-13),("mm","img-b",12)) with one "mm" object.
+    let mm = 11; // identity of the shared tag literal
+    let extra = Value::tuple(
+        1,
+        vec![
+            Value::tuple(2, vec![Value::str(mm, "mm"), Value::str(3, "img-a"), Value::Int(Int::Small(-13))]),
+            Value::tuple(4, vec![Value::str(mm, "mm"), Value::str(5, "img-b"), Value::Int(Int::Small(12))]),
+        ],
+    );
+    let tokens: Vec<i64> = [vec![1; 3], vec![9; 20], vec![2; 5], vec![9; 10], vec![3; 10]].concat();
+    let e0 = Value::tuple(6, vec![Value::tuple(7, vec![Value::str(mm, "mm"), Value::str(3, "img-a"), Value::Int(Int::Small(3))])]);
+    let e2 = Value::tuple(8, vec![Value::tuple(9, vec![Value::str(mm, "mm"), Value::str(5, "img-b"), Value::Int(Int::Small(-4))])]);
+    let extras = [e0, extra, e2];
+    let root = unhex("066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198");
+    let got = BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &root, &tokens, 16, |i| Some(&extras[i])).unwrap();
+    assert_eq!(hex(got[1].as_bytes()), "b72b7dea40b17fedfefb4a3096ee191d1fa763269dde765ddca4eda1efbd7d49");
+    assert_eq!(hex(got[2].as_bytes()), "f70a6a957fb3d20a71ed3a3cfb1b6e67a45cb56cfbb0efd980d385a8acf0da14");
+}
+
+#[test]
+fn int_encodings() {
+    // (value, pickle.dumps(value, 5), cbor2.dumps(value)) from CPython 3.11 / cbor2 6.3
+    let cases: [(i64, &str, &str); 7] = [
+        (0, "80054b002e", "00"),
+        (255, "80054bff2e", "18ff"),
+        (256, "80059504000000000000004d00012e", "190100"),
+        (65536, "80059506000000000000004a000001002e", "1a00010000"),
+        (-1, "80059506000000000000004affffffff2e", "20"),
+        (1 << 31, "80059508000000000000008a0500000080002e", "1a80000000"),
+        (-(1 << 39), "80059508000000000000008a0500000000802e", "3b0000007fffffffff"),
+    ];
+    for (v, p, c) in cases {
+        assert_eq!(hex(&pickle::dumps(&Value::Int(Int::Small(v)))), p, "pickle {v}");
+        let mut out = Vec::new();
+        cbor::put_i64(&mut out, v);
+        assert_eq!(hex(&out), c, "cbor {v}");
+    }
+    // 2**64 and -(2**64) - 1 need bignum tags in CBOR
+    let two64 = Int::from_le_signed(&[0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    assert_eq!(hex(&cbor::dumps(&Value::Int(two64)).unwrap()), "c249010000000000000000");
+    let m = Int::from_le_signed(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe]);
+    assert_eq!(hex(&cbor::dumps(&Value::Int(m)).unwrap()), "c349010000000000000000");
+}
+
+#[test]
+fn algorithm_names() {
+    for n in ALGORITHM_NAMES {
+        assert_eq!(HashAlgo::from_name(n).unwrap().name(), n);
+    }
+    let e = HashAlgo::from_name("md5").unwrap_err().to_string();
+    assert!(e.contains("sha256, sha256_cbor, xxhash, xxhash_cbor"), "{e}");
+    assert!(BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[], &[1i64], 0, |_| None).is_err());
+}

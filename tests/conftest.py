@@ -1,0 +1,71 @@
+"""Shared fixtures: the reference material in ../shared and NONE_HASH hygiene."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("KVBLOCK_SHARED", REPO.parent / "shared"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def shared_path(*parts: str) -> Path:
+    """A file under ../shared. Missing data fails in CI and skips elsewhere."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        msg = f"test data {p} is missing (set KVBLOCK_SHARED to the shared/ folder)"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return p
+
+
+@pytest.fixture(scope="session")
+def golden() -> dict:
+    with open(shared_path("spec", "golden_vectors.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def workload_module():
+    """The shared workload generator module (apc_workload.py)."""
+    import importlib.util
+
+    path = shared_path("workload", "apc_workload.py")
+    spec = importlib.util.spec_from_file_location("apc_workload", path)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    import sys
+
+    sys.modules["apc_workload"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def vllm_trace() -> list[dict]:
+    with gzip.open(shared_path("workload", "e2e_trace_vllm_0.33.0.jsonl.gz"), "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def seed_env(monkeypatch):
+    """Set PYTHONHASHSEED (or unset it with None) and re-initialise both roots on exit."""
+    import kvblock.hashing as kh
+    import kvblock.reference.hashing as rh
+
+    saved = (kh.NONE_HASH, kh._NONE_HASH_SEED, rh.NONE_HASH, rh._NONE_HASH_SEED)
+
+    def set_seed(value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONHASHSEED", value)
+
+    yield set_seed
+    kh.NONE_HASH, kh._NONE_HASH_SEED, rh.NONE_HASH, rh._NONE_HASH_SEED = saved
