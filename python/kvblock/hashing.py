@@ -66,6 +66,7 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 #: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
 NONE_HASH: BlockHash | None = None
 _NONE_HASH_SEED: str | None = None
+_NONE_HASH_ALGO: str | None = None
 
 
 def get_hash_fn_by_name(hash_fn_name: str) -> HashFunction:
@@ -109,10 +110,11 @@ def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
 
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     """Set :data:`NONE_HASH` to ``hash_fn(seed)`` with vLLM's seed rules."""
-    global NONE_HASH, _NONE_HASH_SEED
+    global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
     seed = resolve_none_hash_seed(hash_fn)
     NONE_HASH = BlockHash(hash_fn(seed))
     _NONE_HASH_SEED = seed
+    _NONE_HASH_ALGO = _algo_name(hash_fn)
 
 
 def get_none_hash_seed() -> str:

@@ -1,8 +1,10 @@
 //! The binding layer: the only module that names pyo3 or numpy.
 
+pub mod block_pool;
 pub mod convert;
 pub mod errors;
 pub mod hashing;
+pub mod manager;
 
 use pyo3::prelude::*;
 
@@ -16,6 +18,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?,
     )?;
     m.add_class::<hashing::PyHashFunction>()?;
+    m.add_class::<block_pool::PyBlockPool>()?;
+    m.add_class::<manager::PyManager>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     Ok(())

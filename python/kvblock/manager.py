@@ -1,0 +1,250 @@
+"""``KVCacheManager``: a drop-in for vLLM 0.33.0's manager of one KV-cache group (spec §5).
+
+The scheduler-facing calls (``get_computed_blocks``, ``allocate_slots``, ``free``) are Rust
+methods inherited from ``kvblock._core.KVCacheManagerCore``: each reads the request's
+``request_id``, ``num_computed_tokens``, token count and ``block_hashes`` and performs the whole
+action in one boundary crossing; per-request block tables live in Rust. Stats, events and the
+vLLM result types are Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from . import _core, hashing
+from .block_pool import BlockPool, KVCacheBlock
+from .events import BlockStored, KVCacheEvent
+from .request import RequestStatus
+from .stats import PrefixCacheStats
+
+__all__ = ["KVCacheBlocks", "KVCacheManager"]
+
+#: ``max_model_len`` when none is given.
+DEFAULT_MAX_MODEL_LEN = 1 << 40
+
+
+class KVCacheBlocks:
+    """vLLM's allocation result: ``blocks[g][j]`` is the ``j``-th block of group ``g``.
+
+    Backed by block ids (``get_block_ids()`` costs no per-block object); ``blocks`` builds
+    :class:`~kvblock.block_pool.KVCacheBlock` views on first use.
+    """
+
+    __slots__ = ("_ids", "_pool", "_blocks")
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self._blocks = tuple(blocks)
+        self._ids = tuple([b.block_id for b in group] for group in self._blocks)
+        self._pool = next((b._pool for group in self._blocks for b in group), None)
+
+    @classmethod
+    def _from_ids(cls, pool: BlockPool, ids: tuple[list[int], ...]) -> "KVCacheBlocks":
+        self = object.__new__(cls)
+        self._ids = ids
+        self._pool = pool
+        self._blocks = None
+        return self
+
+    @property
+    def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
+        if self._blocks is None:
+            view = self._pool._view
+            self._blocks = tuple([view(b) for b in group] for group in self._ids)
+        return self._blocks
+
+    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
+        ids = tuple(list(itertools.chain(a, b)) for a, b in zip(self._ids, other._ids))
+        return KVCacheBlocks._from_ids(self._pool or other._pool, ids)
+
+    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):
+        """``tuple[list[int], ...]`` of block ids per group (None if ``allow_none`` and every
+        selected group is empty)."""
+        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
+        if allow_none and all(len(g) == 0 for g in groups):
+            return None
+        return tuple(list(g) for g in groups)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the blocks without a block hash (single group)."""
+        if len(self._ids) != 1:
+            raise ValueError("Only one group is supported")
+        return [b for b in self._ids[0] if self._pool.block_hash(b) is None]
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [[b for b in g if b != 0 and self._pool.block_hash(b) is None] for g in self._ids]
+
+    def new_empty(self) -> "KVCacheBlocks":
+        return KVCacheBlocks._from_ids(self._pool, tuple(() for _ in self._ids))
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlocks) and self.get_block_ids() == other.get_block_ids()
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks(block_ids={self.get_block_ids()})"
+
+
+class KVCacheManager(_core.KVCacheManagerCore):
+    """vLLM 0.33.0's ``KVCacheManager`` for one full-attention (or sliding-window) group.
+
+    Args:
+        num_blocks: blocks in the pool (block 0 is the null block).
+        block_size: tokens per block (= the hash block size).
+        enable_caching: prefix caching on/off.
+        hash_algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or
+            ``"xxhash_cbor"``; sets :attr:`request_block_hasher` and initialises
+            :data:`kvblock.hashing.NONE_HASH` as vLLM's engine does.
+        max_model_len: longest sequence (tokens); a longer request raises ValueError.
+        log_stats: keep :class:`PrefixCacheStats`.
+        enable_kv_cache_events: record KV events for :meth:`take_events`.
+        use_eagle: drop the last hit block (EAGLE needs its hidden states).
+        watermark: fraction of blocks kept free when admitting waiting/preempted requests.
+        sliding_window: make the group sliding-window attention with this window (tokens).
+
+    Raises:
+        ValueError: ``num_blocks <= 0``, ``block_size <= 0``, an unknown ``hash_algo``...
+    """
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        max_model_len: int | None = None,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        use_eagle: bool = False,
+        watermark: float = 0.0,
+        sliding_window: int | None = None,
+    ) -> "KVCacheManager":
+        if watermark < 0:
+            raise ValueError("watermark: must be non-negative")
+        hash_fn = hashing.get_hash_fn_by_name(hash_algo)
+        pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
+        self = super().__new__(
+            cls,
+            pool,
+            block_size,
+            DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
+            enable_caching,
+            use_eagle,
+            sliding_window,
+            int(watermark * num_blocks),
+        )
+        self.block_pool = pool
+        self.hash_fn = hash_fn
+        return self
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        max_model_len: int | None = None,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        use_eagle: bool = False,
+        watermark: float = 0.0,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.log_stats = log_stats
+        self.use_eagle = use_eagle
+        self.sliding_window = sliding_window
+        self.num_kv_cache_groups = 1
+        self.hash_block_size = block_size
+        self.kv_cache_spec_kind = "sliding_window" if sliding_window else "full_attention"
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(self.block_pool, ((),))
+        pool = self.block_pool
+        self._init_python(
+            self.empty_kv_cache_blocks,
+            lambda ids: KVCacheBlocks._from_ids(pool, (ids,)),
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+        )
+        if enable_caching and (hashing.NONE_HASH is None or hashing._NONE_HASH_ALGO != hash_algo):
+            hashing.init_none_hash(self.hash_fn)
+        self.request_block_hasher = hashing.get_request_block_hasher(block_size, self.hash_fn)
+
+    # -- vLLM's KVCacheManager API (the scheduler calls are inherited from the Rust core) -------
+    @property
+    def usage(self) -> float:
+        """KV cache usage in [0, 1] (``1 - free / (num_blocks - 1)``)."""
+        return self.block_pool.get_usage()
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Record one admission: ``queries += request.num_tokens``, ``hits += num_hits``
+        (or the ``preempted_*`` counters for a preempted request). No-op unless ``log_stats``
+        and the request reads the prefix cache."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The current stats (None without ``log_stats``); a fresh object takes their place."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear every cache key if no block is in use (then ``prefix_cache_stats.reset`` is
+        set); False, with no change, otherwise."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The pool's KV events, each ``BlockStored`` annotated with the group's spec kind."""
+        events = self.block_pool.take_events()
+        for e in events:
+            if isinstance(e, BlockStored) and e.group_idx == 0:
+                e.kv_cache_spec_kind = self.kv_cache_spec_kind
+                e.kv_cache_spec_sliding_window = self.sliding_window
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks (empty if unknown)."""
+        return self.create_kv_cache_blocks((self._block_ids(request_id),))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group, in table order."""
+        return (self._block_ids(request_id),)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33.0 (cascade attention was removed): always ``[0]``."""
+        return [0] * self.num_kv_cache_groups
+
+    def evict_blocks(self, block_ids: Any) -> None:
+        """Drop the cache keys of these blocks."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
+        """``KVCacheBlocks`` of these per-group blocks (or ids); the shared empty instance when
+        every group is empty."""
+        if all(len(g) == 0 for g in blocks):
+            return self.empty_kv_cache_blocks
+        ids = tuple([b if isinstance(b, int) else b.block_id for b in g] for g in blocks)
+        return KVCacheBlocks._from_ids(self.block_pool, ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheManager(num_blocks={self.block_pool.num_gpu_blocks}, block_size={self.block_size}, "
+            f"free={self.block_pool.get_num_free_blocks()}, requests={self.num_requests})"
+        )

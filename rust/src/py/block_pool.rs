@@ -1,0 +1,397 @@
+//! Binding of the block pool: `BlockPoolCore`, the Rust pool with a fast id API (ints and numpy
+//! arrays in, one call per request-level action). The vLLM-compatible `kvblock.BlockPool`
+//! facade subclasses it in Python.
+
+use super::convert::{extract_tokens, Tokens};
+use super::errors::{type_err, value_err, IntoPy};
+use crate::block_pool::{BlockPool, NULL_BLOCK};
+use crate::cache_map::Key;
+use crate::events::Event;
+use crate::hashing::Digest;
+use hashbrown::HashMap;
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+/// Block ids from a sequence of ints or an integer array; each must be a valid u32.
+pub fn block_ids_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
+    let toks = extract_tokens(obj, arg, 0)?;
+    let conv = |v: i64, i: usize| -> PyResult<u32> {
+        u32::try_from(v).map_err(|_| value_err(&format!("{arg}[{i}]"), format!("{v} is not a block id")))
+    };
+    match &toks {
+        Tokens::I64(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v, i)).collect(),
+        Tokens::I32(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v as i64, i)).collect(),
+        Tokens::U32(b) => Ok(b.as_slice().to_vec()),
+        Tokens::U64(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v.min(i64::MAX as u64) as i64, i)).collect(),
+        Tokens::Big(_) => Err(value_err(arg, "block ids must fit in 32 bits")),
+    }
+}
+
+/// Read `hashes[i]` from a Python list of bytes.
+#[inline]
+pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<Digest> {
+    if i >= list.len() {
+        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
+    }
+    // SAFETY: i < len with the GIL held and no Python code run meanwhile; the item is a
+    // borrowed reference kept alive by the list, read only within this call.
+    unsafe {
+        let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+        if pyo3::ffi::PyBytes_Check(item) == 0 {
+            return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
+        }
+        let n = pyo3::ffi::PyBytes_Size(item) as usize;
+        let p = pyo3::ffi::PyBytes_AsString(item) as *const u8;
+        Digest::from_slice(std::slice::from_raw_parts(p, n)).ok_or_else(|| {
+            crate::error::Error::value(arg, format!("a block hash must be 16 or 32 bytes, got {n}"))
+        })
+    }
+}
+
+/// Turn a `Key` into vLLM's `BlockHashWithGroupId` bytes.
+pub fn key_bytes<'py>(py: Python<'py>, key: &Key) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &key.to_bytes())
+}
+
+pub fn ids_array<'py>(py: Python<'py>, ids: Vec<u32>) -> Bound<'py, PyArray1<i32>> {
+    PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
+}
+
+/// The Rust block pool (vLLM 0.33.0 semantics: block ids and free-queue order identical).
+///
+/// Args: `num_gpu_blocks` (> 0; block 0 is the null block), `enable_caching`,
+/// `hash_block_size` (> 0, tokens per hashed block), `enable_kv_cache_events`.
+#[pyclass(module = "kvblock._core", name = "BlockPoolCore", subclass)]
+pub struct PyBlockPool {
+    pub inner: BlockPool,
+    /// Requests behind pending `BlockStored` events, by event tag.
+    tags: HashMap<u64, Py<PyAny>>,
+    next_tag: u64,
+}
+
+impl PyBlockPool {
+    /// Remember `request` for the `BlockStored` events of the next caching call; 0 when events
+    /// are off.
+    pub fn tag(&mut self, request: &Bound<'_, PyAny>) -> u64 {
+        if !self.inner.events_enabled() {
+            return 0;
+        }
+        self.next_tag += 1;
+        self.tags.insert(self.next_tag, request.clone().unbind());
+        self.next_tag
+    }
+
+    /// Drop tags no pending event refers to (after a caching call stored nothing).
+    pub fn untag_unused(&mut self, tag: u64) {
+        if tag != 0 && self.inner.num_pending_events() == 0 {
+            self.tags.remove(&tag);
+        }
+    }
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=false, *_args, **_kwargs))]
+    fn new(
+        num_gpu_blocks: i64,
+        enable_caching: bool,
+        hash_block_size: i64,
+        enable_kv_cache_events: bool,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        if num_gpu_blocks <= 0 {
+            return Err(value_err("num_gpu_blocks", format!("must be > 0 (block 0 is the null block), got {num_gpu_blocks}")));
+        }
+        if hash_block_size <= 0 {
+            return Err(value_err("hash_block_size", format!("must be > 0, got {hash_block_size}")));
+        }
+        let inner = BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events).py_err()?;
+        Ok(PyBlockPool { inner, tags: HashMap::new(), next_tag: 0 })
+    }
+
+    /// Total blocks, the null block included.
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+
+    #[getter]
+    fn enable_caching(&self) -> bool {
+        self.inner.enable_caching()
+    }
+
+    #[getter]
+    fn hash_block_size(&self) -> usize {
+        self.inner.hash_block_size()
+    }
+
+    #[getter]
+    fn enable_kv_cache_events(&self) -> bool {
+        self.inner.events_enabled()
+    }
+
+    /// Free blocks, cached-but-free ones included (vLLM `get_num_free_blocks`).
+    fn get_num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+
+    /// `1 - free / (num_gpu_blocks - 1)` (vLLM `get_usage`).
+    fn get_usage(&self) -> f64 {
+        self.inner.usage()
+    }
+
+    /// Bytes of per-block metadata (arena + free queue; the hash map excluded).
+    #[staticmethod]
+    fn bytes_per_block() -> usize {
+        BlockPool::bytes_per_block()
+    }
+
+    // ---- fast id API ------------------------------------------------------------------------
+
+    /// Allocate `n` blocks (evicting cached ones from the head of the free queue) and return
+    /// their ids, int32 `[n]`, each with ref_cnt 1. Raises ValueError, changing nothing, if
+    /// fewer than `n` are free or `n < 0`.
+    fn allocate_ids<'py>(&mut self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        if n < 0 {
+            return Err(value_err("n", format!("must be >= 0, got {n}")));
+        }
+        let mut out = Vec::with_capacity(n as usize);
+        self.inner.get_new_blocks(n as usize, &mut out).py_err()?;
+        Ok(ids_array(py, out))
+    }
+
+    /// Drop one reference per block, in the given order (pass a request's blocks reversed).
+    /// Blocks reaching 0 return to the free queue: unhashed to the head, hashed to the tail.
+    /// Raises ValueError, changing nothing, for an id out of range, the null block or a double
+    /// free.
+    fn free_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids_of(ids, "block_ids")?;
+        self.inner.free_blocks(&ids, false).py_err()
+    }
+
+    /// Take one reference per block; free (cached) blocks leave the free queue. Raises for
+    /// the null block or an id out of range, changing nothing.
+    fn touch_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids_of(ids, "block_ids")?;
+        self.inner.touch(&ids, false).py_err()
+    }
+
+    /// Cache `block_ids[i]` under `(block_hashes[i], group_id)` for
+    /// `num_cached_blocks <= i < num_full_blocks` (`parent` is the hash before the first one,
+    /// for events). Raises, changing nothing, for bad ids, the null block, hashes of the wrong
+    /// length or too few hashes.
+    #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
+    fn cache_ids(
+        &mut self,
+        block_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        num_cached_blocks: i64,
+        num_full_blocks: i64,
+        block_size: Option<usize>,
+        group_id: u32,
+    ) -> PyResult<()> {
+        if num_cached_blocks < 0 || num_full_blocks < 0 {
+            return Err(value_err("num_cached_blocks", "block counts must be >= 0"));
+        }
+        let (first, end) = (num_cached_blocks as usize, num_full_blocks as usize);
+        if first >= end {
+            return Ok(());
+        }
+        let ids = block_ids_of(block_ids, "block_ids")?;
+        let hashes = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
+        if hashes.len() < end {
+            return Err(value_err("block_hashes", format!("{} hashes for {end} full blocks", hashes.len())));
+        }
+        let mut hs = Vec::with_capacity(end - first);
+        for i in first..end {
+            hs.push(list_digest(hashes, i, "block_hashes").py_err()?);
+        }
+        let parent = if first > 0 { Some(list_digest(hashes, first - 1, "block_hashes").py_err()?) } else { None };
+        let bs = block_size.unwrap_or(self.inner.hash_block_size());
+        self.inner.cache_blocks(&ids, first, &hs, parent, bs, group_id, false, 0).py_err()
+    }
+
+    /// The longest cached prefix of `block_hashes` in group `group_id`: the hit block ids,
+    /// int32, stopping at the first miss. No reference counts change.
+    #[pyo3(signature = (block_hashes, group_id=0, max_blocks=None))]
+    fn lookup_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        group_id: u32,
+        max_blocks: Option<usize>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
+        let n = max_blocks.unwrap_or(usize::MAX).min(seq.len());
+        let mut out = Vec::new();
+        for i in 0..n {
+            let d = list_digest(seq, i, "block_hashes").py_err()?;
+            match self.inner.lookup(&d, group_id) {
+                Some(b) => out.push(b),
+                None => break,
+            }
+        }
+        Ok(ids_array(py, out))
+    }
+
+    /// Drop the cache keys of these blocks (ref counts and queue position unchanged).
+    fn evict_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids_of(ids, "block_ids")?;
+        self.inner.evict_blocks(&ids).py_err()
+    }
+
+    /// Clear every cache key if no block is in use (vLLM `reset_prefix_cache`); False, with no
+    /// change, while any non-null block is allocated.
+    fn reset_prefix_cache(&mut self) -> bool {
+        self.inner.reset_prefix_cache()
+    }
+
+    // ---- inspection --------------------------------------------------------------------------
+
+    /// A block's reference count.
+    fn ref_cnt(&self, block_id: u32) -> PyResult<u32> {
+        self.inner.ref_cnt(block_id).py_err()
+    }
+
+    /// A block's `BlockHashWithGroupId` (hash + 4-byte big-endian group), or None.
+    fn block_hash<'py>(&self, py: Python<'py>, block_id: u32) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        Ok(self.inner.block_key(block_id).py_err()?.map(|k| key_bytes(py, &k)))
+    }
+
+    /// True if the block is in the free queue.
+    fn is_free(&self, block_id: u32) -> bool {
+        self.inner.is_free(block_id)
+    }
+
+    /// The free queue's block ids, head (next to allocate) first.
+    fn free_queue_ids(&self) -> Vec<u32> {
+        self.inner.free_queue().collect()
+    }
+
+    /// Number of keys in the hash -> block map.
+    fn num_cached_keys(&self) -> usize {
+        self.inner.cache_map().len()
+    }
+
+    /// The hash -> block map as `{BlockHashWithGroupId: [block ids in insertion order]}`.
+    fn cached_items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, blocks) in self.inner.cache_map().iter() {
+            d.set_item(key_bytes(py, &k), blocks.to_vec())?;
+        }
+        Ok(d)
+    }
+
+    /// The first block cached under a `BlockHashWithGroupId` key, or None.
+    fn lookup_key(&self, key: &Bound<'_, PyBytes>) -> PyResult<Option<u32>> {
+        let b = key.as_bytes();
+        if b.len() < 5 {
+            return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
+        }
+        let (h, g) = b.split_at(b.len() - 4);
+        let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
+        let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
+        Ok(self.inner.lookup(&hash, group))
+    }
+
+    /// Every block cached under a `BlockHashWithGroupId` key, in insertion order.
+    fn lookup_key_all(&self, key: &Bound<'_, PyBytes>) -> PyResult<Vec<u32>> {
+        let b = key.as_bytes();
+        if b.len() < 5 {
+            return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
+        }
+        let (h, g) = b.split_at(b.len() - 4);
+        let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
+        let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
+        Ok(self.inner.cache_map().get_all(&Key { hash, group }).to_vec())
+    }
+
+    /// Check internal invariants; raises RuntimeError on a violation (for tests).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().py_err()
+    }
+
+    // ---- raw free-queue access (vLLM's FreeKVCacheBlockQueue, no ref counting) ---------------
+
+    fn _queue_popleft_n(&mut self, n: i64) -> PyResult<Vec<u32>> {
+        if n < 0 {
+            return Err(value_err("n", "must be >= 0"));
+        }
+        let mut out = Vec::new();
+        self.inner.queue_popleft_n(n as usize, &mut out).py_err()?;
+        Ok(out)
+    }
+
+    fn _queue_remove(&mut self, block_id: u32) -> PyResult<()> {
+        self.inner.queue_remove(block_id).py_err()
+    }
+
+    fn _queue_insert(&mut self, ids: &Bound<'_, PyAny>, at_head: bool) -> PyResult<()> {
+        let ids = block_ids_of(ids, "blocks")?;
+        self.inner.queue_insert(&ids, at_head).py_err()
+    }
+
+    /// Cache blocks for a request (the facade's `cache_full_blocks`): ids of the request's
+    /// table, its hash list, and the request for event enrichment.
+    fn _cache_for_request(
+        &mut self,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        num_cached_blocks: usize,
+        num_full_blocks: usize,
+        block_size: usize,
+        group_id: u32,
+    ) -> PyResult<()> {
+        if num_cached_blocks >= num_full_blocks {
+            return Ok(());
+        }
+        let ids = block_ids_of(block_ids, "blocks")?;
+        let hashes = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
+        if hashes.len() < num_full_blocks {
+            return Err(value_err("num_full_blocks", format!("the request has {} block hashes", hashes.len())));
+        }
+        let hs = (num_cached_blocks..num_full_blocks)
+            .map(|i| list_digest(hashes, i, "block_hashes"))
+            .collect::<crate::error::Result<Vec<_>>>()
+            .py_err()?;
+        let parent = if num_cached_blocks > 0 { Some(list_digest(hashes, num_cached_blocks - 1, "block_hashes").py_err()?) } else { None };
+        let pending = self.inner.num_pending_events();
+        let tag = self.tag(request);
+        let res = self.inner.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag);
+        if tag != 0 && self.inner.num_pending_events() == pending {
+            self.tags.remove(&tag);
+        }
+        res.py_err()
+    }
+
+    /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
+    /// block_size, group, request|None)`, `("removed", hash bytes, group)`, `("cleared",)`.
+    fn take_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for e in self.inner.take_events() {
+            match e {
+                Event::BlockStored { block_hashes, parent_block_hash, first_block, block_size, group, tag } => {
+                    let hs: Vec<Bound<'py, PyBytes>> = block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
+                    let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
+                    let req = self.tags.remove(&tag);
+                    out.append(("stored", hs, parent, first_block, block_size, group, req))?;
+                }
+                Event::BlockRemoved { block_hash, group } => {
+                    out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;
+                }
+                Event::AllBlocksCleared => out.append(("cleared",))?,
+            }
+        }
+        Ok(out)
+    }
+
+    /// The null block's id (0).
+    #[getter]
+    fn null_block_id(&self) -> u32 {
+        NULL_BLOCK
+    }
+}

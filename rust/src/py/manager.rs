@@ -1,0 +1,404 @@
+//! Binding of the KV cache manager: `KVCacheManagerCore`, whose `get_computed_blocks`,
+//! `allocate_slots` and `free` take vLLM-style request objects and do one scheduler action per
+//! call. `kvblock.KVCacheManager` subclasses it in Python (stats, events, facades).
+
+use super::block_pool::{block_ids_of, ids_array, list_digest, PyBlockPool};
+use super::errors::{type_err, value_err, IntoPy};
+use crate::manager::{AllocArgs, Manager};
+use numpy::PyArray1;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+
+/// Per-request inputs read from a request object.
+struct ReqView<'py> {
+    id: Bound<'py, PyString>,
+    num_computed: usize,
+    num_tokens: usize,
+    hashes: Bound<'py, PyList>,
+}
+
+fn count(v: i64, arg: &str) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
+}
+
+/// The KV cache manager core for one KV-cache group (see `kvblock.KVCacheManager`).
+#[pyclass(module = "kvblock._core", name = "KVCacheManagerCore", subclass)]
+pub struct PyManager {
+    pool: Py<PyBlockPool>,
+    inner: Manager,
+    enable_caching: bool,
+    watermark_blocks: usize,
+    /// The shared empty `KVCacheBlocks` and the factory `make(list[int]) -> KVCacheBlocks`.
+    empty: Option<Py<PyAny>>,
+    make_blocks: Option<Py<PyAny>>,
+    /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
+    waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
+}
+
+impl PyManager {
+    fn view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<ReqView<'py>> {
+        let py = request.py();
+        let id = request
+            .getattr(intern!(py, "request_id"))?
+            .cast_into::<PyString>()
+            .map_err(|_| type_err("request.request_id", "must be a str"))?;
+        let num_computed: i64 = request.getattr(intern!(py, "num_computed_tokens"))?.extract()?;
+        let num_tokens = match request.getattr(intern!(py, "_all_token_ids")) {
+            Ok(t) => t.len()?,
+            Err(_) => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+        };
+        let hashes = request
+            .getattr(intern!(py, "block_hashes"))?
+            .cast_into::<PyList>()
+            .map_err(|_| type_err("request.block_hashes", "must be a list of bytes"))?;
+        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens, hashes })
+    }
+
+    fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
+        if ids.is_empty() {
+            return self.empty(py);
+        }
+        let make = self.make_blocks.as_ref().ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
+        make.bind(py).call1((PyList::new(py, ids)?,))
+    }
+
+    fn empty<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match &self.empty {
+            Some(e) => Ok(e.bind(py).clone()),
+            None => Err(pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised")),
+        }
+    }
+
+    fn watermark_applies(&self, request: &Bound<'_, PyAny>, has_scheduled_reqs: bool) -> PyResult<bool> {
+        if self.watermark_blocks == 0 || !has_scheduled_reqs {
+            return Ok(false);
+        }
+        let status = request.getattr(intern!(request.py(), "status"))?;
+        match &self.waiting_states {
+            Some((w, p)) => Ok(status.eq(w.bind(request.py()))? || status.eq(p.bind(request.py()))?),
+            None => Ok(false),
+        }
+    }
+
+    fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        match request.getattr(intern!(request.py(), "num_in_flight_tokens")) {
+            Ok(v) => count(v.extract()?, "request.num_in_flight_tokens"),
+            Err(_) => Ok(0),
+        }
+    }
+}
+
+fn hit_ids(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = blocks.py();
+    let groups = match blocks.getattr(intern!(py, "_ids")) {
+        Ok(g) => g,
+        Err(_) => blocks.call_method0(intern!(py, "get_block_ids"))?,
+    };
+    let groups = groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
+    if groups.len() != 1 {
+        return Err(value_err("new_computed_blocks", format!("expected 1 KV-cache group, got {}", groups.len())));
+    }
+    block_ids_of(&groups.get_item(0)?, "new_computed_blocks")
+}
+
+#[pymethods]
+impl PyManager {
+    #[new]
+    #[pyo3(signature = (block_pool, block_size, max_model_len, enable_caching=true, use_eagle=false, sliding_window=None, watermark_blocks=0, *_args, **_kwargs))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_pool: Bound<'_, PyBlockPool>,
+        block_size: i64,
+        max_model_len: i64,
+        enable_caching: bool,
+        use_eagle: bool,
+        sliding_window: Option<i64>,
+        watermark_blocks: i64,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+    ) -> PyResult<Self> {
+        if block_size <= 0 {
+            return Err(value_err("block_size", format!("must be > 0, got {block_size}")));
+        }
+        if max_model_len <= 0 {
+            return Err(value_err("max_model_len", format!("must be > 0, got {max_model_len}")));
+        }
+        if block_pool.borrow().inner.hash_block_size() != block_size as usize {
+            return Err(value_err("block_size", "must equal the pool's hash_block_size (one KV-cache group)"));
+        }
+        let sliding_window = match sliding_window {
+            Some(w) if w <= 0 => return Err(value_err("sliding_window", format!("must be > 0, got {w}"))),
+            w => w.map(|w| w as usize),
+        };
+        let inner = Manager::new(
+            block_size as usize,
+            max_model_len as usize,
+            enable_caching,
+            use_eagle,
+            sliding_window,
+            count(watermark_blocks, "watermark_blocks")?,
+        )
+        .py_err()?;
+        Ok(PyManager {
+            pool: block_pool.unbind(),
+            inner,
+            enable_caching,
+            watermark_blocks: watermark_blocks as usize,
+            empty: None,
+            make_blocks: None,
+            waiting_states: None,
+        })
+    }
+
+    /// Install the Python helpers: the shared empty `KVCacheBlocks`, its factory, and the
+    /// request states the watermark applies to.
+    fn _init_python(&mut self, empty: Py<PyAny>, make_blocks: Py<PyAny>, waiting: Py<PyAny>, preempted: Py<PyAny>) {
+        self.empty = Some(empty);
+        self.make_blocks = Some(make_blocks);
+        self.waiting_states = Some((waiting, preempted));
+    }
+
+    /// `get_computed_blocks(request) -> (KVCacheBlocks, num_computed_tokens, 0)`: the longest
+    /// cached prefix, capped at `num_tokens - 1` tokens, block-aligned. No reference counts
+    /// change. `(empty, 0, 0)` with caching off or `request.skip_reading_prefix_cache`.
+    fn get_computed_blocks<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+        let py = slf.py();
+        let me = slf.borrow();
+        if !me.enable_caching || request.getattr(intern!(py, "skip_reading_prefix_cache"))?.is_truthy()? {
+            return Ok((me.empty(py)?, 0, 0));
+        }
+        let v = me.view(request)?;
+        let max_len = v.num_tokens.saturating_sub(1);
+        let pool = me.pool.bind(py).clone();
+        let hit = {
+            let p = pool.borrow();
+            me.inner
+                .find_longest_cache_hit(&p.inner, v.hashes.len(), max_len, |i| list_digest(&v.hashes, i, "request.block_hashes"))
+                .py_err()?
+        };
+        let n = hit.len() * me.inner.block_size();
+        if n > 0 && pool.borrow().inner.events_enabled() {
+            let mode = request.getattr(intern!(py, "kv_cache_report_mode")).ok();
+            if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
+                let hashes = (0..hit.len()).map(|i| list_digest(&v.hashes, i, "request.block_hashes")).collect::<crate::error::Result<Vec<_>>>().py_err()?;
+                let mut p = pool.borrow_mut();
+                let tag = p.tag(request);
+                p.inner.record_stored(hashes, me.inner.block_size(), 0, tag);
+            }
+        }
+        Ok((me.blocks_of(py, hit)?, n, 0))
+    }
+
+    /// vLLM 0.33.0's `allocate_slots` for this group (spec §5.3). Returns the newly allocated
+    /// blocks (`KVCacheBlocks`, the shared empty one if none), or None — with no side effect —
+    /// if the pool cannot supply them.
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_slots<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: i64,
+        has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let _ = (skip_zeroing_group_ids, count(num_encoder_tokens, "num_encoder_tokens")?);
+        let (hits, has_new) = {
+            let me = slf.borrow();
+            match new_computed_blocks {
+                Some(b) if !b.is_none() && !me.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
+                _ => (Vec::new(), false),
+            }
+        };
+        let mut me = slf.borrow_mut();
+        let v = me.view(request)?;
+        let apply_watermark = me.watermark_applies(request, has_scheduled_reqs)?;
+        let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(request)? } else { 0 };
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.borrow_mut();
+        let tag = p.tag(request);
+        let args = AllocArgs {
+            num_computed_tokens: v.num_computed,
+            num_tokens: v.num_tokens,
+            num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
+            num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,
+            new_computed: &hits,
+            has_new_computed: has_new,
+            num_lookahead_tokens: count(num_lookahead_tokens, "num_lookahead_tokens")?,
+            num_external_computed_tokens: count(num_external_computed_tokens, "num_external_computed_tokens")?,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            reserved_blocks: count(reserved_blocks, "reserved_blocks")?,
+            apply_watermark,
+            num_in_flight_tokens,
+            event_tag: tag,
+        };
+        let pending = p.inner.num_pending_events();
+        let id = v.id.to_str()?;
+        let res = me.inner.allocate_slots(&mut p.inner, id, &args, v.hashes.len(), |i| list_digest(&v.hashes, i, "request.block_hashes"));
+        if tag != 0 && p.inner.num_pending_events() == pending {
+            p.untag_unused(tag);
+        }
+        drop(p);
+        match res.py_err()? {
+            None => Ok(py.None().into_bound(py)),
+            Some(new) => me.blocks_of(py, new),
+        }
+    }
+
+    /// Allocate slots for a whole step of running requests in one call: for each request,
+    /// exactly what `allocate_slots(request, num_new_tokens[i], num_lookahead_tokens=...)`
+    /// does, in order. Returns `(num_new_blocks, new_block_ids)`: int32 `[len(requests)]` (-1
+    /// where the pool could not supply the blocks, as `allocate_slots` returning None) and the
+    /// new block ids of all requests concatenated, int32. Inputs are validated before any
+    /// change.
+    #[pyo3(signature = (requests, num_new_tokens=None, num_lookahead_tokens=0))]
+    fn allocate_slots_batch<'py>(
+        slf: &Bound<'py, Self>,
+        requests: &Bound<'py, PyAny>,
+        num_new_tokens: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: i64,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let py = slf.py();
+        let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
+        let n = reqs.len();
+        let new_tokens: Vec<usize> = match num_new_tokens {
+            None => vec![1; n],
+            Some(x) if x.extract::<i64>().is_ok() => vec![count(x.extract::<i64>()?, "num_new_tokens")?; n],
+            Some(x) => {
+                let v = block_ids_of(x, "num_new_tokens")?;
+                if v.len() != n {
+                    return Err(value_err("num_new_tokens", format!("{} values for {n} requests", v.len())));
+                }
+                v.into_iter().map(|x| x as usize).collect()
+            }
+        };
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let mut me = slf.borrow_mut();
+        let mut views = Vec::with_capacity(n);
+        for r in reqs.iter() {
+            let v = me.view(&r)?;
+            let wm = me.watermark_applies(&r, true)?;
+            let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
+            views.push((r, v, wm, infl));
+        }
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.borrow_mut();
+        let mut counts = Vec::with_capacity(n);
+        let mut all = Vec::new();
+        for (i, (r, v, wm, infl)) in views.iter().enumerate() {
+            let tag = p.tag(r);
+            let pending = p.inner.num_pending_events();
+            let args = AllocArgs {
+                num_computed_tokens: v.num_computed,
+                num_tokens: v.num_tokens,
+                num_new_tokens: new_tokens[i],
+                num_lookahead_tokens: lookahead,
+                apply_watermark: *wm,
+                num_in_flight_tokens: *infl,
+                event_tag: tag,
+                ..Default::default()
+            };
+            let res = me.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, v.hashes.len(), |k| list_digest(&v.hashes, k, "request.block_hashes"));
+            if tag != 0 && p.inner.num_pending_events() == pending {
+                p.untag_unused(tag);
+            }
+            match res.py_err()? {
+                None => counts.push(-1),
+                Some(new) => {
+                    counts.push(new.len() as i32);
+                    all.extend(new);
+                }
+            }
+        }
+        Ok((PyArray1::from_vec(py, counts), ids_array(py, all)))
+    }
+
+    /// `free(request)`: release the request's blocks, tail first. Unknown or already-freed
+    /// requests are a no-op (as in vLLM).
+    fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = slf.py();
+        let id = request.getattr(intern!(py, "request_id"))?;
+        let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
+        Self::free_request_id(slf, id.to_str()?)
+    }
+
+    /// `free` by request id.
+    fn free_request_id(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+        let py = slf.py();
+        let mut me = slf.borrow_mut();
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.borrow_mut();
+        me.inner.free(&mut p.inner, request_id).py_err()?;
+        Ok(())
+    }
+
+    /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to that
+    /// many tokens (no-op with caching off).
+    fn cache_blocks(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, num_computed_tokens: i64) -> PyResult<()> {
+        let py = slf.py();
+        let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let mut me = slf.borrow_mut();
+        let v = me.view(request)?;
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.borrow_mut();
+        let tag = p.tag(request);
+        let pending = p.inner.num_pending_events();
+        let res = me.inner.cache_blocks(&mut p.inner, v.id.to_str()?, n, v.hashes.len(), |i| list_digest(&v.hashes, i, "request.block_hashes"), tag);
+        if tag != 0 && p.inner.num_pending_events() == pending {
+            p.untag_unused(tag);
+        }
+        res.py_err()
+    }
+
+    /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
+    /// sliding window (no-op for full attention).
+    fn remove_skipped_blocks(slf: &Bound<'_, Self>, request_id: &str, num_computed_tokens: i64) -> PyResult<()> {
+        let py = slf.py();
+        let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let mut me = slf.borrow_mut();
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.borrow_mut();
+        me.inner.remove_skipped_blocks(&mut p.inner, request_id, n).py_err()
+    }
+
+    /// The request's block ids, in table order (empty if unknown).
+    fn _block_ids(&self, request_id: &str) -> Vec<u32> {
+        self.inner.block_ids(request_id).to_vec()
+    }
+
+    /// Number of blocks already cached for the request, or None if it is not running.
+    fn _num_cached_blocks(&self, request_id: &str) -> Option<usize> {
+        self.inner.state(request_id).and_then(|s| s.num_cached)
+    }
+
+    /// Number of requests holding blocks.
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn max_model_len(&self) -> usize {
+        self.inner.max_model_len()
+    }
+
+    #[getter]
+    fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
+    }
+}
