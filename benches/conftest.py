@@ -7,7 +7,12 @@ Each pair of benchmarks shares a ``group``; at the end a table of reference/kvbl
 
 from __future__ import annotations
 
-from collections import defaultdict
+import os
+
+# numpy's OpenBLAS worker threads busy-wait after a call and steal one of the two cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+from collections import defaultdict  # noqa: E402
 
 import pytest
 

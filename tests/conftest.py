@@ -69,3 +69,34 @@ def seed_env(monkeypatch):
 
     yield set_seed
     kh.NONE_HASH, kh._NONE_HASH_SEED, rh.NONE_HASH, rh._NONE_HASH_SEED = saved
+
+
+from impls import IMPLS  # noqa: E402  (tests/ is on sys.path while conftest loads)
+
+
+@pytest.fixture(params=sorted(IMPLS))
+def impl(request):
+    """Each KV cache manager implementation of ``tests/impls.py`` in turn."""
+    return IMPLS[request.param]
+
+
+@pytest.fixture
+def apc(impl, monkeypatch):
+    """Factory of :class:`apc_helpers.Harness` objects over ``impl``.
+
+    The implementation's root hash is initialised as CASES.md assumes (``PYTHONHASHSEED``
+    unset, so sha256 uses the seed ``"vllm-none-hash"``) and restored afterwards.
+    """
+    from apc_helpers import Harness
+
+    hashing = impl.hashing
+    saved = (hashing.NONE_HASH, hashing._NONE_HASH_SEED)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+
+    def make(num_blocks: int, block_size: int, **kwargs) -> Harness:
+        algo = kwargs.get("hash_algo", "sha256")
+        hashing.init_none_hash(hashing.get_hash_fn_by_name(algo))
+        return Harness(impl, num_blocks, block_size, **kwargs)
+
+    yield make
+    hashing.NONE_HASH, hashing._NONE_HASH_SEED = saved

@@ -221,11 +221,14 @@ def get_request_block_hasher(
 ) -> Callable[[Any], list[BlockHash]]:
     """vLLM's ``get_request_block_hasher``: a closure that hashes a request's new full blocks.
 
-    The closure starts at ``len(request.block_hashes) * block_size``, returns ``[]`` when no
+    The hasher starts at ``len(request.block_hashes) * block_size``, returns ``[]`` when no
     new block is complete, and otherwise hashes every newly completed block, chained from
     ``request.block_hashes[-1]``, with the per-block extra keys of
     :func:`kvblock.multimodal.generate_block_hash_extra_keys`. It does not mutate the request.
-    With kvblock hash functions all new blocks are hashed in one Rust call.
+    With a kvblock hash function it is a ``kvblock._core.RequestBlockHasher``: one Rust call
+    hashes all new blocks, and its ``block_size`` lets :class:`kvblock.Request` skip calls
+    that cannot complete a block. Any other callable gets a Python closure, called per block
+    as vLLM does.
 
     With ``num_hash_lookahead_tokens = L > 0`` (EAGLE), a block is hashed only once ``L``
     tokens past its end exist, its extra keys cover ``[start, end + L)``, and the value hashed
@@ -236,14 +239,16 @@ def get_request_block_hasher(
     if num_hash_lookahead_tokens < 0:
         raise ValueError("num_hash_lookahead_tokens: must be >= 0")
     lookahead = num_hash_lookahead_tokens
-    fast = isinstance(caching_hash_fn, HashFunction)
+    if isinstance(caching_hash_fn, HashFunction):
+        return _core.RequestBlockHasher(
+            block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn)
+        )
 
     def request_block_hasher(request: Any) -> list[BlockHash]:
         block_hashes = request.block_hashes
         start = len(block_hashes) * block_size
         tokens = request._all_token_ids
-        num_tokens = len(tokens)
-        num_new = (num_tokens - lookahead - start) // block_size
+        num_new = (len(tokens) - lookahead - start) // block_size
         if num_new <= 0:
             return []
         parent = block_hashes[-1] if block_hashes else _root(caching_hash_fn)
@@ -256,9 +261,6 @@ def get_request_block_hasher(
             or lookahead
         ):
             extra = _request_extra_keys(request, start, num_new, block_size, lookahead)
-        if fast:
-            end = start + num_new * block_size
-            return _core.hash_blocks(caching_hash_fn, tokens, block_size, parent, extra, start, end)
         out: list[BlockHash] = []
         for i in range(num_new):
             s = start + i * block_size

@@ -221,8 +221,7 @@ class Request:
         extra_args = getattr(sampling_params, "extra_args", None) or {}
         self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")
         self.block_hashes: list[bytes] = []
-        self._block_hasher = block_hasher
-        self.update_block_hashes()
+        self.attach_block_hasher(block_hasher)
 
     def _skip_reading_prefix_cache(self) -> bool:
         sp = self.sampling_params
@@ -268,10 +267,24 @@ class Request:
             self._all_token_ids.extend(token_ids)
         self.update_block_hashes()
 
+    def attach_block_hasher(self, block_hasher: Callable[["Request"], list[bytes]] | None) -> None:
+        """Use ``block_hasher`` from now on and hash the full blocks not hashed yet."""
+        self._block_hasher = block_hasher
+        # A hasher that declares its block size lets updates skip calls that cannot complete a
+        # block (vLLM's closures do not declare it; they are called on every update).
+        self._hash_block_size: int = getattr(block_hasher, "block_size", 0) or 0
+        self._hash_lookahead: int = getattr(block_hasher, "num_hash_lookahead_tokens", 0) or 0
+        self.update_block_hashes()
+
     def update_block_hashes(self) -> None:
         """Extend ``block_hashes`` with the hashes of newly completed blocks."""
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        if hasher is None:
+            return
+        bs = self._hash_block_size
+        if bs and len(self._all_token_ids) < (len(self.block_hashes) + 1) * bs + self._hash_lookahead:
+            return
+        self.block_hashes.extend(hasher(self))
 
     def __repr__(self) -> str:
         return (

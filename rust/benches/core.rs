@@ -45,4 +45,40 @@ fn bench_hashing(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench_hashing);
-criterion_main!(benches);
+
+
+fn bench_pool(c: &mut Criterion) {
+    use _core::block_pool::BlockPool;
+    use _core::hashing::Digest;
+    let mut pool = BlockPool::new(100_000, true, 16, false).unwrap();
+    let hashes: Vec<Digest> = (0..256u64)
+        .map(|i| HashAlgo::Sha256.digest(&i.to_le_bytes()))
+        .collect();
+    let mut ids = Vec::new();
+    pool.get_new_blocks(256, &mut ids).unwrap();
+    pool.cache_blocks(&ids, 0, &hashes, None, 16, 0, false, 0).unwrap();
+    let mut g = c.benchmark_group("pool");
+    g.throughput(Throughput::Elements(256));
+    g.bench_function("lookup_hit_256", |b| {
+        b.iter(|| {
+            let mut n = 0u32;
+            for h in &hashes {
+                n += pool.lookup(black_box(h), 0).unwrap_or(0);
+            }
+            black_box(n)
+        })
+    });
+    g.bench_function("alloc_free_128", |b| {
+        let mut out = Vec::with_capacity(128);
+        b.iter(|| {
+            out.clear();
+            pool.get_new_blocks(128, &mut out).unwrap();
+            out.reverse();
+            pool.free_blocks(&out, false).unwrap();
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(pool_benches, bench_pool);
+criterion_main!(benches, pool_benches);

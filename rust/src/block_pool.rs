@@ -43,6 +43,9 @@ impl BlockPool {
         if num_blocks == 0 {
             return Err(Error::value("num_gpu_blocks", "must be > 0 (block 0 is the null block)"));
         }
+        if num_blocks > i32::MAX as usize {
+            return Err(Error::value("num_gpu_blocks", format!("{num_blocks} exceeds the int32 block-id range")));
+        }
         if hash_block_size == 0 {
             return Err(Error::value("hash_block_size", "must be > 0"));
         }
@@ -55,7 +58,7 @@ impl BlockPool {
             ref_cnt: vec![0; num_blocks],
             key_slot: vec![NO_KEY; num_blocks],
             queue,
-            map: CacheMap::default(),
+            map: CacheMap::new(num_blocks),
             events_enabled: enable_kv_cache_events,
             events: Vec::new(),
             scratch: Vec::new(),
@@ -99,9 +102,10 @@ impl BlockPool {
         1.0 - self.num_free_blocks() as f64 / total as f64
     }
 
-    /// Bytes of per-block metadata in the arena and the free queue (the hash map excluded).
+    /// Bytes of per-block metadata: the arena, the free-queue links and the duplicate-key links
+    /// (the hash map's own table and key slab excluded).
     pub fn bytes_per_block() -> usize {
-        2 * std::mem::size_of::<u32>() + FreeQueue::bytes_per_block()
+        2 * std::mem::size_of::<u32>() + FreeQueue::bytes_per_block() + CacheMap::bytes_per_block()
     }
 
     #[inline(always)]
@@ -145,6 +149,12 @@ impl BlockPool {
     #[inline]
     pub fn lookup(&self, hash: &Digest, group: u32) -> Option<u32> {
         self.map.get_one(&Key { hash: *hash, group })
+    }
+
+    /// [`BlockPool::lookup`] for raw digest bytes.
+    #[inline]
+    pub fn lookup_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
+        self.map.get_one_bytes(hash, group)
     }
 
     /// `get_cached_block`: one block per group, or `None` if any group misses.

@@ -1,9 +1,11 @@
 //! vLLM's `BlockHashToBlockMap`: `BlockHashWithGroupId -> block(s)`, duplicates allowed.
 //!
 //! Several blocks may hold the same key (a request that computed a block without hitting it
-//! caches its own copy); lookups return the first one inserted (spec §2). Keys live once, in a
-//! slab; the table stores slab indices, and each cached block remembers its slot, so eviction
-//! finds its key in O(1) without per-block key copies.
+//! caches its own copy); lookups return the first one inserted (spec §2). The lookup table
+//! holds each key with its first block inline (a hit reads one bucket); a slab holds each key
+//! with the ends of its list of blocks, linked through per-block arrays; each cached block
+//! remembers its key's slot. Insert, lookup and remove are O(1) however many duplicates a
+//! key has.
 
 use crate::hashing::Digest;
 use hashbrown::HashTable;
@@ -27,11 +29,14 @@ impl Key {
     }
 }
 
-/// A key's blocks beyond the lookup bucket: the full list, in insertion order (usually one).
-#[derive(Clone, Debug)]
+const NONE: u32 = u32::MAX;
+
+/// A key's blocks: a doubly linked list through per-block links, in insertion order.
+#[derive(Clone, Copy, Debug)]
 struct Entry {
     key: Key,
-    blocks: Vec<u32>,
+    head: u32,
+    tail: u32,
 }
 
 /// What a lookup touches: the key and its first block inline, so a hit reads one bucket.
@@ -42,34 +47,48 @@ struct Bucket {
     slot: u32,
 }
 
-/// The hash -> block map.
+/// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
     table: HashTable<Bucket>,
     slots: Vec<Entry>,
     free_slots: Vec<u32>,
+    /// Links between blocks cached under the same key (`NONE` at the ends).
+    dup_prev: Vec<u32>,
+    dup_next: Vec<u32>,
     build: hashbrown::DefaultHashBuilder,
 }
 
-impl Default for CacheMap {
-    fn default() -> Self {
+impl CacheMap {
+    /// An empty map for block ids below `num_blocks`.
+    pub fn new(num_blocks: usize) -> Self {
         CacheMap {
             table: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
+            dup_prev: vec![NONE; num_blocks],
+            dup_next: vec![NONE; num_blocks],
             build: hashbrown::DefaultHashBuilder::default(),
         }
     }
-}
 
-impl CacheMap {
-    /// Table hash of a key: its digests are already uniform, so 8 digest bytes and the group,
+    /// Bytes of per-block state (the duplicate-list links).
+    pub fn bytes_per_block() -> usize {
+        2 * std::mem::size_of::<u32>()
+    }
+
+    /// Table hash of a key: digests are already uniform, so 8 digest bytes and the group,
     /// mixed with this map's random seed (no flooding by crafted inputs), are enough.
     #[inline(always)]
-    fn hash_of(&self, key: &Key) -> u64 {
+    fn hash_with(build: &hashbrown::DefaultHashBuilder, key: &Key) -> u64 {
         let b = key.hash.as_bytes();
         let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-        self.build.hash_one((lo, key.group))
+        build.hash_one((lo, key.group))
+    }
+
+    #[inline(always)]
+    fn hash_of(&self, key: &Key) -> u64 {
+        Self::hash_with(&self.build, key)
     }
 
     /// Number of keys (`len(cached_block_hash_to_block)`).
@@ -93,11 +112,32 @@ impl CacheMap {
         self.find(key).map(|b| b.first)
     }
 
+    fn blocks_from(&self, head: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut b = head;
+        while b != NONE {
+            out.push(b);
+            b = self.dup_next[b as usize];
+        }
+        out
+    }
+
+    /// [`CacheMap::get_one`] for raw digest bytes (no key copy).
+    #[inline]
+    pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
+        if hash.len() < 8 {
+            return None;
+        }
+        let lo = u64::from_le_bytes([hash[0], hash[1], hash[2], hash[3], hash[4], hash[5], hash[6], hash[7]]);
+        let h = self.build.hash_one((lo, group));
+        self.table.find(h, |b| b.key.group == group && b.key.hash.as_bytes() == hash).map(|b| b.first)
+    }
+
     /// Every block cached under `key`, in insertion order.
-    pub fn get_all(&self, key: &Key) -> &[u32] {
+    pub fn get_all(&self, key: &Key) -> Vec<u32> {
         match self.find(key) {
-            Some(b) => &self.slots[b.slot as usize].blocks,
-            None => &[],
+            Some(b) => self.blocks_from(b.first),
+            None => Vec::new(),
         }
     }
 
@@ -106,17 +146,19 @@ impl CacheMap {
         self.get_all(key).contains(&block)
     }
 
-    /// Cache `block` under `key`; returns the key's slot (to be remembered by the block).
+    /// Cache `block` (which holds no key) under `key`, after any blocks already there; returns
+    /// the key's slot (to be remembered by the block). O(1).
     pub fn insert(&mut self, key: Key, block: u32) -> u32 {
+        debug_assert!(self.dup_prev[block as usize] == NONE && self.dup_next[block as usize] == NONE);
         if let Some(b) = self.find(&key) {
             let s = b.slot;
             let e = &mut self.slots[s as usize];
-            if !e.blocks.contains(&block) {
-                e.blocks.push(block);
-            }
+            self.dup_next[e.tail as usize] = block;
+            self.dup_prev[block as usize] = e.tail;
+            e.tail = block;
             return s;
         }
-        let entry = Entry { key, blocks: vec![block] };
+        let entry = Entry { key, head: block, tail: block };
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.slots[s as usize] = entry;
@@ -129,11 +171,7 @@ impl CacheMap {
         };
         let h = self.hash_of(&key);
         let build = &self.build;
-        self.table.insert_unique(h, Bucket { key, first: block, slot }, |b| {
-            let x = b.key.hash.as_bytes();
-            let lo = u64::from_le_bytes([x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]]);
-            build.hash_one((lo, b.key.group))
-        });
+        self.table.insert_unique(h, Bucket { key, first: block, slot }, |b| Self::hash_with(build, &b.key));
         slot
     }
 
@@ -144,22 +182,36 @@ impl CacheMap {
     }
 
     /// Remove `block` from `slot`'s key (`pop(key, block_id)`); the key goes when its last block
-    /// does. Returns the key if the block was cached under it.
+    /// does. Returns the key. O(1).
     pub fn remove(&mut self, slot: u32, block: u32) -> Option<Key> {
+        let (p, n) = (self.dup_prev[block as usize], self.dup_next[block as usize]);
         let e = &mut self.slots[slot as usize];
-        let pos = e.blocks.iter().position(|&b| b == block)?;
-        e.blocks.remove(pos);
-        let key = e.key;
-        let next_first = e.blocks.first().copied();
-        let h = self.hash_of(&key);
-        if let Ok(occ) = self.table.find_entry(h, |b| b.slot == slot) {
-            match next_first {
-                None => {
+        if p == NONE && e.head != block {
+            return None; // not cached under this key
+        }
+        self.dup_prev[block as usize] = NONE;
+        self.dup_next[block as usize] = NONE;
+        if p != NONE {
+            self.dup_next[p as usize] = n;
+        } else {
+            e.head = n;
+        }
+        if n != NONE {
+            self.dup_prev[n as usize] = p;
+        } else {
+            e.tail = p;
+        }
+        let (key, head) = (e.key, e.head);
+        if p == NONE {
+            // the first block changed: update (or drop) the lookup bucket
+            let h = self.hash_of(&key);
+            if let Ok(occ) = self.table.find_entry(h, |b| b.slot == slot) {
+                if head == NONE {
                     occ.remove();
-                    self.slots[slot as usize].blocks = Vec::new();
                     self.free_slots.push(slot);
+                } else {
+                    occ.into_mut().first = head;
                 }
-                Some(f) => occ.into_mut().first = f,
             }
         }
         Some(key)
@@ -170,10 +222,12 @@ impl CacheMap {
         self.table.clear();
         self.slots.clear();
         self.free_slots.clear();
+        self.dup_prev.iter_mut().for_each(|x| *x = NONE);
+        self.dup_next.iter_mut().for_each(|x| *x = NONE);
     }
 
     /// Every `(key, blocks)` pair (unordered).
-    pub fn iter(&self) -> impl Iterator<Item = (Key, &[u32])> + '_ {
-        self.table.iter().map(move |b| (b.key, self.slots[b.slot as usize].blocks.as_slice()))
+    pub fn iter(&self) -> impl Iterator<Item = (Key, Vec<u32>)> + '_ {
+        self.table.iter().map(move |b| (b.key, self.blocks_from(b.first)))
     }
 }

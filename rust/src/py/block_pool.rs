@@ -13,19 +13,51 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-/// Block ids from a sequence of ints or an integer array; each must be a valid u32.
-pub fn block_ids_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
+/// Block ids from a list of ints, a 1-D integer array (int32 arrays are read in place) or any
+/// sequence of ints; each must fit in u32. `f` gets them as a slice.
+pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32]) -> PyResult<R>) -> PyResult<R> {
+    let bad = |i: usize, v: i64| value_err(&format!("{arg}[{i}]"), format!("{v} is not a block id"));
+    if let Ok(list) = obj.cast::<PyList>() {
+        if let Some(v) = super::convert::list_i64(list, 0, list.len()) {
+            let mut out = Vec::with_capacity(v.len());
+            for (i, &x) in v.iter().enumerate() {
+                out.push(u32::try_from(x).map_err(|_| bad(i, x))?);
+            }
+            return f(&out);
+        }
+        let mut out = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            let v: i64 = item.extract().map_err(|_| type_err(&format!("{arg}[{i}]"), "block ids must be int"))?;
+            out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
+        }
+        return f(&out);
+    }
     let toks = extract_tokens(obj, arg, 0)?;
-    let conv = |v: i64, i: usize| -> PyResult<u32> {
-        u32::try_from(v).map_err(|_| value_err(&format!("{arg}[{i}]"), format!("{v} is not a block id")))
-    };
     match &toks {
-        Tokens::I64(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v, i)).collect(),
-        Tokens::I32(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v as i64, i)).collect(),
-        Tokens::U32(b) => Ok(b.as_slice().to_vec()),
-        Tokens::U64(b) => b.as_slice().iter().enumerate().map(|(i, &v)| conv(v.min(i64::MAX as u64) as i64, i)).collect(),
+        Tokens::I32(b) => {
+            let s = b.as_slice();
+            if let Some(i) = s.iter().position(|&v| v < 0) {
+                return Err(bad(i, s[i] as i64));
+            }
+            // SAFETY: every value is non-negative, so the i32 and u32 bit patterns agree.
+            f(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u32, s.len()) })
+        }
+        Tokens::U32(b) => f(b.as_slice()),
+        Tokens::I64(b) => {
+            let v = b.as_slice().iter().enumerate().map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v))).collect::<PyResult<Vec<u32>>>()?;
+            f(&v)
+        }
+        Tokens::U64(b) => {
+            let v = b.as_slice().iter().enumerate().map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v.min(i64::MAX as u64) as i64))).collect::<PyResult<Vec<u32>>>()?;
+            f(&v)
+        }
         Tokens::Big(_) => Err(value_err(arg, "block ids must fit in 32 bits")),
     }
+}
+
+/// Block ids as an owned vector (see [`with_block_ids`]).
+pub fn block_ids_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
+    with_block_ids(obj, arg, |s| Ok(s.to_vec()))
 }
 
 /// Read `hashes[i]` from a Python list of bytes.
@@ -41,11 +73,34 @@ pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::erro
         if pyo3::ffi::PyBytes_Check(item) == 0 {
             return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
         }
-        let n = pyo3::ffi::PyBytes_Size(item) as usize;
-        let p = pyo3::ffi::PyBytes_AsString(item) as *const u8;
+        let n = pyo3::ffi::Py_SIZE(item) as usize;
+        let p = pyo3::ffi::PyBytes_AS_STRING(item) as *const u8;
         Digest::from_slice(std::slice::from_raw_parts(p, n)).ok_or_else(|| {
             crate::error::Error::value(arg, format!("a block hash must be 16 or 32 bytes, got {n}"))
         })
+    }
+}
+
+/// The raw bytes of `hashes[i]` (a 16- or 32-byte bytes object), borrowed from the list item.
+///
+/// # Safety-relevant contract
+/// The slice is valid while the list holds the item and no Python code runs.
+#[inline(always)]
+pub fn list_hash_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<&'a [u8]> {
+    if i >= list.len() {
+        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
+    }
+    // SAFETY: i < len with the GIL held; the item is kept alive by the list for the borrow.
+    unsafe {
+        let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+        if pyo3::ffi::PyBytes_Check(item) == 0 {
+            return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
+        }
+        let n = pyo3::ffi::Py_SIZE(item) as usize;
+        if n != 16 && n != 32 {
+            return Err(crate::error::Error::value(arg, format!("a block hash must be 16 or 32 bytes, got {n}")));
+        }
+        Ok(std::slice::from_raw_parts(pyo3::ffi::PyBytes_AS_STRING(item) as *const u8, n))
     }
 }
 
@@ -55,7 +110,11 @@ pub fn key_bytes<'py>(py: Python<'py>, key: &Key) -> Bound<'py, PyBytes> {
 }
 
 pub fn ids_array<'py>(py: Python<'py>, ids: Vec<u32>) -> Bound<'py, PyArray1<i32>> {
-    PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
+    // block ids are < 2^31 (checked at pool creation), so the bits are the same
+    let mut ids = std::mem::ManuallyDrop::new(ids);
+    // SAFETY: u32 and i32 have the same size and alignment; the allocation is reused as is.
+    let v = unsafe { Vec::from_raw_parts(ids.as_mut_ptr() as *mut i32, ids.len(), ids.capacity()) };
+    PyArray1::from_vec(py, v)
 }
 
 /// The Rust block pool (vLLM 0.33.0 semantics: block ids and free-queue order identical).
@@ -167,16 +226,38 @@ impl PyBlockPool {
     /// Blocks reaching 0 return to the free queue: unhashed to the head, hashed to the tail.
     /// Raises ValueError, changing nothing, for an id out of range, the null block or a double
     /// free.
-    fn free_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = block_ids_of(ids, "block_ids")?;
-        self.inner.free_blocks(&ids, false).py_err()
+    /// With `reverse=True` the ids are freed last to first (pass a request's table as is).
+    #[pyo3(signature = (ids, reverse=false))]
+    fn free_ids(&mut self, ids: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
+        let inner = &mut self.inner;
+        with_block_ids(ids, "block_ids", |s| {
+            if reverse {
+                let r: Vec<u32> = s.iter().rev().copied().collect();
+                inner.free_blocks(&r, false).py_err()
+            } else {
+                inner.free_blocks(s, false).py_err()
+            }
+        })
     }
 
     /// Take one reference per block; free (cached) blocks leave the free queue. Raises for
     /// the null block or an id out of range, changing nothing.
     fn touch_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let ids = block_ids_of(ids, "block_ids")?;
-        self.inner.touch(&ids, false).py_err()
+        let inner = &mut self.inner;
+        with_block_ids(ids, "block_ids", |s| inner.touch(s, false).py_err())
+    }
+
+    /// Allocate one block and return its id (`allocate_ids(1)` without the array).
+    fn allocate_id(&mut self) -> PyResult<u32> {
+        let mut out = Vec::with_capacity(1);
+        self.inner.get_new_blocks(1, &mut out).py_err()?;
+        Ok(out[0])
+    }
+
+    /// Drop one reference on one block (`free_ids([block_id])` without the list).
+    fn free_id(&mut self, block_id: i64) -> PyResult<()> {
+        let b = u32::try_from(block_id).map_err(|_| value_err("block_id", format!("{block_id} is not a block id")))?;
+        self.inner.free_blocks(&[b], false).py_err()
     }
 
     /// Cache `block_ids[i]` under `(block_hashes[i], group_id)` for
@@ -228,13 +309,26 @@ impl PyBlockPool {
         let n = max_blocks.unwrap_or(usize::MAX).min(seq.len());
         let mut out = Vec::new();
         for i in 0..n {
-            let d = list_digest(seq, i, "block_hashes").py_err()?;
-            match self.inner.lookup(&d, group_id) {
+            let h = list_hash_bytes(seq, i, "block_hashes").py_err()?;
+            match self.inner.lookup_bytes(h, group_id) {
                 Some(b) => out.push(b),
                 None => break,
             }
         }
         Ok(ids_array(py, out))
+    }
+
+    /// For each hash, the first block cached under `(hash, group_id)`, or -1: int32
+    /// `[len(block_hashes)]` (per-block `get_cached_block`, no prefix stop, no ref changes).
+    #[pyo3(signature = (block_hashes, group_id=0))]
+    fn lookup_ids<'py>(&self, py: Python<'py>, block_hashes: &Bound<'py, PyAny>, group_id: u32) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
+        let mut out = Vec::with_capacity(seq.len());
+        for i in 0..seq.len() {
+            let h = list_hash_bytes(seq, i, "block_hashes").py_err()?;
+            out.push(self.inner.lookup_bytes(h, group_id).map(|b| b as i32).unwrap_or(-1));
+        }
+        Ok(PyArray1::from_vec(py, out))
     }
 
     /// Drop the cache keys of these blocks (ref counts and queue position unchanged).
@@ -280,7 +374,7 @@ impl PyBlockPool {
     fn cached_items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (k, blocks) in self.inner.cache_map().iter() {
-            d.set_item(key_bytes(py, &k), blocks.to_vec())?;
+            d.set_item(key_bytes(py, &k), blocks)?;
         }
         Ok(d)
     }
@@ -306,7 +400,7 @@ impl PyBlockPool {
         let (h, g) = b.split_at(b.len() - 4);
         let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
         let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
-        Ok(self.inner.cache_map().get_all(&Key { hash, group }).to_vec())
+        Ok(self.inner.cache_map().get_all(&Key { hash, group }))
     }
 
     /// Check internal invariants; raises RuntimeError on a violation (for tests).

@@ -335,7 +335,7 @@ pub fn extract_token_range(
 
 /// `list[start:end]` as i64 if every item is an exact int of at most 62 bits (the common
 /// case), read without touching reference counts; `None` to take the general path.
-fn list_i64(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
+pub fn list_i64(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
     let mut out = Vec::with_capacity(end - start);
     let p = list.as_ptr();
     for i in start..end {

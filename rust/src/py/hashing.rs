@@ -216,3 +216,105 @@ pub fn hash_blocks<'py>(
     .py_err()?;
     PyList::new(py, digests.iter().map(|d| PyBytes::new(py, d.as_bytes())))
 }
+
+/// vLLM's request block hasher in one Rust call: `hasher(request)` hashes the request's newly
+/// completed full blocks (from `len(request.block_hashes) * block_size`), chained from
+/// `request.block_hashes[-1]` (or NONE_HASH), with per-block extra keys assembled in Python
+/// only when the request has LoRA, multimodal items, a salt or prompt embeds. It does not
+/// mutate the request. `block_size` and `num_hash_lookahead_tokens` are exposed so a request
+/// can skip calls that cannot complete a block.
+#[pyclass(module = "kvblock._core", name = "RequestBlockHasher", frozen)]
+pub struct PyRequestBlockHasher {
+    hash_fn: Py<PyHashFunction>,
+    algo: HashAlgo,
+    block_size: usize,
+    lookahead: usize,
+    /// `extra_keys(request, start, num_blocks, block_size, lookahead) -> list`
+    extra_keys: Py<PyAny>,
+    /// `root() -> bytes`: the current NONE_HASH (initialised on first use).
+    root: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyRequestBlockHasher {
+    #[new]
+    fn new(
+        block_size: i64,
+        hash_fn: Bound<'_, PyHashFunction>,
+        num_hash_lookahead_tokens: i64,
+        extra_keys: Py<PyAny>,
+        root: Py<PyAny>,
+    ) -> PyResult<Self> {
+        if block_size <= 0 {
+            return Err(value_err("block_size", format!("must be > 0, got {block_size}")));
+        }
+        if num_hash_lookahead_tokens < 0 {
+            return Err(value_err("num_hash_lookahead_tokens", "must be >= 0"));
+        }
+        let algo = hash_fn.get().algo;
+        Ok(PyRequestBlockHasher {
+            hash_fn: hash_fn.unbind(),
+            algo,
+            block_size: block_size as usize,
+            lookahead: num_hash_lookahead_tokens as usize,
+            extra_keys,
+            root,
+        })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    #[getter]
+    fn num_hash_lookahead_tokens(&self) -> usize {
+        self.lookahead
+    }
+
+    #[getter]
+    fn hash_fn(&self, py: Python<'_>) -> Py<PyHashFunction> {
+        self.hash_fn.clone_ref(py)
+    }
+
+    fn __call__<'py>(&self, py: Python<'py>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        use pyo3::intern;
+        let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let hashes = hashes.cast::<PyList>().map_err(|_| type_err("request.block_hashes", "must be a list"))?;
+        let tokens = request.getattr(intern!(py, "_all_token_ids"))?;
+        let num_tokens = tokens.len()?;
+        let bs = self.block_size;
+        let start = hashes.len() * bs;
+        let avail = num_tokens.saturating_sub(self.lookahead + start);
+        let num_new = avail / bs;
+        if num_new == 0 {
+            return Ok(PyList::empty(py));
+        }
+        let parent = if hashes.is_empty() {
+            self.root.bind(py).call0()?
+        } else {
+            hashes.get_item(hashes.len() - 1)?
+        };
+        let has_extra = self.lookahead > 0
+            || request.getattr(intern!(py, "lora_request"))?.is_truthy()?
+            || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
+            || request.getattr(intern!(py, "cache_salt"))?.is_truthy()?
+            || !request.getattr(intern!(py, "prompt_embeds"))?.is_none();
+        let extra = if has_extra {
+            Some(self.extra_keys.bind(py).call1((request, start, num_new, bs, self.lookahead))?)
+        } else {
+            None
+        };
+        let algo = self.hash_fn.bind(py).clone().into_any();
+        hash_blocks(py, &algo, &tokens, bs as i64, &parent, extra.as_ref(), start as i64, Some((start + num_new * bs) as i64))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RequestBlockHasher(block_size={}, hash_fn='{}', num_hash_lookahead_tokens={})",
+            self.block_size,
+            self.algo.name(),
+            self.lookahead
+        )
+    }
+}

@@ -18,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?,
     )?;
     m.add_class::<hashing::PyHashFunction>()?;
+    m.add_class::<hashing::PyRequestBlockHasher>()?;
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;

@@ -1,0 +1,606 @@
+"""Reference KV cache manager: vLLM 0.33.0's ``KVCacheManager`` for one KV-cache group.
+
+Plain Python, written for reading (spec §5, §6.2). The manager owns a :class:`BlockPool`
+and, per request, its block table (``req_to_blocks``) and the number of its blocks already
+cached (``num_cached_block``). The scheduler drives it:
+
+* :meth:`KVCacheManager.get_computed_blocks` finds the longest cached prefix of a new
+  request (never its last token) without taking references;
+* :meth:`KVCacheManager.allocate_slots` checks capacity first (returning None with no side
+  effect when blocks are short), then adopts the hit blocks, allocates new ones and caches
+  every block that became full;
+* :meth:`KVCacheManager.free` returns a request's blocks, tail first.
+
+The group is full attention by default, or sliding-window attention when ``sliding_window``
+is given (hits need a full window of contiguous cached blocks; blocks that fall out of the
+window are replaced by the null block and freed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..events import BlockStored, KVCacheEvent
+from ..request import RequestStatus
+from ..stats import PrefixCacheStats
+from . import hashing as ref_hashing
+from .block_pool import BlockPool, KVCacheBlock, _check_count
+
+__all__ = ["KVCacheBlocks", "KVCacheManager"]
+
+logger = logging.getLogger(__name__)
+
+#: ``max_model_len`` when none is given: no request is too long.
+DEFAULT_MAX_MODEL_LEN = 2**31 - 1
+_KV_CACHE_GROUP_ID = 0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class KVCacheBlocks:
+    """Blocks handed between the manager and the scheduler (vLLM 0.33.0 ``KVCacheBlocks``).
+
+    ``blocks[g][j]`` is the ``j``-th block of KV-cache group ``g``. A group with no blocks is
+    an empty tuple; the manager's shared ``empty_kv_cache_blocks`` is made of tuples only, so
+    it cannot be mutated.
+    """
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        """Per-group concatenation into new lists."""
+        return KVCacheBlocks(
+            tuple(list(itertools.chain(mine, theirs)) for mine, theirs in zip(self.blocks, other.blocks))
+        )
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids per group; None instead of empty lists if ``allow_none`` and every group
+        is empty."""
+        if allow_none and all(len(group) == 0 for group in self.blocks):
+            return None
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the blocks without a cache key (single group only).
+
+        Raises:
+            ValueError: there is more than one group.
+        """
+        if len(self.blocks) != 1:
+            raise ValueError("get_unhashed_block_ids supports exactly one KV-cache group")
+        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
+
+    def new_empty(self) -> KVCacheBlocks:
+        """A new instance with the same number of groups and no blocks."""
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+class KVCacheManager:
+    """vLLM 0.33.0's ``KVCacheManager`` over a single KV-cache group (spec §5).
+
+    Args:
+        num_blocks: blocks in the pool, including the null block 0.
+        block_size: tokens per block (also the hash block size).
+        enable_caching: automatic prefix caching on/off.
+        hash_algo: ``"sha256"``, ``"sha256_cbor"``, ``"xxhash"`` or ``"xxhash_cbor"``; the
+            reference :data:`~kvblock.reference.hashing.NONE_HASH` is initialised with it
+            unless it already was (with this algorithm).
+        max_model_len: the longest sequence in tokens (None: ``2**31 - 1``).
+        log_stats: collect :class:`PrefixCacheStats`.
+        enable_kv_cache_events: queue KV events (:meth:`take_events`).
+        use_eagle: EAGLE speculative decoding: a prefix hit drops its last block.
+        watermark: fraction of ``num_blocks`` kept free when admitting waiting or preempted
+            requests while others are scheduled.
+        sliding_window: if set, the group is sliding-window attention over this many tokens.
+
+    Requests must be built with ``block_hasher=manager.request_block_hasher``.
+
+    Raises:
+        TypeError / ValueError: invalid sizes, algorithm or watermark.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        max_model_len: int | None = None,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        use_eagle: bool = False,
+        watermark: float = 0.0,
+        sliding_window: int | None = None,
+    ) -> None:
+        _check_count("block_size", block_size)
+        if block_size < 1:
+            raise ValueError("block_size: must be > 0")
+        if max_model_len is None:
+            max_model_len = DEFAULT_MAX_MODEL_LEN
+        _check_count("max_model_len", max_model_len)
+        if not watermark >= 0.0:
+            raise ValueError(f"watermark: must be >= 0, got {watermark}")
+        if sliding_window is not None:
+            _check_count("sliding_window", sliding_window)
+            if sliding_window < 1:
+                raise ValueError("sliding_window: must be > 0")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.sliding_window = sliding_window
+        self.hash_fn = ref_hashing.get_hash_fn_by_name(hash_algo)
+        if not self._root_made_by(self.hash_fn):
+            ref_hashing.init_none_hash(self.hash_fn)
+        self.request_block_hasher = ref_hashing.get_request_block_hasher(block_size, self.hash_fn)
+
+        self.block_pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        if sliding_window is None:
+            self._event_metadata: tuple[str, int | None] = ("full_attention", None)
+            self._contiguous_blocks_for_hit = 0
+        else:
+            self._event_metadata = ("sliding_window", sliding_window)
+            # The current token is part of its own window, hence the -1.
+            self._contiguous_blocks_for_hit = _cdiv(sliding_window - 1, block_size) + int(use_eagle)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @staticmethod
+    def _root_made_by(hash_fn: Any) -> bool:
+        root, seed = ref_hashing.NONE_HASH, ref_hashing._NONE_HASH_SEED
+        return root is not None and seed is not None and hash_fn(seed) == root
+
+    # -- properties and stats --------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """KV-cache usage between 0.0 and 1.0 (the null block is not counted)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the stats collected so far and start a fresh object (None if not logging)."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Record an admission: ``request.num_tokens`` queried, ``num_hits`` tokens hit.
+
+        Does nothing unless ``log_stats`` is on and the request reads the prefix cache
+        (caching on and not ``request.skip_reading_prefix_cache``). A request with
+        ``num_preemptions > 0`` counts only in the ``preempted_*`` fields.
+        """
+        if not self.log_stats or not self._reads_prefix_cache(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def _reads_prefix_cache(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    # -- prefix lookup -----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """The longest cached prefix of ``request``: ``(blocks, num_computed_tokens, 0)``.
+
+        The hit is capped at ``request.num_tokens - 1`` tokens (the last token is always
+        recomputed to produce logits) and is block aligned, so a fully cached block-aligned
+        prompt loses its whole last block. Reference counts are not changed (that happens in
+        :meth:`allocate_slots`). Returns ``(empty_kv_cache_blocks, 0, 0)`` when caching is off
+        or the request skips reading the cache. With events on and
+        ``request.kv_cache_report_mode == "full"``, a hit is reported as one ``BlockStored``
+        (parent None, tokens from 0). The third element, the hybrid shared-prefix boundary,
+        is always 0 for a single group.
+        """
+        if not self._reads_prefix_cache(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        max_cache_hit_length = max(request.num_tokens - 1, 0)
+        blocks = self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        num_computed_tokens = len(blocks) * self.block_size
+        if (
+            blocks
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            self.block_pool.emit_cached_block_events(
+                request, len(blocks), self.block_size, _KV_CACHE_GROUP_ID
+            )
+        return self.create_kv_cache_blocks((blocks,)), num_computed_tokens, 0
+
+    def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[KVCacheBlock]:
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        if self.sliding_window is None:
+            return self._full_attention_hit(block_hashes, num_blocks)
+        return self._sliding_window_hit(block_hashes, num_blocks)
+
+    def _full_attention_hit(self, block_hashes: Sequence[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        """Left to right until the first miss (hashes are chained: later blocks miss too)."""
+        pool, group_ids = self.block_pool, [_KV_CACHE_GROUP_ID]
+        hit: list[KVCacheBlock] = []
+        for i in range(num_blocks):
+            cached = pool.get_cached_block(block_hashes[i], group_ids)
+            if cached is None:
+                break
+            hit.append(cached[0])
+        if self.use_eagle and hit:
+            hit.pop()
+        return hit
+
+    def _sliding_window_hit(self, block_hashes: Sequence[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        """Right to left for a window's worth of contiguous cached blocks (spec §6.2).
+
+        Positions left of the window are the null block. Without a full window anywhere, the
+        contiguous run starting at block 0 is the hit. EAGLE needs one more block and drops it.
+        """
+        pool, group_ids = self.block_pool, [_KV_CACHE_GROUP_ID]
+        needed = self._contiguous_blocks_for_hit
+        hit: list[KVCacheBlock] = [pool.null_block] * num_blocks
+        run = 0
+        for i in range(num_blocks - 1, -1, -1):
+            cached = pool.get_cached_block(block_hashes[i], group_ids)
+            if cached is None:
+                run = 0
+                continue
+            hit[i] = cached[0]
+            run += 1
+            if run >= needed:
+                del hit[i + run :]
+                break
+        else:
+            del hit[run:]
+        if self.use_eagle and hit:
+            hit.pop()
+        return hit
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Sequence[int] = (),
+    ) -> KVCacheBlocks | None:
+        """Give ``request`` slots for ``num_new_tokens`` more tokens (spec §5.3).
+
+        Token layout: ``| computed | new_computed | external | new | lookahead |`` where
+        ``computed = request.num_computed_tokens``. In order: check the arguments; free blocks
+        that fell out of the sliding window; count the blocks needed, including hit blocks
+        that are currently free (adopting them takes them out of the free pool); return None
+        if they do not fit (no state changed); adopt the hit blocks (``touch``); allocate the
+        new blocks; cache every block that is now full, up to ``request.num_tokens`` (draft
+        tokens are never cached) unless ``delay_cache_blocks``.
+
+        Args:
+            request: the request (its ``num_computed_tokens`` is not changed here).
+            num_new_tokens: tokens to compute in this step.
+            num_new_computed_tokens: tokens covered by ``new_computed_blocks``.
+            new_computed_blocks: the prefix hit from :meth:`get_computed_blocks` (new
+                requests only).
+            num_lookahead_tokens: speculative tokens that need slots but are not cached.
+            num_external_computed_tokens: tokens a KV connector provides.
+            delay_cache_blocks: skip caching (KV arriving asynchronously).
+            num_encoder_tokens: cross-attention tokens (unused by this single
+                decoder group).
+            full_sequence_must_fit: first require room for the whole ``request.num_tokens``.
+            reserved_blocks: free blocks to leave untouched.
+            has_scheduled_reqs: whether other requests run this step (enables the watermark
+                for WAITING/PREEMPTED requests).
+            skip_zeroing_group_ids: groups whose new blocks need no zeroing (no effect here).
+
+        Returns:
+            The newly allocated blocks only (not the hit blocks); ``empty_kv_cache_blocks`` if
+            none were needed; None if the pool is short.
+
+        Raises:
+            TypeError / ValueError: negative or non-int counts; ``num_new_tokens == 0`` with
+                nothing to adopt; a request longer than ``max_model_len``; hit blocks whose
+                count does not match ``num_new_computed_tokens``, or given for a request that
+                already holds blocks. Nothing is changed.
+        """
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+            ("reserved_blocks", reserved_blocks),
+        ):
+            _check_count(name, value)
+        # 1. There must be something to compute or to adopt.
+        if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        request_id = request.request_id
+        hit_blocks = self._new_computed_block_list(request_id, new_computed_blocks)
+        if len(hit_blocks) * self.block_size != num_new_computed_tokens:
+            raise ValueError(
+                f"num_new_computed_tokens ({num_new_computed_tokens}) must equal the hit blocks' "
+                f"tokens ({len(hit_blocks)} blocks x {self.block_size})"
+            )
+        adopts_hit = (
+            new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks
+        )
+
+        # 2. Computed tokens: local (already computed + prefix hit) and external.
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_uncapped_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        total_computed_tokens = min(num_uncapped_computed_tokens, self.max_model_len)
+
+        # 3. The watermark applies to admissions while other requests are scheduled.
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+
+        free_blocks = self.block_pool.get_num_free_blocks()
+        # 4. Admission gate: the whole sequence must fit.
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            needed = self._get_num_blocks_to_allocate(
+                request_id, full_num_tokens, hit_blocks, total_computed_tokens
+            )
+            if needed + watermark_blocks > free_blocks:
+                return None
+
+        # 5. Tokens that need a slot.
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+
+        # 6. Free out-of-window blocks, on the processed-token basis (in-flight steps still
+        #    read blocks below the optimistic boundary). Runs even if allocation fails.
+        self.remove_skipped_blocks(
+            request_id, max(0, total_computed_tokens - request.num_in_flight_tokens)
+        )
+
+        # 7-8. Capacity check before any state change.
+        needed = self._get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hit_blocks, num_uncapped_computed_tokens
+        )
+        if needed + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
+            return None
+
+        # 9. Adopt the prefix hit (and allocate blocks for external tokens).
+        if adopts_hit or num_external_computed_tokens > 0:
+            self._allocate_new_computed_blocks(
+                request_id, hit_blocks, num_local_computed_tokens, num_external_computed_tokens
+            )
+
+        # 10. New blocks for the tokens to compute.
+        new_blocks = self._allocate_new_blocks(request_id, num_tokens_need_slot)
+
+        # 11-12. Cache the blocks that became full (never unverified draft tokens).
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
+
+        # 13. Only the newly allocated blocks.
+        return self.create_kv_cache_blocks((new_blocks,))
+
+    def _new_computed_block_list(
+        self, request_id: str, new_computed_blocks: KVCacheBlocks | None
+    ) -> Sequence[KVCacheBlock]:
+        if new_computed_blocks is None:
+            return ()
+        if not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise TypeError(
+                f"new_computed_blocks: expected KVCacheBlocks, got {type(new_computed_blocks).__name__}"
+            )
+        if len(new_computed_blocks.blocks) != 1:
+            raise ValueError("new_computed_blocks: expected exactly one KV-cache group")
+        blocks = new_computed_blocks.blocks[0]
+        if blocks and request_id in self.req_to_blocks:
+            raise ValueError(
+                f"request {request_id} already holds blocks and cannot adopt new computed blocks"
+            )
+        return blocks
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that attention no longer reads: 0 for full attention,
+        ``max(0, n - sliding_window + 1)`` for a sliding window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def _get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+    ) -> int:
+        """Blocks ``allocate_slots`` would take from the free pool for ``num_tokens`` slots.
+
+        A running request needs ``cdiv(num_tokens, B) - len(table)``. A new one needs the
+        blocks not covered by its hit (or by skipped out-of-window positions), plus each hit
+        block inside the window that is currently free: adopting it removes it from the pool.
+        """
+        num_required_blocks = _cdiv(num_tokens, self.block_size)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:
+            return max(num_required_blocks - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_computed_blocks = len(new_computed_blocks) + num_req_blocks
+        num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_computed_blocks), 0)
+        num_skipped_hit_blocks = max(0, num_skipped_blocks - num_req_blocks)
+        num_evictable_blocks = sum(
+            1
+            for block in new_computed_blocks[num_skipped_hit_blocks:]
+            if block.ref_cnt == 0 and not block.is_null
+        )
+        return num_new_blocks + num_evictable_blocks
+
+    def _allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Touch the hit blocks and start the request's table with them (null blocks for
+        out-of-window positions), then allocate blocks for external tokens."""
+        if request_id in self.num_cached_block:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total_computed_tokens)
+        num_skipped_blocks = num_skipped_tokens // self.block_size
+        in_window = new_computed_blocks[num_skipped_blocks:]
+        if self.enable_caching:
+            self.block_pool.touch(in_window)
+        req_blocks.extend([self.block_pool.null_block] * num_skipped_blocks)
+        req_blocks.extend(in_window)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+        if num_skipped_tokens > 0:
+            num_external_computed_tokens = min(
+                num_total_computed_tokens - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens > 0:
+            req_blocks.extend(
+                self.block_pool.get_new_blocks(
+                    _cdiv(num_total_computed_tokens, self.block_size) - len(req_blocks)
+                )
+            )
+
+    def _allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new_blocks = _cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Cache the request's blocks that are full within its first ``num_computed_tokens``
+        tokens and not cached yet (no-op when caching is off).
+
+        Only blocks with a hash count as full: ``min(n, len(block_hashes) * B) // B``.
+        """
+        if not self.enable_caching:
+            return
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_hashed_tokens = len(request.block_hashes) * self.block_size
+        num_full_blocks = min(num_computed_tokens, num_hashed_tokens) // self.block_size
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks.get(request_id, []),
+            num_cached_blocks,
+            num_full_blocks,
+            self.block_size,
+            _KV_CACHE_GROUP_ID,
+        )
+        self.num_cached_block[request_id] = num_full_blocks
+
+    # -- release ---------------------------------------------------------------------------
+    def free(self, request: Any) -> None:
+        """Return all of the request's blocks to the pool, tail first, and forget it.
+
+        Its unhashed blocks go to the head of the free queue, its cached blocks to the tail,
+        each in reverse table order, so a chain is evicted from its deepest block. Freeing an
+        unknown or already freed request does nothing.
+        """
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Replace the blocks before the attention window by the null block and free them.
+
+        ``num_computed_tokens`` counts fully processed tokens only. The blocks are freed
+        tail first; the scan stops at the first block that already is null. No-op for full
+        attention and for unknown requests.
+        """
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null_block = self.block_pool.null_block
+        removed: list[KVCacheBlock] = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null_block:
+                break
+            removed.append(blocks[i])
+            blocks[i] = null_block
+        if removed:
+            self.block_pool.free_blocks(removed)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the given blocks from the prefix cache (see :meth:`BlockPool.evict_blocks`)."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache if no block is in use; on success mark the stats ``reset``."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -- inspection --------------------------------------------------------------------------
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33.0 (cascade attention was removed): always ``[0]``."""
+        return [0]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The queued KV events; each ``BlockStored`` is annotated with the group's spec kind
+        (``"full_attention"`` or ``"sliding_window"``) and sliding window."""
+        events = self.block_pool.take_events()
+        kind, window = self._event_metadata
+        for event in events:
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if event.group_idx != _KV_CACHE_GROUP_ID:
+                logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                continue
+            event.kv_cache_spec_kind = kind
+            event.kv_cache_spec_sliding_window = window
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's block table (a copy); empty for an unknown request."""
+        return self.create_kv_cache_blocks((list(self.req_to_blocks.get(request_id, ())),))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap per-group block lists; the shared ``empty_kv_cache_blocks`` if all are empty."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
