@@ -25,11 +25,13 @@ def manager_factory(impl):
     )
 
 
-@pytest.fixture(scope="module", params=sorted(IMPLS))
+@pytest.fixture(scope="module", params=sorted(IMPLS) + ["kvblock-batch"])
 def replay(request):
-    """The full workload run once per implementation."""
-    impl = IMPLS[request.param]
-    return W.run_e2e(manager_factory(impl), hashing_module=impl.hashing)
+    """The full workload run once per implementation (and once through kvblock's batch step
+    API: ``allocate_slots_batch`` + ``hash_requests``)."""
+    batch = request.param == "kvblock-batch"
+    impl = IMPLS["kvblock" if batch else request.param]
+    return W.run_e2e(manager_factory(impl), hashing_module=impl.hashing, batch=batch)
 
 
 def test_every_record_matches_the_vllm_trace(replay, vllm_trace):
@@ -77,9 +79,14 @@ def test_small_run_options_and_timing_accounting(impl_name):
     assert result.records == []
     assert result.steps == 3 * 128
     assert (result.hits, result.queries) == (7 * 1536, 10 * 2048)  # 8 shared, the first misses
-    assert (result.lookup_ns, result.prefill_alloc_ns, result.free_ns) == (10, 10, 10)
-    assert result.decode_alloc_ns == result.num_decode_calls == 10 * 127
-    assert result.hashing_ns == 10 + 10 * 128  # request creations + output appends
+    # the clock is read around phases: one tick per admission lookup / allocation, per step
+    # with decodes, per step with frees, per step with hashing (new prompts, then outputs)
+    assert (result.lookup_ns, result.prefill_alloc_ns) == (10, 10)
+    assert result.num_decode_calls == 10 * 127
+    steps_with_decodes = 3 * 127  # each wave: 127 decode steps after its prefill step
+    assert result.decode_alloc_ns == steps_with_decodes
+    assert result.free_ns == 3  # one finishing step per wave
+    assert result.hashing_ns == 3 + 3 * 128  # a prompt batch per wave + one update per step
     assert os.environ.get("PYTHONHASHSEED") == env and impl.hashing.NONE_HASH == root
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "get_request_block_hasher",
     "hash_block_tokens",
     "hash_blocks",
+    "hash_requests",
     "init_none_hash",
     "make_block_hash_with_group_id",
     "maybe_convert_block_hash",
@@ -271,6 +272,24 @@ def get_request_block_hasher(
         return out
 
     return request_block_hasher
+
+
+def hash_requests(requests: list[Any]) -> int:
+    """Bring the ``block_hashes`` of many requests up to date in one call.
+
+    The batch form of ``request.update_block_hashes()`` for a scheduler step: requests whose
+    hasher comes from :func:`get_request_block_hasher` with a kvblock hash function are hashed
+    in Rust — on several threads, without the GIL, when there is enough work (e.g. the
+    prompts of the step's new requests); other hashers are called as usual. Results are
+    identical to per-request updates.
+
+    Args:
+        requests: a list of :class:`kvblock.Request`.
+
+    Returns:
+        The number of blocks hashed in Rust.
+    """
+    return _core.hash_requests(requests)
 
 
 def _request_extra_keys(

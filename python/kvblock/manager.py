@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from . import _core, hashing
 from .block_pool import BlockPool, KVCacheBlock
 from .events import BlockStored, KVCacheEvent
-from .request import RequestStatus
+from .request import Request, RequestStatus
 from .stats import PrefixCacheStats
 
 __all__ = ["KVCacheBlocks", "KVCacheManager"]
@@ -27,7 +27,8 @@ DEFAULT_MAX_MODEL_LEN = 1 << 40
 class KVCacheBlocks:
     """vLLM's allocation result: ``blocks[g][j]`` is the ``j``-th block of group ``g``.
 
-    Backed by block ids (``get_block_ids()`` costs no per-block object); ``blocks`` builds
+    Backed by block ids (a ``kvblock._core.BlockIds`` when the manager made it: no Python int
+    per block until they are read); ``blocks`` builds
     :class:`~kvblock.block_pool.KVCacheBlock` views on first use.
     """
 
@@ -63,7 +64,7 @@ class KVCacheBlocks:
         groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
         if allow_none and all(len(g) == 0 for g in groups):
             return None
-        return tuple(list(g) for g in groups)
+        return tuple(g.tolist() if isinstance(g, _core.BlockIds) else list(g) for g in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the blocks without a block hash (single group)."""
@@ -170,6 +171,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
             lambda ids: KVCacheBlocks._from_ids(pool, (ids,)),
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
+            Request,
         )
         if enable_caching and (hashing.NONE_HASH is None or hashing._NONE_HASH_ALGO != hash_algo):
             hashing.init_none_hash(self.hash_fn)

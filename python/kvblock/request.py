@@ -149,6 +149,9 @@ def _mm_features(mm_features: Iterable[Any] | None) -> list[MultiModalFeatureSpe
 class Request:
     """A request as the KV cache manager sees it (vLLM 0.33.0 names).
 
+    Fields are slots (the manager reads several per scheduler call); other attributes can
+    still be attached.
+
     Args:
         request_id: unique id (str).
         prompt_token_ids: the prompt (a sequence of int); ``None`` with ``prompt_embeds``
@@ -168,6 +171,16 @@ class Request:
         ValueError: an invalid salt or multimodal layout; TypeError: non-integer token ids
             (raised by the hasher, before the request exists).
     """
+
+    __slots__ = (
+        "request_id", "sampling_params", "pooling_params", "eos_token_id", "arrival_time",
+        "priority", "lora_request", "cache_salt", "mm_features", "prompt_embeds",
+        "_prompt_embeds_per_block_hashes", "prompt_token_ids", "num_prompt_tokens",
+        "_output_token_ids", "_all_token_ids", "max_tokens", "status", "num_computed_tokens",
+        "num_in_flight_tokens", "num_preemptions", "skip_reading_prefix_cache",
+        "kv_cache_report_mode", "block_hashes", "_block_hasher", "_hash_block_size",
+        "_hash_lookahead", "__dict__",
+    )
 
     def __init__(
         self,
@@ -267,14 +280,19 @@ class Request:
             self._all_token_ids.extend(token_ids)
         self.update_block_hashes()
 
-    def attach_block_hasher(self, block_hasher: Callable[["Request"], list[bytes]] | None) -> None:
-        """Use ``block_hasher`` from now on and hash the full blocks not hashed yet."""
+    def attach_block_hasher(
+        self, block_hasher: Callable[["Request"], list[bytes]] | None, hash_now: bool = True
+    ) -> None:
+        """Use ``block_hasher`` from now on and (unless ``hash_now`` is False, e.g. to hash many
+        requests at once with :func:`kvblock.hashing.hash_requests`) hash the full blocks not
+        hashed yet."""
         self._block_hasher = block_hasher
         # A hasher that declares its block size lets updates skip calls that cannot complete a
         # block (vLLM's closures do not declare it; they are called on every update).
         self._hash_block_size: int = getattr(block_hasher, "block_size", 0) or 0
         self._hash_lookahead: int = getattr(block_hasher, "num_hash_lookahead_tokens", 0) or 0
-        self.update_block_hashes()
+        if hash_now:
+            self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
         """Extend ``block_hashes`` with the hashes of newly completed blocks."""

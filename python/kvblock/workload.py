@@ -32,6 +32,7 @@ __all__ = [
     "hashing_prompt",
     "run_e2e",
     "splitmix64",
+    "token_array",
     "tokens",
 ]
 
@@ -70,15 +71,23 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def token_array(
+    stream: int, start: int, end: int, seed: int = SEED, vocab_size: int = VOCAB_SIZE
+) -> np.ndarray:
+    """Token ids ``token(seed, stream, idx)`` for ``idx`` in ``[start, end)``, as an int64
+    numpy array (same values as :func:`tokens`, without the Python-int conversion)."""
+    base = ((seed & 0xFFFFFF) << 40) | ((stream & 0xFFFFF) << 20)
+    idx = np.arange(start, end, dtype=np.uint64) & np.uint64(0xFFFFF)
+    return (splitmix64(np.uint64(base) | idx) % np.uint64(vocab_size)).astype(np.int64)
+
+
 def tokens(stream: int, start: int, end: int, seed: int = SEED, vocab_size: int = VOCAB_SIZE) -> list[int]:
     """Token ids ``token(seed, stream, idx)`` for ``idx`` in ``[start, end)``, as Python ints.
 
     ``token = splitmix64(((seed & 0xFFFFFF) << 40) | ((stream & 0xFFFFF) << 20)
     | (idx & 0xFFFFF)) % vocab_size``.
     """
-    base = ((seed & 0xFFFFFF) << 40) | ((stream & 0xFFFFF) << 20)
-    idx = np.arange(start, end, dtype=np.uint64) & np.uint64(0xFFFFF)
-    return (splitmix64(np.uint64(base) | idx) % np.uint64(vocab_size)).tolist()
+    return token_array(stream, start, end, seed, vocab_size).tolist()
 
 
 def e2e_request_tokens(i: int) -> tuple[list[int], list[int]]:
@@ -115,9 +124,9 @@ class E2EResult:
         steps: scheduler steps run.
         free_blocks: ``block_pool.get_num_free_blocks()`` at the end.
         map_size: ``len(block_pool.cached_block_hash_to_block)`` at the end.
-        manager_ns: time inside ``get_computed_blocks`` / ``allocate_slots`` / ``free``.
+        manager_ns: time in ``get_computed_blocks`` / ``allocate_slots`` / ``free`` calls.
         lookup_ns, prefill_alloc_ns, decode_alloc_ns, free_ns: that time split by call kind.
-        hashing_ns: time creating requests (which hashes their prompts) and appending outputs.
+        hashing_ns: time hashing prompts and the blocks that outputs complete.
         num_decode_calls: decode ``allocate_slots`` calls.
     """
 
@@ -182,6 +191,7 @@ def run_e2e(
     record: bool = True,
     timer: Callable[[], int] | None = None,
     hashing_module: Any = None,
+    batch: bool = False,
 ) -> E2EResult:
     """Replay the workload's end-to-end scheduler loop (README §3) on a fresh manager.
 
@@ -197,6 +207,14 @@ def run_e2e(
         hashing_module: the module whose ``NONE_HASH`` the manager's hasher reads (default:
             ``kvblock.hashing`` for kvblock hash functions, else ``kvblock.reference.hashing``).
             Its root is set with ``PYTHONHASHSEED="0"`` for the run and restored afterwards.
+        batch: use kvblock's batch step API: one ``allocate_slots_batch`` call per step for
+            the decodes and one ``kvblock.hashing.hash_requests`` call per step for the
+            hashing (new prompts hashed together, on several threads). Same results.
+
+    Timing: the clock is read around whole phases, not single calls — each step's decode
+    loop, each admission's lookup and allocation, each step's frees, each step's hashing
+    (``Request.attach_block_hasher`` for new prompts, ``update_block_hashes`` after the
+    outputs are appended) — so its own cost stays out of the figures.
 
     Returns:
         An :class:`E2EResult`.
@@ -209,7 +227,7 @@ def run_e2e(
     mgr = manager_factory()
     module = hashing_module if hashing_module is not None else _default_hashing_module(mgr)
     with _RootSeed(module, mgr.hash_fn, PYTHONHASHSEED):
-        return _run_loop(mgr, num_requests, max_running, record, clock)
+        return _run_loop(mgr, num_requests, max_running, record, clock, batch)
 
 
 def _ids(blocks: Any) -> list[int]:
@@ -217,7 +235,7 @@ def _ids(blocks: Any) -> list[int]:
 
 
 def _run_loop(
-    mgr: Any, num_requests: int, max_running: int, record: bool, clock: Callable[[], int]
+    mgr: Any, num_requests: int, max_running: int, record: bool, clock: Callable[[], int], batch: bool
 ) -> E2EResult:
     fingerprint = hashlib.sha256()
     records: list[dict[str, Any]] = []
@@ -225,6 +243,10 @@ def _run_loop(
     num_decode_calls = 0
     hasher = mgr.request_block_hasher
     allocate_slots, get_computed_blocks, free = mgr.allocate_slots, mgr.get_computed_blocks, mgr.free
+    if batch:
+        from .hashing import hash_requests
+
+        allocate_batch = mgr.allocate_slots_batch
     waiting = deque(range(num_requests))
     running: list[tuple[Any, list[int]]] = []
     step = 0
@@ -232,36 +254,57 @@ def _run_loop(
         scheduled: list[tuple[Any, list[int], int]] = []
 
         # (1) Decode every running request, in admission order.
-        for req, outputs in running:
+        reqs = [req for req, _ in running]
+        if batch and reqs:
             t0 = clock()
-            new = allocate_slots(req, 1)
+            counts, flat = allocate_batch(reqs)
             decode_ns += clock() - t0
-            num_decode_calls += 1
-            if new is None:
-                raise RuntimeError(f"decode allocate_slots returned None for {req.request_id}")
-            ids = _ids(new)
+            counts, flat = counts.tolist(), flat.tolist()
+            if -1 in counts:
+                raise RuntimeError("decode allocate_slots_batch returned -1")
+            new_ids, k = [], 0
+            for c in counts:
+                new_ids.append(flat[k : k + c])
+                k += c
+        elif reqs:
+            t0 = clock()
+            results = [allocate_slots(req, 1) for req in reqs]
+            decode_ns += clock() - t0
+            if any(r is None for r in results):
+                raise RuntimeError("decode allocate_slots returned None")
+            new_ids = [_ids(r) for r in results]
+        else:
+            new_ids = []
+        num_decode_calls += len(reqs)
+        for (req, outputs), ids in zip(running, new_ids):
             fingerprint.update(("d" + ",".join(map(str, ids))).encode())
             if record:
                 records.append({"step": step, "op": "decode", "rid": req.request_id, "new": ids})
             scheduled.append((req, outputs, 1))
 
-        # (2) Admit waiting requests while fewer than max_running run.
-        while waiting and len(running) < max_running:
-            i = waiting[0]
+        # (2) Admit waiting requests while fewer than max_running run. The prompts of this
+        # step's candidates are hashed first (together, in batch mode).
+        n_admit = min(len(waiting), max_running - len(running))
+        candidates = []
+        for i in list(waiting)[:n_admit]:
             prompt, outputs = e2e_request_tokens(i)
+            candidates.append((Request(f"req-{i}", prompt, sampling_params=SamplingParams(max_tokens=DECODE_TOKENS)), outputs))
+        if candidates:
             t0 = clock()
-            req = Request(
-                f"req-{i}",
-                prompt,
-                sampling_params=SamplingParams(max_tokens=DECODE_TOKENS),
-                block_hasher=hasher,
-            )
+            if batch:
+                for req, _ in candidates:
+                    req.attach_block_hasher(hasher, hash_now=False)
+                hash_requests([req for req, _ in candidates])
+            else:
+                for req, _ in candidates:
+                    req.attach_block_hasher(hasher)
+            hashing_ns += clock() - t0
+        for req, outputs in candidates:
             t1 = clock()
             hit_blocks, n_hit, _ = get_computed_blocks(req)
             t2 = clock()
             new = allocate_slots(req, req.num_tokens - n_hit, n_hit, hit_blocks)
             t3 = clock()
-            hashing_ns += t1 - t0
             lookup_ns += t2 - t1
             prefill_ns += t3 - t2
             if new is None:
@@ -269,13 +312,13 @@ def _run_loop(
                     raise RuntimeError(f"cannot admit {req.request_id} into an idle pool")
                 break
             mgr.record_prefix_cache_stats(req, n_hit)
-            hit_ids, new_ids = _ids(hit_blocks), _ids(new)
+            hit_ids, new_ids_ = _ids(hit_blocks), _ids(new)
             fingerprint.update(("h" + ",".join(map(str, hit_ids))).encode())
-            fingerprint.update(("n" + ",".join(map(str, new_ids))).encode())
+            fingerprint.update(("n" + ",".join(map(str, new_ids_))).encode())
             if record:
                 records.append(
                     {"step": step, "op": "prefill", "rid": req.request_id,
-                     "hit_tokens": n_hit, "hit": hit_ids, "new": new_ids}
+                     "hit_tokens": n_hit, "hit": hit_ids, "new": new_ids_}
                 )
             waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -283,26 +326,33 @@ def _run_loop(
             req.num_computed_tokens = n_hit
             scheduled.append((req, outputs, req.num_tokens - n_hit))
 
-        # (3) Model step: commit the computed tokens and append one sampled token each.
+        # (3) Model step: commit the computed tokens, append one sampled token each, then
+        # bring the block hashes up to date (the hashing append_output_token_ids triggers).
         for req, outputs, k in scheduled:
             req.num_computed_tokens += k
-            token = outputs[req.num_output_tokens]
+            token = outputs[len(req._output_token_ids)]
+            req._output_token_ids.append(token)
+            req._all_token_ids.append(token)
+        if scheduled:
             t0 = clock()
-            req.append_output_token_ids(token)
+            if batch:
+                hash_requests([req for req, _, _ in scheduled])
+            else:
+                for req, _, _ in scheduled:
+                    req.update_block_hashes()
             hashing_ns += clock() - t0
 
         # (4) Finish the requests that produced all their outputs, in running order.
-        still_running: list[tuple[Any, list[int]]] = []
-        for req, outputs in running:
-            if req.num_output_tokens == DECODE_TOKENS:
-                t0 = clock()
+        done = [(req, o) for req, o in running if req.num_output_tokens == DECODE_TOKENS]
+        if done:
+            t0 = clock()
+            for req, _ in done:
                 free(req)
-                free_ns += clock() - t0
-                if record:
+            free_ns += clock() - t0
+            if record:
+                for req, _ in done:
                     records.append({"step": step, "op": "free", "rid": req.request_id})
-            else:
-                still_running.append((req, outputs))
-        running = still_running
+            running = [(req, o) for req, o in running if req.num_output_tokens != DECODE_TOKENS]
         step += 1
 
     stats = mgr.make_prefix_cache_stats()

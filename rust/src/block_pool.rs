@@ -29,6 +29,7 @@ pub struct BlockPool {
     events_enabled: bool,
     events: Vec<Event>,
     scratch: Vec<u32>,
+    scratch2: Vec<u32>,
 }
 
 impl BlockPool {
@@ -62,6 +63,7 @@ impl BlockPool {
             events_enabled: enable_kv_cache_events,
             events: Vec::new(),
             scratch: Vec::new(),
+            scratch2: Vec::new(),
         })
     }
 
@@ -121,6 +123,16 @@ impl BlockPool {
     pub fn ref_cnt(&self, b: u32) -> Result<u32> {
         self.check_id(b)?;
         Ok(self.ref_cnt[b as usize])
+    }
+
+    /// Check that every id is a block of this pool.
+    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        ids.iter().try_for_each(|&b| self.check_id(b))
+    }
+
+    /// Number of these (valid) blocks that are free, the null block not counted.
+    pub fn count_free(&self, ids: &[u32]) -> usize {
+        ids.iter().filter(|&&b| b != NULL_BLOCK && self.ref_cnt[b as usize] == 0).count()
     }
 
     /// A block's cache key, if it has one.
@@ -255,10 +267,17 @@ impl BlockPool {
         // Unhashed blocks (all of them with caching off) go to the head, hashed ones to the
         // tail, each group in the given order.
         if self.enable_caching && reached.iter().any(|&b| self.key_slot[b as usize] != NO_KEY) {
-            let (hashed, unhashed): (Vec<u32>, Vec<u32>) =
-                reached.iter().partition(|&&b| self.key_slot[b as usize] != NO_KEY);
+            let mut unhashed = std::mem::take(&mut self.scratch2);
+            unhashed.clear();
+            for &b in &reached {
+                if self.key_slot[b as usize] != NO_KEY {
+                    self.queue.append(b);
+                } else {
+                    unhashed.push(b);
+                }
+            }
             self.queue.prepend_n(&unhashed);
-            self.queue.append_n(&hashed);
+            self.scratch2 = unhashed;
         } else {
             self.queue.prepend_n(&reached);
         }

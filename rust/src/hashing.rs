@@ -279,3 +279,34 @@ impl BlockHasher {
         Ok(out)
     }
 }
+
+/// One chain to hash: `tokens` in blocks of `block_size` from `parent` (see
+/// [`BlockHasher::hash_chain`]).
+pub struct ChainJob<'a> {
+    /// The algorithm.
+    pub algo: HashAlgo,
+    /// Identity of the parent object (0 if unique) and its bytes.
+    pub parent_id: ObjId,
+    pub parent: &'a [u8],
+    /// The token ids (a whole number of blocks).
+    pub tokens: &'a [i64],
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Per-block extra keys, if any.
+    pub extras: Option<&'a [Option<Value>]>,
+}
+
+/// Hash independent chains (e.g. the prompts of several new requests), in parallel on the
+/// rayon thread pool when `parallel` is set. Results are in job order.
+pub fn hash_chains(jobs: &[ChainJob<'_>], parallel: bool) -> Result<Vec<Vec<Digest>>> {
+    let one = |j: &ChainJob<'_>| -> Result<Vec<Digest>> {
+        let mut h = BlockHasher::new(j.algo);
+        h.hash_chain(j.parent_id, j.parent, j.tokens, j.block_size, |i| j.extras.and_then(|e| e[i].as_ref()))
+    };
+    if parallel && jobs.len() > 1 {
+        use rayon::prelude::*;
+        jobs.par_iter().map(one).collect()
+    } else {
+        jobs.iter().map(one).collect()
+    }
+}

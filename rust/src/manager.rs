@@ -10,6 +10,36 @@ use crate::error::{Error, Result};
 use crate::hashing::Digest;
 use hashbrown::HashMap;
 
+/// A request's block hashes, read lazily (the binding reads them straight from the Python
+/// list, only as far as a lookup or caching needs).
+pub trait HashSource {
+    /// Number of hashes.
+    fn len(&self) -> usize;
+    /// The raw bytes of hash `i` (16 or 32 bytes).
+    fn get(&self, i: usize) -> Result<&[u8]>;
+    /// True if there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Hash `i` as a [`Digest`].
+    fn digest(&self, i: usize) -> Result<Digest> {
+        let b = self.get(i)?;
+        Digest::from_slice(b).ok_or_else(|| Error::value("block_hashes", format!("a block hash must be 16 or 32 bytes, got {}", b.len())))
+    }
+}
+
+impl HashSource for [Digest] {
+    fn len(&self) -> usize {
+        <[Digest]>::len(self)
+    }
+    fn get(&self, i: usize) -> Result<&[u8]> {
+        self.as_ref()
+            .get(i)
+            .map(|d| d.as_bytes())
+            .ok_or_else(|| Error::value("block_hashes", format!("index {i} out of range")))
+    }
+}
+
 /// Per-request bookkeeping (`req_to_blocks`, `num_cached_block`).
 #[derive(Clone, Debug, Default)]
 pub struct ReqState {
@@ -52,15 +82,102 @@ pub struct AllocArgs<'a> {
     pub event_tag: u64,
 }
 
-/// The manager of one KV-cache group.
-#[derive(Clone)]
-pub struct Manager {
+/// The fixed configuration of a manager.
+#[derive(Clone, Copy, Debug)]
+struct Config {
     block_size: usize,
     max_model_len: usize,
     enable_caching: bool,
     use_eagle: bool,
     sliding_window: Option<usize>,
     watermark_blocks: usize,
+}
+
+impl Config {
+    /// Tokens before the attention window of a sequence of `n` computed tokens.
+    #[inline]
+    fn num_skipped_tokens(&self, n: usize) -> usize {
+        match self.sliding_window {
+            Some(w) => (n + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// `get_num_blocks_to_allocate` for `num_tokens` slots.
+    fn num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        state: &ReqState,
+        num_tokens: usize,
+        new_computed: &[u32],
+        total_computed: usize,
+    ) -> Result<usize> {
+        let required = cdiv(num_tokens, self.block_size);
+        let have = state.blocks.len();
+        if state.num_cached.is_some() {
+            // a running request
+            return Ok(required.saturating_sub(have));
+        }
+        let skipped = self.num_skipped_tokens(total_computed) / self.block_size;
+        let new = required.saturating_sub(skipped.max(new_computed.len() + have));
+        let skip_hits = skipped.min(new_computed.len());
+        // a free hit block leaves the free pool when it is touched
+        Ok(new + pool.count_free(&new_computed[skip_hits..]))
+    }
+
+    /// Free the blocks of `state` that left the sliding window (tail first).
+    fn remove_skipped_blocks(&self, pool: &mut BlockPool, state: &mut ReqState, num_computed_tokens: usize, scratch: &mut Vec<u32>) -> Result<()> {
+        let skipped_tokens = self.num_skipped_tokens(num_computed_tokens);
+        if skipped_tokens == 0 {
+            return Ok(());
+        }
+        let last = (skipped_tokens / self.block_size).min(state.blocks.len());
+        scratch.clear();
+        for i in (0..last).rev() {
+            if state.blocks[i] == NULL_BLOCK {
+                break;
+            }
+            scratch.push(state.blocks[i]);
+        }
+        pool.free_blocks(scratch, true)?;
+        for i in last - scratch.len()..last {
+            state.blocks[i] = NULL_BLOCK;
+        }
+        Ok(())
+    }
+
+    /// Cache `state`'s full blocks up to `num_tokens` tokens.
+    fn cache_blocks<H: HashSource + ?Sized>(
+        &self,
+        pool: &mut BlockPool,
+        state: &mut ReqState,
+        num_tokens: usize,
+        hashes: &H,
+        event_tag: u64,
+    ) -> Result<()> {
+        if !self.enable_caching {
+            return Ok(());
+        }
+        let num_cached = state.num_cached.unwrap_or(0);
+        let num_full = (num_tokens.min(hashes.len() * self.block_size) / self.block_size).min(state.blocks.len());
+        if num_cached >= num_full {
+            return Ok(());
+        }
+        let mut new_hashes = Vec::with_capacity(num_full - num_cached);
+        for i in num_cached..num_full {
+            new_hashes.push(hashes.digest(i)?);
+        }
+        let parent = if num_cached > 0 { Some(hashes.digest(num_cached - 1)?) } else { None };
+        pool.cache_blocks(&state.blocks, num_cached, &new_hashes, parent, self.block_size, 0, true, event_tag)?;
+        state.num_cached = Some(num_full);
+        Ok(())
+    }
+}
+
+/// The manager of one KV-cache group.
+#[derive(Clone)]
+pub struct Manager {
+    cfg: Config,
     reqs: HashMap<String, ReqState>,
     scratch: Vec<u32>,
 }
@@ -90,12 +207,7 @@ impl Manager {
             return Err(Error::value("sliding_window", "must be > 0"));
         }
         Ok(Manager {
-            block_size,
-            max_model_len,
-            enable_caching,
-            use_eagle,
-            sliding_window,
-            watermark_blocks,
+            cfg: Config { block_size, max_model_len, enable_caching, use_eagle, sliding_window, watermark_blocks },
             reqs: HashMap::new(),
             scratch: Vec::new(),
         })
@@ -103,17 +215,17 @@ impl Manager {
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.cfg.block_size
     }
 
     /// The longest sequence the model accepts.
     pub fn max_model_len(&self) -> usize {
-        self.max_model_len
+        self.cfg.max_model_len
     }
 
     /// True for a sliding-window group.
     pub fn is_sliding_window(&self) -> bool {
-        self.sliding_window.is_some()
+        self.cfg.sliding_window.is_some()
     }
 
     /// Number of requests holding state.
@@ -131,30 +243,21 @@ impl Manager {
         self.reqs.get(req)
     }
 
-    /// Tokens before the attention window of a sequence of `n` computed tokens.
-    #[inline]
-    fn num_skipped_tokens(&self, n: usize) -> usize {
-        match self.sliding_window {
-            Some(w) => (n + 1).saturating_sub(w),
-            None => 0,
-        }
-    }
-
     /// `find_longest_cache_hit`: the cached blocks of the longest hit of at most `max_length`
-    /// tokens. `hash_at(i)` gives the request's `i`-th block hash; `num_hashes` how many exist.
-    pub fn find_longest_cache_hit(
+    /// tokens, given the request's block hashes.
+    pub fn find_longest_cache_hit<H: HashSource + ?Sized>(
         &self,
         pool: &BlockPool,
-        num_hashes: usize,
+        hashes: &H,
         max_length: usize,
-        mut hash_at: impl FnMut(usize) -> Result<Digest>,
     ) -> Result<Vec<u32>> {
-        let max_blocks = (max_length / self.block_size).min(num_hashes);
+        let cfg = &self.cfg;
+        let max_blocks = (max_length / cfg.block_size).min(hashes.len());
         let mut hit = Vec::new();
-        match self.sliding_window {
+        match cfg.sliding_window {
             None => {
                 for i in 0..max_blocks {
-                    match pool.lookup(&hash_at(i)?, 0) {
+                    match pool.lookup_bytes(hashes.get(i)?, 0) {
                         Some(b) => hit.push(b),
                         None => break,
                     }
@@ -162,12 +265,12 @@ impl Manager {
             }
             Some(w) => {
                 // right to left, looking for enough contiguous hits to fill the window
-                let need = cdiv(w - 1, self.block_size) + self.use_eagle as usize;
+                let need = cdiv(w - 1, cfg.block_size) + cfg.use_eagle as usize;
                 hit = vec![NULL_BLOCK; max_blocks];
                 let mut run = 0;
                 let mut found = false;
                 for i in (0..max_blocks).rev() {
-                    match pool.lookup(&hash_at(i)?, 0) {
+                    match pool.lookup_bytes(hashes.get(i)?, 0) {
                         Some(b) => {
                             hit[i] = b;
                             run += 1;
@@ -185,193 +288,130 @@ impl Manager {
                 }
             }
         }
-        if self.use_eagle && !hit.is_empty() {
+        if cfg.use_eagle && !hit.is_empty() {
             hit.pop();
         }
         Ok(hit)
     }
 
-    /// `get_num_blocks_to_allocate` for `num_tokens` slots.
-    fn num_blocks_to_allocate(
-        &self,
-        pool: &BlockPool,
-        state: Option<&ReqState>,
-        num_tokens: usize,
-        new_computed: &[u32],
-        total_computed: usize,
-    ) -> Result<usize> {
-        let required = cdiv(num_tokens, self.block_size);
-        let have = state.map(|s| s.blocks.len()).unwrap_or(0);
-        if state.is_some_and(|s| s.num_cached.is_some()) {
-            // a running request
-            return Ok(required.saturating_sub(have));
-        }
-        let skipped = self.num_skipped_tokens(total_computed) / self.block_size;
-        let new = required.saturating_sub(skipped.max(new_computed.len() + have));
-        let skip_hits = skipped.min(new_computed.len());
-        let mut evictable = 0;
-        for &b in &new_computed[skip_hits..] {
-            // a free hit block leaves the free pool when it is touched
-            if b != NULL_BLOCK && pool.ref_cnt(b)? == 0 {
-                evictable += 1;
-            }
-        }
-        Ok(new + evictable)
-    }
-
     /// `remove_skipped_blocks`: replace blocks that fell out of the sliding window by the null
-    /// block and free them (tail first). A no-op for full attention.
+    /// block and free them (tail first). A no-op for full attention or an unknown request.
     pub fn remove_skipped_blocks(&mut self, pool: &mut BlockPool, req: &str, num_computed_tokens: usize) -> Result<()> {
-        let skipped_tokens = self.num_skipped_tokens(num_computed_tokens);
-        if skipped_tokens == 0 {
-            return Ok(());
-        }
         let Some(state) = self.reqs.get_mut(req) else { return Ok(()) };
-        let last = (skipped_tokens / self.block_size).min(state.blocks.len());
-        let mut removed = std::mem::take(&mut self.scratch);
-        removed.clear();
-        for i in (0..last).rev() {
-            if state.blocks[i] == NULL_BLOCK {
-                break;
-            }
-            removed.push(state.blocks[i]);
-        }
-        let res = pool.free_blocks(&removed, true);
-        if res.is_ok() {
-            for i in last - removed.len()..last {
-                state.blocks[i] = NULL_BLOCK;
-            }
-        }
-        self.scratch = removed;
-        res
+        self.cfg.remove_skipped_blocks(pool, state, num_computed_tokens, &mut self.scratch)
     }
 
     /// `allocate_slots` (spec §5.3). Returns `Ok(None)` — with no side effect — when the pool
-    /// cannot supply the blocks, else the newly allocated block ids. `hash_at(i)` gives the
-    /// request's `i`-th block hash, `num_hashes` how many there are.
-    pub fn allocate_slots(
+    /// cannot supply the blocks, else the newly allocated block ids. `hashes()` gives the
+    /// request's block hashes; it is called only if blocks are to be cached.
+    pub fn allocate_slots<H: HashSource>(
         &mut self,
         pool: &mut BlockPool,
         req: &str,
         a: &AllocArgs<'_>,
-        num_hashes: usize,
-        hash_at: impl FnMut(usize) -> Result<Digest>,
+        hashes: impl FnOnce() -> Result<H>,
     ) -> Result<Option<Vec<u32>>> {
+        let cfg = self.cfg;
         if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 && a.num_external_computed_tokens == 0 {
             return Err(Error::value(
                 "num_new_tokens",
                 "must be > 0 when there are no computed tokens to adopt",
             ));
         }
-        if a.num_tokens > self.max_model_len {
+        if a.num_tokens > cfg.max_model_len {
             return Err(Error::value(
                 "request",
-                format!("{} tokens exceed max_model_len {}", a.num_tokens, self.max_model_len),
+                format!("{} tokens exceed max_model_len {}", a.num_tokens, cfg.max_model_len),
             ));
         }
-        for &b in a.new_computed {
-            pool.ref_cnt(b)?; // range check
-        }
-        let running = self.reqs.get(req).is_some_and(|s| s.num_cached.is_some());
-        if running && !a.new_computed.is_empty() {
+        pool.check_ids(a.new_computed)?;
+        // One lookup of the request: a running request is updated in place, a new one is
+        // built aside and inserted only once the allocation succeeds.
+        let mut fresh = ReqState::default();
+        let existing = self.reqs.get_mut(req);
+        let is_new = existing.is_none();
+        let state: &mut ReqState = existing.unwrap_or(&mut fresh);
+        if state.num_cached.is_some() && !a.new_computed.is_empty() {
             return Err(Error::value("new_computed_blocks", "a running request cannot adopt new computed blocks"));
         }
         let num_local_computed = a.num_computed_tokens + a.num_new_computed_tokens;
-        let total_computed = (num_local_computed + a.num_external_computed_tokens).min(self.max_model_len);
-        let watermark = if a.apply_watermark { self.watermark_blocks } else { 0 };
-        let free = pool.num_free_blocks();
+        let total_computed = (num_local_computed + a.num_external_computed_tokens).min(cfg.max_model_len);
+        let watermark = if a.apply_watermark { cfg.watermark_blocks } else { 0 };
 
         if a.full_sequence_must_fit {
-            let full = a.num_tokens.min(self.max_model_len);
-            let need = self.num_blocks_to_allocate(pool, self.reqs.get(req), full, a.new_computed, total_computed)?;
-            if need + watermark > free {
+            let full = a.num_tokens.min(cfg.max_model_len);
+            let need = cfg.num_blocks_to_allocate(pool, state, full, a.new_computed, total_computed)?;
+            if need + watermark > pool.num_free_blocks() {
                 return Ok(None);
             }
         }
         let num_tokens_main = total_computed + a.num_new_tokens;
-        let need_slot = (num_tokens_main + a.num_lookahead_tokens).min(self.max_model_len);
+        let need_slot = (num_tokens_main + a.num_lookahead_tokens).min(cfg.max_model_len);
 
         // Runs even if the allocation then fails (vLLM frees out-of-window blocks first).
-        if self.sliding_window.is_some() {
+        if cfg.sliding_window.is_some() {
             let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
-            self.remove_skipped_blocks(pool, req, processed)?;
+            cfg.remove_skipped_blocks(pool, state, processed, &mut self.scratch)?;
         }
-        let free = pool.num_free_blocks();
-        let need = self.num_blocks_to_allocate(
+        let need = cfg.num_blocks_to_allocate(
             pool,
-            self.reqs.get(req),
+            state,
             need_slot,
             a.new_computed,
             num_local_computed + a.num_external_computed_tokens,
         )?;
-        if (need + watermark) as i64 > free as i64 - a.reserved_blocks as i64 {
+        if (need + watermark) as i64 > pool.num_free_blocks() as i64 - a.reserved_blocks as i64 {
             return Ok(None);
         }
 
-        let state = self.reqs.entry_ref(req).or_default();
         if (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none() {
             // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
             debug_assert!(state.blocks.is_empty());
             let total = num_local_computed + a.num_external_computed_tokens;
-            let skipped_tokens = match self.sliding_window {
-                Some(w) => (total + 1).saturating_sub(w),
-                None => 0,
-            };
-            let skipped = skipped_tokens / self.block_size;
+            let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
             let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
-            if self.enable_caching {
+            if cfg.enable_caching {
                 pool.touch(hits, true)?;
             }
             state.blocks.resize(skipped, NULL_BLOCK);
             state.blocks.extend_from_slice(hits);
             state.num_cached = Some(state.blocks.len());
             if a.num_external_computed_tokens > 0 {
-                let n = cdiv(total, self.block_size).saturating_sub(state.blocks.len());
+                let n = cdiv(total, cfg.block_size).saturating_sub(state.blocks.len());
                 pool.get_new_blocks(n, &mut state.blocks)?;
             }
         }
         let mut new = Vec::new();
-        let n = cdiv(need_slot, self.block_size).saturating_sub(state.blocks.len());
+        let n = cdiv(need_slot, cfg.block_size).saturating_sub(state.blocks.len());
         if n > 0 {
             pool.get_new_blocks(n, &mut new)?;
             state.blocks.extend_from_slice(&new);
         }
-        if !self.enable_caching || a.delay_cache_blocks {
-            return Ok(Some(new));
+        if cfg.enable_caching && !a.delay_cache_blocks {
+            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+            if to_cache / cfg.block_size > state.num_cached.unwrap_or(0) {
+                let hashes = hashes()?;
+                cfg.cache_blocks(pool, state, to_cache, &hashes, a.event_tag)?;
+            }
         }
-        let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
-        self.cache_blocks(pool, req, to_cache, num_hashes, hash_at, a.event_tag)?;
+        if is_new {
+            self.reqs.insert(req.to_owned(), fresh);
+        }
         Ok(Some(new))
     }
 
     /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to
-    /// `num_tokens` tokens (capped by the hashes that exist).
-    pub fn cache_blocks(
+    /// `num_tokens` tokens (capped by the hashes that exist). A no-op for unknown requests.
+    pub fn cache_blocks<H: HashSource + ?Sized>(
         &mut self,
         pool: &mut BlockPool,
         req: &str,
         num_tokens: usize,
-        num_hashes: usize,
-        mut hash_at: impl FnMut(usize) -> Result<Digest>,
+        hashes: &H,
         event_tag: u64,
     ) -> Result<()> {
-        if !self.enable_caching {
-            return Ok(());
-        }
         let Some(state) = self.reqs.get_mut(req) else { return Ok(()) };
-        let num_cached = state.num_cached.unwrap_or(0);
-        let num_full = (num_tokens.min(num_hashes * self.block_size) / self.block_size).min(state.blocks.len());
-        if num_cached >= num_full {
-            return Ok(());
-        }
-        let mut hashes = Vec::with_capacity(num_full - num_cached);
-        for i in num_cached..num_full {
-            hashes.push(hash_at(i)?);
-        }
-        let parent = if num_cached > 0 { Some(hash_at(num_cached - 1)?) } else { None };
-        pool.cache_blocks(&state.blocks, num_cached, &hashes, parent, self.block_size, 0, true, event_tag)?;
-        state.num_cached = Some(num_full);
-        Ok(())
+        self.cfg.cache_blocks(pool, state, num_tokens, hashes, event_tag)
     }
 
     /// `free(request)`: release the table tail first and forget the request. Unknown ids are a

@@ -338,15 +338,23 @@ pub fn extract_token_range(
 pub fn list_i64(list: &Bound<'_, PyList>, start: usize, end: usize) -> Option<Vec<i64>> {
     let mut out = Vec::with_capacity(end - start);
     let p = list.as_ptr();
+    let layout = *LAYOUT.get_or_init(detect_layout);
+    let long_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
     for i in start..end {
         // SAFETY: i < len (checked by the caller, and nothing here runs Python code that could
-        // shrink the list); the item is a borrowed reference kept alive by the list.
-        let item = unsafe { ffi::PyList_GET_ITEM(p, i as ffi::Py_ssize_t) };
-        // SAFETY: `item` is a live object; exact_int_i64 requires an exact int.
-        if unsafe { ffi::PyLong_CheckExact(item) } == 0 {
-            return None;
+        // shrink the list); the item is a borrowed reference kept alive by the list, and is an
+        // exact int when its type is PyLong_Type.
+        unsafe {
+            let item = ffi::PyList_GET_ITEM(p, i as ffi::Py_ssize_t);
+            if ffi::Py_TYPE(item) != long_type {
+                return None;
+            }
+            let v = match read_layout(item, layout) {
+                Some(v) => v,
+                None => read_layout(item, LongLayout::Api)?,
+            };
+            out.push(v);
         }
-        out.push(unsafe { exact_int_i64(item) }?);
     }
     Some(out)
 }

@@ -318,3 +318,104 @@ impl PyRequestBlockHasher {
         )
     }
 }
+
+/// Blocks at or above which `hash_requests` spreads the work over threads.
+const PARALLEL_MIN_BLOCKS: usize = 512;
+
+/// Bring the `block_hashes` of many requests up to date in one call (the batch form of
+/// `request.update_block_hashes()`): requests whose hasher is a `RequestBlockHasher` are
+/// hashed in Rust — on several threads, without the GIL, when there is enough work (e.g. the
+/// prompts of a step's new requests); any other hasher is called as usual.
+#[pyfunction]
+pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<usize> {
+    use super::convert::TokenBuf;
+    use crate::hashing::{hash_chains, ChainJob};
+    use pyo3::intern;
+    struct Job<'py> {
+        hashes: Bound<'py, PyList>,
+        algo: HashAlgo,
+        parent_id: u64,
+        parent: Vec<u8>,
+        tokens: Vec<i64>,
+        block_size: usize,
+        extras: Option<Vec<Option<Value>>>,
+    }
+    let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
+    let mut jobs: Vec<Job<'_>> = Vec::new();
+    for r in reqs.iter() {
+        let hasher = r.getattr(intern!(py, "_block_hasher"))?;
+        let Ok(h) = hasher.cast::<PyRequestBlockHasher>() else {
+            r.call_method0(intern!(py, "update_block_hashes"))?;
+            continue;
+        };
+        let h = h.get();
+        let hashes = r
+            .getattr(intern!(py, "block_hashes"))?
+            .cast_into::<PyList>()
+            .map_err(|_| type_err("request.block_hashes", "must be a list"))?;
+        let tokens = r.getattr(intern!(py, "_all_token_ids"))?;
+        let bs = h.block_size;
+        let start = hashes.len() * bs;
+        let num_new = tokens.len()?.saturating_sub(h.lookahead + start) / bs;
+        if num_new == 0 {
+            continue;
+        }
+        let parent = if hashes.is_empty() { h.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
+        let parent_id = parent.as_ptr() as usize as u64;
+        let parent = parent
+            .cast::<PyBytes>()
+            .map_err(|_| type_err("parent_block_hash", "expected bytes"))?
+            .as_bytes()
+            .to_vec();
+        let has_extra = h.lookahead > 0
+            || r.getattr(intern!(py, "lora_request"))?.is_truthy()?
+            || r.getattr(intern!(py, "mm_features"))?.is_truthy()?
+            || r.getattr(intern!(py, "cache_salt"))?.is_truthy()?
+            || !r.getattr(intern!(py, "prompt_embeds"))?.is_none();
+        let extras = if has_extra {
+            let e = h.extra_keys.bind(py).call1((&r, start, num_new, bs, h.lookahead))?;
+            let mut v = Vec::with_capacity(num_new);
+            for i in 0..num_new {
+                v.push(extra_of(Some(&e.get_item(i)?), &format!("extra_keys[{i}]"))?);
+            }
+            Some(v)
+        } else {
+            None
+        };
+        let toks = match extract_token_range(&tokens, "request._all_token_ids", start, Some(start + num_new * bs))? {
+            super::convert::Tokens::I64(TokenBuf::Owned(v)) => v,
+            other => {
+                // rare: tokens beyond 64 bits or a buffer; hash this request on its own
+                let _ = other;
+                r.call_method0(intern!(py, "update_block_hashes"))?;
+                continue;
+            }
+        };
+        jobs.push(Job { hashes, algo: h.algo, parent_id, parent, tokens: toks, block_size: bs, extras });
+    }
+    let total: usize = jobs.iter().map(|j| j.tokens.len() / j.block_size).sum();
+    let chain_jobs: Vec<ChainJob<'_>> = jobs
+        .iter()
+        .map(|j| ChainJob {
+            algo: j.algo,
+            parent_id: j.parent_id,
+            parent: &j.parent,
+            tokens: &j.tokens,
+            block_size: j.block_size,
+            extras: j.extras.as_deref(),
+        })
+        .collect();
+    let parallel = total >= PARALLEL_MIN_BLOCKS;
+    let results = if total >= DETACH_MIN_BLOCKS {
+        py.detach(|| hash_chains(&chain_jobs, parallel))
+    } else {
+        hash_chains(&chain_jobs, false)
+    }
+    .py_err()?;
+    for (j, digests) in jobs.iter().zip(results) {
+        for d in digests {
+            j.hashes.append(PyBytes::new(py, d.as_bytes()))?;
+        }
+    }
+    Ok(total)
+}

@@ -2,20 +2,43 @@
 //! `allocate_slots` and `free` take vLLM-style request objects and do one scheduler action per
 //! call. `kvblock.KVCacheManager` subclasses it in Python (stats, events, facades).
 
-use super::block_pool::{block_ids_of, ids_array, list_digest, PyBlockPool};
+use super::block_ids::PyBlockIds;
+use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
-use crate::manager::{AllocArgs, Manager};
+use super::fields::{Field, RequestFields};
+use crate::manager::{AllocArgs, HashSource, Manager};
 use numpy::PyArray1;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple, PyType};
 
 /// Per-request inputs read from a request object.
 struct ReqView<'py> {
     id: Bound<'py, PyString>,
     num_computed: usize,
     num_tokens: usize,
-    hashes: Bound<'py, PyList>,
+}
+
+/// A request's `block_hashes` list, read in place.
+pub struct PyHashes<'py>(pub Bound<'py, PyList>);
+
+impl HashSource for PyHashes<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&self, i: usize) -> crate::error::Result<&[u8]> {
+        list_hash_bytes(&self.0, i, "request.block_hashes")
+    }
+}
+
+/// `request.block_hashes` as a hash source.
+fn hashes_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> crate::error::Result<PyHashes<'py>> {
+    let h = fields
+        .get(request, Field::BlockHashes)
+        .map_err(|e| crate::error::Error::Type(format!("request.block_hashes: {e}")))?;
+    h.cast_into::<PyList>()
+        .map(PyHashes)
+        .map_err(|_| crate::error::Error::type_("request.block_hashes", "must be a list of bytes"))
 }
 
 fn count(v: i64, arg: &str) -> PyResult<usize> {
@@ -34,25 +57,23 @@ pub struct PyManager {
     make_blocks: Option<Py<PyAny>>,
     /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
     waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
+    fields: RequestFields,
 }
 
 impl PyManager {
     fn view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<ReqView<'py>> {
         let py = request.py();
-        let id = request
-            .getattr(intern!(py, "request_id"))?
+        let f = &self.fields;
+        let id = f
+            .get(request, Field::RequestId)?
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
-        let num_computed: i64 = request.getattr(intern!(py, "num_computed_tokens"))?.extract()?;
-        let num_tokens = match request.getattr(intern!(py, "_all_token_ids")) {
+        let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
+        let num_tokens = match f.get(request, Field::AllTokenIds) {
             Ok(t) => t.len()?,
             Err(_) => request.getattr(intern!(py, "num_tokens"))?.extract()?,
         };
-        let hashes = request
-            .getattr(intern!(py, "block_hashes"))?
-            .cast_into::<PyList>()
-            .map_err(|_| type_err("request.block_hashes", "must be a list of bytes"))?;
-        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens, hashes })
+        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
     }
 
     fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
@@ -60,7 +81,7 @@ impl PyManager {
             return self.empty(py);
         }
         let make = self.make_blocks.as_ref().ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
-        make.bind(py).call1((PyList::new(py, ids)?,))
+        make.bind(py).call1((Bound::new(py, PyBlockIds { ids })?,))
     }
 
     fn empty<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -74,7 +95,7 @@ impl PyManager {
         if self.watermark_blocks == 0 || !has_scheduled_reqs {
             return Ok(false);
         }
-        let status = request.getattr(intern!(request.py(), "status"))?;
+        let status = self.fields.get(request, Field::Status)?;
         match &self.waiting_states {
             Some((w, p)) => Ok(status.eq(w.bind(request.py()))? || status.eq(p.bind(request.py()))?),
             None => Ok(false),
@@ -82,7 +103,7 @@ impl PyManager {
     }
 
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
-        match request.getattr(intern!(request.py(), "num_in_flight_tokens")) {
+        match self.fields.get(request, Field::NumInFlightTokens) {
             Ok(v) => count(v.extract()?, "request.num_in_flight_tokens"),
             Err(_) => Ok(0),
         }
@@ -99,7 +120,11 @@ fn hit_ids(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if groups.len() != 1 {
         return Err(value_err("new_computed_blocks", format!("expected 1 KV-cache group, got {}", groups.len())));
     }
-    block_ids_of(&groups.get_item(0)?, "new_computed_blocks")
+    let group = groups.get_item(0)?;
+    if let Ok(ids) = group.cast::<PyBlockIds>() {
+        return Ok(ids.get().ids.clone());
+    }
+    block_ids_of(&group, "new_computed_blocks")
 }
 
 #[pymethods]
@@ -140,6 +165,7 @@ impl PyManager {
             count(watermark_blocks, "watermark_blocks")?,
         )
         .py_err()?;
+        let fields = RequestFields::generic(block_pool.py());
         Ok(PyManager {
             pool: block_pool.unbind(),
             inner,
@@ -148,15 +174,25 @@ impl PyManager {
             empty: None,
             make_blocks: None,
             waiting_states: None,
+            fields,
         })
     }
 
     /// Install the Python helpers: the shared empty `KVCacheBlocks`, its factory, and the
     /// request states the watermark applies to.
-    fn _init_python(&mut self, empty: Py<PyAny>, make_blocks: Py<PyAny>, waiting: Py<PyAny>, preempted: Py<PyAny>) {
+    fn _init_python(
+        &mut self,
+        empty: Py<PyAny>,
+        make_blocks: Py<PyAny>,
+        waiting: Py<PyAny>,
+        preempted: Py<PyAny>,
+        request_type: &Bound<'_, PyType>,
+    ) -> PyResult<()> {
         self.empty = Some(empty);
         self.make_blocks = Some(make_blocks);
         self.waiting_states = Some((waiting, preempted));
+        self.fields = RequestFields::for_type(request_type)?;
+        Ok(())
     }
 
     /// `get_computed_blocks(request) -> (KVCacheBlocks, num_computed_tokens, 0)`: the longest
@@ -165,23 +201,22 @@ impl PyManager {
     fn get_computed_blocks<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
         let me = slf.borrow();
-        if !me.enable_caching || request.getattr(intern!(py, "skip_reading_prefix_cache"))?.is_truthy()? {
+        if !me.enable_caching || me.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
             return Ok((me.empty(py)?, 0, 0));
         }
         let v = me.view(request)?;
         let max_len = v.num_tokens.saturating_sub(1);
         let pool = me.pool.bind(py).clone();
+        let hashes = hashes_of(&me.fields, request).py_err()?;
         let hit = {
             let p = pool.borrow();
-            me.inner
-                .find_longest_cache_hit(&p.inner, v.hashes.len(), max_len, |i| list_digest(&v.hashes, i, "request.block_hashes"))
-                .py_err()?
+            me.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
         };
         let n = hit.len() * me.inner.block_size();
         if n > 0 && pool.borrow().inner.events_enabled() {
-            let mode = request.getattr(intern!(py, "kv_cache_report_mode")).ok();
+            let mode = me.fields.get(request, Field::KvCacheReportMode).ok();
             if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
-                let hashes = (0..hit.len()).map(|i| list_digest(&v.hashes, i, "request.block_hashes")).collect::<crate::error::Result<Vec<_>>>().py_err()?;
+                let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
                 let mut p = pool.borrow_mut();
                 let tag = p.tag(request);
                 p.inner.record_stored(hashes, me.inner.block_size(), 0, tag);
@@ -244,7 +279,9 @@ impl PyManager {
         };
         let pending = p.inner.num_pending_events();
         let id = v.id.to_str()?;
-        let res = me.inner.allocate_slots(&mut p.inner, id, &args, v.hashes.len(), |i| list_digest(&v.hashes, i, "request.block_hashes"));
+        let me = &mut *me;
+        let fields = &me.fields;
+        let res = me.inner.allocate_slots(&mut p.inner, id, &args, || hashes_of(fields, request));
         if tag != 0 && p.inner.num_pending_events() == pending {
             p.untag_unused(tag);
         }
@@ -308,7 +345,9 @@ impl PyManager {
                 event_tag: tag,
                 ..Default::default()
             };
-            let res = me.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, v.hashes.len(), |k| list_digest(&v.hashes, k, "request.block_hashes"));
+            let m = &mut *me;
+            let fields = &m.fields;
+            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, || hashes_of(fields, r));
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }
@@ -327,8 +366,9 @@ impl PyManager {
     /// requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = request.getattr(intern!(py, "request_id"))?;
+        let id = slf.borrow().fields.get(request, Field::RequestId)?;
         let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
+        let _ = py;
         Self::free_request_id(slf, id.to_str()?)
     }
 
@@ -353,7 +393,8 @@ impl PyManager {
         let mut p = pool.borrow_mut();
         let tag = p.tag(request);
         let pending = p.inner.num_pending_events();
-        let res = me.inner.cache_blocks(&mut p.inner, v.id.to_str()?, n, v.hashes.len(), |i| list_digest(&v.hashes, i, "request.block_hashes"), tag);
+        let hashes = hashes_of(&me.fields, request).py_err()?;
+        let res = me.inner.cache_blocks(&mut p.inner, v.id.to_str()?, n, &hashes, tag);
         if tag != 0 && p.inner.num_pending_events() == pending {
             p.untag_unused(tag);
         }

@@ -1,8 +1,10 @@
 //! The binding layer: the only module that names pyo3 or numpy.
 
+pub mod block_ids;
 pub mod block_pool;
 pub mod convert;
 pub mod errors;
+pub mod fields;
 pub mod hashing;
 pub mod manager;
 
@@ -20,8 +22,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::PyHashFunction>()?;
     m.add_class::<hashing::PyRequestBlockHasher>()?;
     m.add_class::<block_pool::PyBlockPool>()?;
+    m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::hash_requests, m)?)?;
     Ok(())
 }

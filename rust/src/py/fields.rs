@@ -1,0 +1,96 @@
+//! Fast reads of `kvblock.Request` fields from Rust.
+//!
+//! The scheduler-facing manager calls read a handful of request attributes per call. For the
+//! exact `kvblock.Request` type, whose fields are `__slots__`, each field lives at a fixed
+//! offset known from its member descriptor, so it is read directly; any other request type
+//! (a subclass, vLLM's own `Request`) goes through ordinary `getattr`.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyString, PyType};
+
+/// The request fields the manager reads.
+#[derive(Clone, Copy)]
+pub enum Field {
+    RequestId,
+    NumComputedTokens,
+    AllTokenIds,
+    BlockHashes,
+    Status,
+    NumInFlightTokens,
+    SkipReadingPrefixCache,
+    KvCacheReportMode,
+}
+
+const NAMES: [&str; 8] = [
+    "request_id",
+    "num_computed_tokens",
+    "_all_token_ids",
+    "block_hashes",
+    "status",
+    "num_in_flight_tokens",
+    "skip_reading_prefix_cache",
+    "kv_cache_report_mode",
+];
+
+/// Slot offsets of `kvblock.Request` and the interned field names.
+pub struct RequestFields {
+    ty: Option<Py<PyType>>,
+    offsets: [isize; 8],
+    names: [Py<PyString>; 8],
+}
+
+impl RequestFields {
+    /// Field names only: every read goes through `getattr`.
+    pub fn generic(py: Python<'_>) -> Self {
+        RequestFields { ty: None, offsets: [-1; 8], names: NAMES.map(|n| PyString::intern(py, n).unbind()) }
+    }
+
+    /// Learn the slot offsets of `request_type` (fields that are not plain slots keep using
+    /// `getattr`).
+    pub fn for_type(request_type: &Bound<'_, PyType>) -> PyResult<Self> {
+        let py = request_type.py();
+        let mut f = Self::generic(py);
+        let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
+        let dict = request_type.getattr("__dict__")?;
+        for (i, name) in NAMES.iter().enumerate() {
+            let Ok(descr) = dict.get_item(name) else { continue };
+            if !descr.get_type().is(&member_type) {
+                continue;
+            }
+            // SAFETY: `descr` is a member descriptor (checked above), whose d_member points at
+            // the slot's PyMemberDef for the lifetime of the type.
+            let (offset, kind) = unsafe {
+                let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member as *mut ffi::PyMemberDef;
+                ((*m).offset, (*m).type_code)
+            };
+            if kind == ffi::Py_T_OBJECT_EX {
+                f.offsets[i] = offset;
+            }
+        }
+        f.ty = Some(request_type.clone().unbind());
+        Ok(f)
+    }
+
+    /// `getattr(request, field)`, read straight from the slot for the exact request type.
+    #[inline]
+    pub fn get<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> PyResult<Bound<'py, PyAny>> {
+        let i = field as usize;
+        let off = self.offsets[i];
+        if off >= 0 {
+            if let Some(ty) = &self.ty {
+                // SAFETY: the object's type is exactly the type whose slot offsets we read, so
+                // a PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
+                unsafe {
+                    if ffi::Py_TYPE(request.as_ptr()) == ty.as_ptr() as *mut ffi::PyTypeObject {
+                        let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
+                        if !p.is_null() {
+                            return Ok(Bound::from_borrowed_ptr(request.py(), p));
+                        }
+                    }
+                }
+            }
+        }
+        request.getattr(self.names[i].bind(request.py()))
+    }
+}

@@ -1,0 +1,237 @@
+"""kvblock's KVCacheManager and the pure-Python reference in lockstep: a hypothesis state
+machine creates requests with random prompts that share prefixes, LoRA adapters, cache
+salts and multimodal items, then admits, decodes, preempts, frees, evicts and resets, with
+caching on and off, events on, sliding windows and EAGLE. After every step: the same return
+values, block tables, free-queue order, ref counts, hash -> block map, stats and events.
+
+``KVBLOCK_LONG=1`` runs the long profile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvblock.hashing as kv_hashing
+from kvblock.manager import KVCacheManager
+from kvblock.reference import hashing as ref_hashing
+from kvblock.reference.manager import KVCacheManager as RefManager
+from kvblock.request import LoRARequest, Request, RequestStatus
+
+LONG = bool(os.environ.get("KVBLOCK_LONG"))
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 50, 60], [7] * 10, []]
+LORAS = [None, LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")]
+SALTS = [None, "s1", "s2"]
+
+
+def _ids(blocks):
+    return None if blocks is None else blocks.get_block_ids()[0]
+
+
+def _map(pool):
+    out = {}
+    for key, v in pool.cached_block_hash_to_block.items():
+        out.setdefault(key, []).extend(v if isinstance(v, list) else [v.block_id])
+    return out
+
+
+class ManagerLockstep(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(2, 30),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+        events=st.booleans(),
+        window=st.sampled_from([None, None, 3, 6]),
+        eagle=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.0, 0.1]),
+    )
+    def setup(self, num_blocks, block_size, caching, events, window, eagle, watermark):
+        for mod in (kv_hashing, ref_hashing):
+            mod.init_none_hash(mod.get_hash_fn_by_name("sha256"))
+        kw = dict(enable_caching=caching, log_stats=True, enable_kv_cache_events=events, max_model_len=64,
+                  sliding_window=window, use_eagle=eagle and window is None, watermark=watermark)
+        self.fast = KVCacheManager(num_blocks, block_size, **kw)
+        self.ref = RefManager(num_blocks, block_size, **kw)
+        self.n = num_blocks
+        self.bs = block_size
+        self.waiting: list[tuple[Request, Request]] = []
+        self.running: list[tuple[Request, Request]] = []
+        self.all: list[tuple[Request, Request]] = []
+        self.counter = 0
+
+    def _pair(self, **kw):
+        rid = f"r{self.counter}"
+        self.counter += 1
+        a = Request(rid, block_hasher=self.fast.request_block_hasher, **kw)
+        b = Request(rid, block_hasher=self.ref.request_block_hasher, **kw)
+        assert a.block_hashes == b.block_hashes
+        return a, b
+
+    def _same(self, f_fast, f_ref):
+        try:
+            a = f_fast()
+        except (ValueError, TypeError, KeyError) as e:
+            a = e
+        try:
+            b = f_ref()
+        except (ValueError, TypeError, KeyError) as e:
+            b = e
+        if isinstance(a, Exception) or isinstance(b, Exception):
+            assert type(a) is type(b), (a, b)
+            return None, True
+        return (a, b), False
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 3), max_size=8),
+          lora=st.sampled_from(LORAS), salt=st.sampled_from(SALTS), mm=st.booleans())
+    def new_request(self, prefix, suffix, lora, salt, mm):
+        prompt = prefix + suffix
+        if not prompt:
+            prompt = [0]
+        feats = [("img", 1, 3)] if mm and len(prompt) >= 4 else None
+        pair = self._pair(prompt_token_ids=prompt, lora_request=lora, cache_salt=salt, mm_features=feats)
+        self.waiting.append(pair)
+        self.all.append(pair)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def admit(self, data):
+        fast_req, ref_req = pair = data.draw(st.sampled_from(self.waiting))
+        (res, err) = self._same(lambda: self.fast.get_computed_blocks(fast_req), lambda: self.ref.get_computed_blocks(ref_req))
+        assert not err
+        (fb, fn, fs), (rb, rn, rs) = res
+        assert (_ids(fb), fn, fs) == (_ids(rb), rn, rs)
+        res, err = self._same(
+            lambda: self.fast.allocate_slots(fast_req, fast_req.num_tokens - fn, fn, fb),
+            lambda: self.ref.allocate_slots(ref_req, ref_req.num_tokens - rn, rn, rb),
+        )
+        if err:
+            return
+        a, b = res
+        assert _ids(a) == _ids(b)
+        if a is None:
+            return
+        for mgr, r in ((self.fast, fast_req), (self.ref, ref_req)):
+            mgr.record_prefix_cache_stats(r, fn)
+            r.num_computed_tokens = r.num_tokens
+            r.status = RequestStatus.RUNNING
+        self.waiting.remove(pair)
+        self.running.append(pair)
+        tok = self.counter % 4
+        fast_req.append_output_token_ids(tok)
+        ref_req.append_output_token_ids(tok)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), tok=st.integers(0, 3), lookahead=st.sampled_from([0, 0, 1]))
+    def decode(self, data, tok, lookahead):
+        fast_req, ref_req = data.draw(st.sampled_from(self.running))
+        res, err = self._same(lambda: self.fast.allocate_slots(fast_req, 1, num_lookahead_tokens=lookahead),
+                              lambda: self.ref.allocate_slots(ref_req, 1, num_lookahead_tokens=lookahead))
+        if err:
+            return
+        a, b = res
+        assert _ids(a) == _ids(b)
+        if a is not None:
+            for r in (fast_req, ref_req):
+                r.num_computed_tokens += 1
+                r.append_output_token_ids(tok)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def decode_batch(self, data):
+        """The batch step API gives what per-request calls give."""
+        k = data.draw(st.integers(1, len(self.running)))
+        pairs = self.running[:k]
+        counts, flat = self.fast.allocate_slots_batch([p[0] for p in pairs])
+        pos = 0
+        for (fast_req, ref_req), c in zip(pairs, counts.tolist()):
+            b = self.ref.allocate_slots(ref_req, 1)
+            if c < 0:
+                assert b is None
+                continue
+            assert flat[pos:pos + c].tolist() == _ids(b)
+            pos += c
+            for r in (fast_req, ref_req):
+                r.num_computed_tokens += 1
+                r.append_output_token_ids(1)
+
+    @precondition(lambda self: self.all)
+    @rule(data=st.data())
+    def free(self, data):
+        pair = data.draw(st.sampled_from(self.all))
+        self.fast.free(pair[0])
+        self.ref.free(pair[1])
+        for lst in (self.waiting, self.running):
+            if pair in lst:
+                lst.remove(pair)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        pair = data.draw(st.sampled_from(self.running))
+        for mgr, r in zip((self.fast, self.ref), pair):
+            mgr.free(r)
+            r.num_computed_tokens = 0
+            r.num_preemptions += 1
+            r.status = RequestStatus.PREEMPTED
+        self.running.remove(pair)
+        self.waiting.append(pair)
+
+    @rule()
+    def reset(self):
+        assert self.fast.reset_prefix_cache() == self.ref.reset_prefix_cache()
+
+    @rule(ids=st.lists(st.integers(0, 31), max_size=3))
+    def evict(self, ids):
+        self._same(lambda: self.fast.evict_blocks(ids), lambda: self.ref.evict_blocks(ids))
+
+    @precondition(lambda self: self.all)
+    @rule(data=st.data(), bad=st.sampled_from(["zero", "negative", "long"]))
+    def bad_input(self, data, bad):
+        """Bad input raises the same error in both and changes nothing (checked after)."""
+        fast_req, ref_req = data.draw(st.sampled_from(self.all))
+        if bad == "zero":
+            args = (0,)
+        elif bad == "negative":
+            args = (-1,)
+        else:
+            args = (1000,)
+        if bad == "long":
+            long_a, long_b = self._pair(prompt_token_ids=list(range(70)))
+            fast_req, ref_req = long_a, long_b
+            args = (70,)
+        with pytest.raises(ValueError):
+            self.fast.allocate_slots(fast_req, *args)
+        with pytest.raises(ValueError):
+            self.ref.allocate_slots(ref_req, *args)
+
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "fast"):
+            return
+        f, r = self.fast, self.ref
+        for a, b in self.all:
+            assert f.get_block_ids(a.request_id) == r.get_block_ids(b.request_id)
+        fp, rp = f.block_pool, r.block_pool
+        assert [b.block_id for b in fp.free_block_queue.get_all_free_blocks()] == [
+            b.block_id for b in rp.free_block_queue.get_all_free_blocks()
+        ]
+        for i in range(1, self.n):
+            assert fp.blocks[i].ref_cnt == rp.blocks[i].ref_cnt
+            assert fp.blocks[i].block_hash == rp.blocks[i].block_hash
+        assert _map(fp) == _map(rp)
+        assert f.usage == pytest.approx(r.usage)
+        assert f.prefix_cache_stats == r.prefix_cache_stats
+        assert f.take_events() == r.take_events()
+        fp.check_invariants()
+
+
+ManagerLockstep.TestCase.settings = settings(
+    max_examples=10000 if LONG else 1500,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestManagerLockstep = ManagerLockstep.TestCase
