@@ -9,7 +9,18 @@
 
 use crate::hashing::Digest;
 use hashbrown::HashTable;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
+
+/// Two secret 64-bit seeds, different in every map (from the standard library's randomly
+/// keyed SipHash state).
+fn random_seed() -> [u64; 2] {
+    let s = std::collections::hash_map::RandomState::new();
+    let mut a = s.build_hasher();
+    a.write_u64(0x5eed_0001);
+    let mut b = s.build_hasher();
+    b.write_u64(0x5eed_0002);
+    [a.finish(), b.finish() | 1]
+}
 
 /// `BlockHashWithGroupId`: a block hash and its KV-cache group.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
@@ -56,7 +67,7 @@ pub struct CacheMap {
     /// Links between blocks cached under the same key (`NONE` at the ends).
     dup_prev: Vec<u32>,
     dup_next: Vec<u32>,
-    build: hashbrown::DefaultHashBuilder,
+    seed: [u64; 2],
 }
 
 impl CacheMap {
@@ -68,7 +79,7 @@ impl CacheMap {
             free_slots: Vec::new(),
             dup_prev: vec![NONE; num_blocks],
             dup_next: vec![NONE; num_blocks],
-            build: hashbrown::DefaultHashBuilder::default(),
+            seed: random_seed(),
         }
     }
 
@@ -78,17 +89,22 @@ impl CacheMap {
     }
 
     /// Table hash of a key: digests are already uniform, so 8 digest bytes and the group,
-    /// mixed with this map's random seed (no flooding by crafted inputs), are enough.
+    /// mixed with this map's secret random seed by a folded multiply (so inputs crafted to
+    /// collide cannot flood the table), are enough.
     #[inline(always)]
-    fn hash_with(build: &hashbrown::DefaultHashBuilder, key: &Key) -> u64 {
-        let b = key.hash.as_bytes();
-        let lo = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-        build.hash_one((lo, key.group))
+    fn mix(seed: &[u64; 2], lo: u64, group: u32) -> u64 {
+        let x = (lo ^ seed[0]) as u128 * ((group as u64) ^ seed[1]) as u128;
+        (x as u64) ^ ((x >> 64) as u64)
+    }
+
+    #[inline(always)]
+    fn hash_with(seed: &[u64; 2], key: &Key) -> u64 {
+        Self::mix(seed, Digest::prefix_u64(key.hash.as_bytes()), key.group)
     }
 
     #[inline(always)]
     fn hash_of(&self, key: &Key) -> u64 {
-        Self::hash_with(&self.build, key)
+        Self::hash_with(&self.seed, key)
     }
 
     /// Number of keys (`len(cached_block_hash_to_block)`).
@@ -125,12 +141,8 @@ impl CacheMap {
     /// [`CacheMap::get_one`] for raw digest bytes (no key copy).
     #[inline]
     pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
-        if hash.len() < 8 {
-            return None;
-        }
-        let lo = u64::from_le_bytes([hash[0], hash[1], hash[2], hash[3], hash[4], hash[5], hash[6], hash[7]]);
-        let h = self.build.hash_one((lo, group));
-        self.table.find(h, |b| b.key.group == group && b.key.hash.as_bytes() == hash).map(|b| b.first)
+        let h = Self::mix(&self.seed, Digest::prefix_u64(hash), group);
+        self.table.find(h, |b| b.key.group == group && b.key.hash.eq_bytes(hash)).map(|b| b.first)
     }
 
     /// Every block cached under `key`, in insertion order.
@@ -170,8 +182,8 @@ impl CacheMap {
             }
         };
         let h = self.hash_of(&key);
-        let build = &self.build;
-        self.table.insert_unique(h, Bucket { key, first: block, slot }, |b| Self::hash_with(build, &b.key));
+        let seed = &self.seed;
+        self.table.insert_unique(h, Bucket { key, first: block, slot }, |b| Self::hash_with(seed, &b.key));
         slot
     }
 

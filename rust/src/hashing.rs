@@ -139,7 +139,11 @@ impl Digest {
             return None;
         }
         let mut bytes = [0u8; 32];
-        bytes[..b.len()].copy_from_slice(b);
+        if b.len() == 32 {
+            bytes.copy_from_slice(b);
+        } else {
+            bytes[..16].copy_from_slice(b);
+        }
         Some(Digest { len: b.len() as u8, bytes })
     }
     /// The digest bytes.
@@ -147,6 +151,35 @@ impl Digest {
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
     }
+    /// True if `b` holds the same digest bytes (fixed-size compares, no call).
+    #[inline(always)]
+    pub fn eq_bytes(&self, b: &[u8]) -> bool {
+        let n = self.len as usize;
+        if b.len() != n {
+            return false;
+        }
+        // SAFETY: both buffers hold at least `n` (16 or 32) bytes; unaligned reads.
+        unsafe {
+            let pa = self.bytes.as_ptr() as *const u128;
+            let pb = b.as_ptr() as *const u128;
+            if pa.read_unaligned() != pb.read_unaligned() {
+                return false;
+            }
+            n == 16 || pa.add(1).read_unaligned() == pb.add(1).read_unaligned()
+        }
+    }
+
+    /// The first 8 digest bytes as an integer (the map's hash input: digests are uniform).
+    #[inline(always)]
+    pub fn prefix_u64(b: &[u8]) -> u64 {
+        if b.len() >= 8 {
+            // SAFETY: at least 8 bytes; unaligned read.
+            unsafe { (b.as_ptr() as *const u64).read_unaligned() }
+        } else {
+            b.iter().rev().fold(0, |acc, &x| (acc << 8) | x as u64)
+        }
+    }
+
     /// vLLM's KV-event integer form: the last 8 bytes, big-endian, as u64.
     pub fn event_int(&self) -> u64 {
         let b = self.as_bytes();
