@@ -1,17 +1,27 @@
 """kvblock: vLLM's Automatic Prefix Caching block manager with a Rust core.
 
-Block hashes, block ids and free-queue order are identical to vLLM 0.33.0.
+Block hashes, block ids and free-queue order are identical to vLLM 0.33.0's:
+
+* :mod:`kvblock.hashing` — chained block hashing (``sha256``, ``sha256_cbor``, ``xxhash``,
+  ``xxhash_cbor``), :func:`hash_blocks`, vLLM's request block hasher;
+* :class:`BlockPool` — the block pool (vLLM's object API plus a fast id API);
+* :class:`KVCacheManager` — a drop-in for vLLM's ``KVCacheManager`` (one KV-cache group);
+* :class:`Request` — request bookkeeping with incremental block hashes;
+* :mod:`kvblock.events` — KV events in vLLM's msgpack wire format;
+* :mod:`kvblock.reference` — the pure-Python reference of all of the above.
 """
 
-from . import _core
-from . import hashing
+from . import _core, hashing
+from .block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from .hashing import (
     get_hash_fn_by_name,
     get_request_block_hasher,
     hash_block_tokens,
     hash_blocks,
+    hash_requests,
     init_none_hash,
 )
+from .manager import KVCacheBlocks, KVCacheManager
 from .request import (
     LoRARequest,
     MultiModalFeatureSpec,
@@ -20,6 +30,7 @@ from .request import (
     RequestStatus,
     SamplingParams,
 )
+from .stats import PrefixCacheStats
 
 __version__ = _core.__version__
 
@@ -28,22 +39,36 @@ def __getattr__(name: str):
     # NONE_HASH is reassigned by init_none_hash: always read the current value.
     if name == "NONE_HASH":
         return hashing.NONE_HASH
+    if name in ("BlockTable", "MultiGroupBlockTable", "PAD_SLOT_ID"):
+        from . import block_table  # imports torch: only when asked for
+
+        return getattr(block_table, name)
     raise AttributeError(f"module 'kvblock' has no attribute {name!r}")
 
 
 __all__ = [
+    "BlockPool",
+    "BlockTable",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheManager",
     "LoRARequest",
+    "MultiGroupBlockTable",
     "MultiModalFeatureSpec",
     "NONE_HASH",
+    "PAD_SLOT_ID",
     "PlaceholderRange",
+    "PrefixCacheStats",
     "Request",
     "RequestStatus",
     "SamplingParams",
     "__version__",
     "get_hash_fn_by_name",
-    "hashing",
     "get_request_block_hasher",
     "hash_block_tokens",
     "hash_blocks",
+    "hash_requests",
+    "hashing",
     "init_none_hash",
 ]

@@ -215,6 +215,9 @@ impl BlockPool {
             if b == NULL_BLOCK && !skip_null {
                 return Err(Error::value("block_ids", "cannot touch the null block"));
             }
+            if b != NULL_BLOCK && self.ref_cnt[b as usize] == 0 && !self.queue.contains(b) {
+                return Err(Error::State(format!("block {b} has ref_cnt 0 but is not in the free queue")));
+            }
         }
         for &b in ids {
             if b == NULL_BLOCK {
