@@ -11,7 +11,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	rm -f python/kvblock/_core*.so
-	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,torch]"
 
 rust-test:
 	cargo test --release

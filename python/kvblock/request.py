@@ -179,7 +179,7 @@ class Request:
         "_output_token_ids", "_all_token_ids", "max_tokens", "status", "num_computed_tokens",
         "num_in_flight_tokens", "num_preemptions", "skip_reading_prefix_cache",
         "kv_cache_report_mode", "block_hashes", "_block_hasher", "_hash_block_size",
-        "_hash_lookahead", "__dict__",
+        "_hash_lookahead", "_next_hash_at", "__dict__",
     )
 
     def __init__(
@@ -291,18 +291,24 @@ class Request:
         # block (vLLM's closures do not declare it; they are called on every update).
         self._hash_block_size: int = getattr(block_hasher, "block_size", 0) or 0
         self._hash_lookahead: int = getattr(block_hasher, "num_hash_lookahead_tokens", 0) or 0
+        self._next_hash_at = 0
         if hash_now:
             self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        """Extend ``block_hashes`` with the hashes of newly completed blocks."""
+        """Extend ``block_hashes`` with the hashes of newly completed blocks.
+
+        ``block_hashes`` is maintained here: do not modify it from outside.
+        """
+        if len(self._all_token_ids) < self._next_hash_at:
+            return  # no block can be complete yet
         hasher = self._block_hasher
         if hasher is None:
             return
-        bs = self._hash_block_size
-        if bs and len(self._all_token_ids) < (len(self.block_hashes) + 1) * bs + self._hash_lookahead:
-            return
         self.block_hashes.extend(hasher(self))
+        bs = self._hash_block_size
+        if bs:
+            self._next_hash_at = (len(self.block_hashes) + 1) * bs + self._hash_lookahead
 
     def __repr__(self) -> str:
         return (

@@ -20,9 +20,12 @@ pub enum Field {
     NumInFlightTokens,
     SkipReadingPrefixCache,
     KvCacheReportMode,
+    BlockHasher,
 }
 
-const NAMES: [&str; 8] = [
+const N: usize = 9;
+
+const NAMES: [&str; N] = [
     "request_id",
     "num_computed_tokens",
     "_all_token_ids",
@@ -31,19 +34,20 @@ const NAMES: [&str; 8] = [
     "num_in_flight_tokens",
     "skip_reading_prefix_cache",
     "kv_cache_report_mode",
+    "_block_hasher",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.
 pub struct RequestFields {
     ty: Option<Py<PyType>>,
-    offsets: [isize; 8],
-    names: [Py<PyString>; 8],
+    offsets: [isize; N],
+    names: [Py<PyString>; N],
 }
 
 impl RequestFields {
     /// Field names only: every read goes through `getattr`.
     pub fn generic(py: Python<'_>) -> Self {
-        RequestFields { ty: None, offsets: [-1; 8], names: NAMES.map(|n| PyString::intern(py, n).unbind()) }
+        RequestFields { ty: None, offsets: [-1; N], names: NAMES.map(|n| PyString::intern(py, n).unbind()) }
     }
 
     /// Learn the slot offsets of `request_type` (fields that are not plain slots keep using
@@ -70,6 +74,16 @@ impl RequestFields {
         }
         f.ty = Some(request_type.clone().unbind());
         Ok(f)
+    }
+
+    /// The fields of `kvblock.request.Request`, learnt once per process.
+    pub fn of_kvblock_request(py: Python<'_>) -> PyResult<&'static RequestFields> {
+        static CELL: pyo3::sync::PyOnceLock<RequestFields> = pyo3::sync::PyOnceLock::new();
+        CELL.get_or_try_init(py, || {
+            let ty = py.import("kvblock.request")?.getattr("Request")?;
+            let ty = ty.cast_into::<PyType>().map_err(|e| pyo3::exceptions::PyTypeError::new_err(e.to_string()))?;
+            RequestFields::for_type(&ty)
+        })
     }
 
     /// `getattr(request, field)`, read straight from the slot for the exact request type.

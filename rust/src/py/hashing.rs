@@ -332,6 +332,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
     use crate::hashing::{hash_chains, ChainJob};
     use pyo3::intern;
     struct Job<'py> {
+        request: Bound<'py, PyAny>,
         hashes: Bound<'py, PyList>,
         algo: HashAlgo,
         parent_id: u64,
@@ -340,20 +341,22 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         block_size: usize,
         extras: Option<Vec<Option<Value>>>,
     }
+    use super::fields::{Field, RequestFields};
     let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
+    let fields = RequestFields::of_kvblock_request(py)?;
     let mut jobs: Vec<Job<'_>> = Vec::new();
     for r in reqs.iter() {
-        let hasher = r.getattr(intern!(py, "_block_hasher"))?;
+        let hasher = fields.get(&r, Field::BlockHasher)?;
         let Ok(h) = hasher.cast::<PyRequestBlockHasher>() else {
             r.call_method0(intern!(py, "update_block_hashes"))?;
             continue;
         };
         let h = h.get();
-        let hashes = r
-            .getattr(intern!(py, "block_hashes"))?
+        let hashes = fields
+            .get(&r, Field::BlockHashes)?
             .cast_into::<PyList>()
             .map_err(|_| type_err("request.block_hashes", "must be a list"))?;
-        let tokens = r.getattr(intern!(py, "_all_token_ids"))?;
+        let tokens = fields.get(&r, Field::AllTokenIds)?;
         let bs = h.block_size;
         let start = hashes.len() * bs;
         let num_new = tokens.len()?.saturating_sub(h.lookahead + start) / bs;
@@ -391,7 +394,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
                 continue;
             }
         };
-        jobs.push(Job { hashes, algo: h.algo, parent_id, parent, tokens: toks, block_size: bs, extras });
+        jobs.push(Job { request: r.clone(), hashes, algo: h.algo, parent_id, parent, tokens: toks, block_size: bs, extras });
     }
     let total: usize = jobs.iter().map(|j| j.tokens.len() / j.block_size).sum();
     let chain_jobs: Vec<ChainJob<'_>> = jobs
@@ -415,6 +418,12 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
     for (j, digests) in jobs.iter().zip(results) {
         for d in digests {
             j.hashes.append(PyBytes::new(py, d.as_bytes()))?;
+        }
+        // the token count at which the request's next block completes (Request.update_block_hashes)
+        let next = (j.hashes.len() + 1) * j.block_size;
+        if j.request.hasattr(intern!(py, "_next_hash_at"))? {
+            let la: usize = j.request.getattr(intern!(py, "_hash_lookahead"))?.extract()?;
+            j.request.setattr(intern!(py, "_next_hash_at"), next + la)?;
         }
     }
     Ok(total)
