@@ -157,6 +157,37 @@ class ManagerLockstep(RuleBasedStateMachine):
                 r.num_computed_tokens += 1
                 r.append_output_token_ids(1)
 
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def admit_batch(self, data):
+        """The batch admission gives what per-request lookups and allocations give."""
+        k = data.draw(st.integers(1, len(self.waiting)))
+        pairs = self.waiting[:k]
+        n, hit_tokens, new_counts, hit_ids, new_ids = self.fast.admit_batch([p[0] for p in pairs])
+        hit_ids, new_ids = hit_ids.tolist(), new_ids.tolist()
+        h = c = 0
+        for i, (fast_req, ref_req) in enumerate(pairs):
+            rb, rn, _ = self.ref.get_computed_blocks(ref_req)
+            try:
+                ra = self.ref.allocate_slots(ref_req, ref_req.num_tokens - rn, rn, rb)
+            except ValueError:
+                ra = None
+            if i >= n:
+                assert ra is None  # the batch stopped at the first request that did not fit
+                break
+            assert ra is not None and hit_tokens[i] == rn
+            nb = rn // self.bs
+            assert hit_ids[h:h + nb] == _ids(rb) and new_ids[c:c + new_counts[i]] == _ids(ra)
+            h, c = h + nb, c + new_counts[i]
+            for mgr, r in ((self.fast, fast_req), (self.ref, ref_req)):
+                mgr.record_prefix_cache_stats(r, rn)
+                r.num_computed_tokens = r.num_tokens
+                r.status = RequestStatus.RUNNING
+            self.waiting.remove((fast_req, ref_req))
+            self.running.append((fast_req, ref_req))
+            fast_req.append_output_token_ids(2)
+            ref_req.append_output_token_ids(2)
+
     @precondition(lambda self: self.all)
     @rule(data=st.data())
     def free(self, data):

@@ -207,9 +207,10 @@ def run_e2e(
         hashing_module: the module whose ``NONE_HASH`` the manager's hasher reads (default:
             ``kvblock.hashing`` for kvblock hash functions, else ``kvblock.reference.hashing``).
             Its root is set with ``PYTHONHASHSEED="0"`` for the run and restored afterwards.
-        batch: use kvblock's batch step API: one ``allocate_slots_batch`` call per step for
-            the decodes and one ``kvblock.hashing.hash_requests`` call per step for the
-            hashing (new prompts hashed together, on several threads). Same results.
+        batch: use kvblock's batch step API: per step one ``admit_batch`` call for the
+            admissions (lookups and allocations), one ``allocate_slots_batch`` call for the
+            decodes and ``kvblock.hashing.hash_requests`` calls for the hashing (new prompts
+            hashed together, on several threads). Same results.
 
     Timing: the clock is read around whole phases, not single calls — each step's decode
     loop, each admission's lookup and allocation, each step's frees, each step's hashing
@@ -246,7 +247,7 @@ def _run_loop(
     if batch:
         from .hashing import hash_requests
 
-        allocate_batch = mgr.allocate_slots_batch
+        allocate_batch, admit_batch = mgr.allocate_slots_batch, mgr.admit_batch
     waiting = deque(range(num_requests))
     running: list[tuple[Any, list[int]]] = []
     step = 0
@@ -299,20 +300,35 @@ def _run_loop(
                 for req, _ in candidates:
                     req.attach_block_hasher(hasher)
             hashing_ns += clock() - t0
-        for req, outputs in candidates:
+        if batch and candidates:
             t1 = clock()
-            hit_blocks, n_hit, _ = get_computed_blocks(req)
-            t2 = clock()
-            new = allocate_slots(req, req.num_tokens - n_hit, n_hit, hit_blocks)
-            t3 = clock()
-            lookup_ns += t2 - t1
-            prefill_ns += t3 - t2
-            if new is None:
-                if not running:
-                    raise RuntimeError(f"cannot admit {req.request_id} into an idle pool")
-                break
+            n_adm, hit_tokens, new_counts, hit_flat, new_flat = admit_batch([req for req, _ in candidates])
+            lookup_ns += clock() - t1  # one call does the lookups and the allocations
+            if n_adm == 0 and not running:
+                raise RuntimeError(f"cannot admit {candidates[0][0].request_id} into an idle pool")
+            hit_flat, new_flat = hit_flat.tolist(), new_flat.tolist()
+            admissions, h, k = [], 0, 0
+            for (req, outputs), n_hit, c in zip(candidates, hit_tokens.tolist(), new_counts.tolist()):
+                nb = n_hit // mgr.block_size
+                admissions.append((req, outputs, n_hit, hit_flat[h : h + nb], new_flat[k : k + c]))
+                h, k = h + nb, k + c
+        else:
+            admissions = []
+            for req, outputs in candidates:
+                t1 = clock()
+                hit_blocks, n_hit, _ = get_computed_blocks(req)
+                t2 = clock()
+                new = allocate_slots(req, req.num_tokens - n_hit, n_hit, hit_blocks)
+                t3 = clock()
+                lookup_ns += t2 - t1
+                prefill_ns += t3 - t2
+                if new is None:
+                    if not running:
+                        raise RuntimeError(f"cannot admit {req.request_id} into an idle pool")
+                    break
+                admissions.append((req, outputs, n_hit, _ids(hit_blocks), _ids(new)))
+        for req, outputs, n_hit, hit_ids, new_ids_ in admissions:
             mgr.record_prefix_cache_stats(req, n_hit)
-            hit_ids, new_ids_ = _ids(hit_blocks), _ids(new)
             fingerprint.update(("h" + ",".join(map(str, hit_ids))).encode())
             fingerprint.update(("n" + ",".join(map(str, new_ids_))).encode())
             if record:

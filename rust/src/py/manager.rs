@@ -102,6 +102,33 @@ impl PyManager {
         }
     }
 
+    /// `get_computed_blocks` without the result object: the hit block ids (and the
+    /// `BlockStored` of a "full" report-mode request when events are on).
+    fn lookup(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let py = request.py();
+        if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
+            return Ok(Vec::new());
+        }
+        let v = self.view(request)?;
+        let max_len = v.num_tokens.saturating_sub(1);
+        let pool = self.pool.bind(py).clone();
+        let hashes = hashes_of(&self.fields, request).py_err()?;
+        let hit = {
+            let p = pool.borrow();
+            self.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
+        };
+        if !hit.is_empty() && pool.borrow().inner.events_enabled() {
+            let mode = self.fields.get(request, Field::KvCacheReportMode).ok();
+            if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
+                let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
+                let mut p = pool.borrow_mut();
+                let tag = p.tag(request);
+                p.inner.record_stored(hashes, self.inner.block_size(), 0, tag);
+            }
+        }
+        Ok(hit)
+    }
+
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
         match self.fields.get(request, Field::NumInFlightTokens) {
             Ok(v) => count(v.extract()?, "request.num_in_flight_tokens"),
@@ -201,28 +228,79 @@ impl PyManager {
     fn get_computed_blocks<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
         let me = slf.borrow();
-        if !me.enable_caching || me.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
-            return Ok((me.empty(py)?, 0, 0));
-        }
-        let v = me.view(request)?;
-        let max_len = v.num_tokens.saturating_sub(1);
-        let pool = me.pool.bind(py).clone();
-        let hashes = hashes_of(&me.fields, request).py_err()?;
-        let hit = {
-            let p = pool.borrow();
-            me.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
-        };
+        let hit = me.lookup(request)?;
         let n = hit.len() * me.inner.block_size();
-        if n > 0 && pool.borrow().inner.events_enabled() {
-            let mode = me.fields.get(request, Field::KvCacheReportMode).ok();
-            if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
-                let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
-                let mut p = pool.borrow_mut();
-                let tag = p.tag(request);
-                p.inner.record_stored(hashes, me.inner.block_size(), 0, tag);
+        Ok((me.blocks_of(py, hit)?, n, 0))
+    }
+
+    /// Admit new requests in order, each exactly as `get_computed_blocks(r)` followed by
+    /// `allocate_slots(r, r.num_tokens - hit, hit, hit_blocks, num_lookahead_tokens)` would;
+    /// stops at the first request the pool cannot take (it, and those after it, are left
+    /// untouched). Returns `(num_admitted, hit_tokens, num_new_blocks, hit_block_ids,
+    /// new_block_ids)`: int32 arrays of one entry per admitted request, and the hit and new
+    /// block ids of all admitted requests concatenated. Prefix-cache stats are the caller's to
+    /// record (`record_prefix_cache_stats`), as with the per-request calls.
+    #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
+    #[allow(clippy::type_complexity)]
+    fn admit_batch<'py>(
+        slf: &Bound<'py, Self>,
+        requests: &Bound<'py, PyAny>,
+        num_lookahead_tokens: i64,
+        has_scheduled_reqs: bool,
+    ) -> PyResult<(usize, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let py = slf.py();
+        let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut admitted = 0;
+        for r in reqs.iter() {
+            let hit = slf.borrow().lookup(&r)?;
+            let mut me = slf.borrow_mut();
+            let n = hit.len() * me.inner.block_size();
+            let v = me.view(&r)?;
+            let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
+            let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
+            let pool = me.pool.bind(py).clone();
+            let mut p = pool.borrow_mut();
+            let tag = p.tag(&r);
+            let pending = p.inner.num_pending_events();
+            let args = AllocArgs {
+                num_computed_tokens: v.num_computed,
+                num_tokens: v.num_tokens,
+                num_new_tokens: v.num_tokens.saturating_sub(v.num_computed + n),
+                num_new_computed_tokens: n,
+                new_computed: &hit,
+                has_new_computed: !hit.is_empty(),
+                num_lookahead_tokens: lookahead,
+                apply_watermark,
+                num_in_flight_tokens,
+                event_tag: tag,
+                ..Default::default()
+            };
+            let m = &mut *me;
+            let fields = &m.fields;
+            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, || hashes_of(fields, &r));
+            if tag != 0 && p.inner.num_pending_events() == pending {
+                p.untag_unused(tag);
+            }
+            match res.py_err()? {
+                None => break,
+                Some(new) => {
+                    hit_tokens.push(n as i32);
+                    new_counts.push(new.len() as i32);
+                    hit_ids.extend(hit);
+                    new_ids.extend(new);
+                    admitted += 1;
+                }
             }
         }
-        Ok((me.blocks_of(py, hit)?, n, 0))
+        Ok((
+            admitted,
+            PyArray1::from_vec(py, hit_tokens),
+            PyArray1::from_vec(py, new_counts),
+            ids_array(py, hit_ids),
+            ids_array(py, new_ids),
+        ))
     }
 
     /// vLLM 0.33.0's `allocate_slots` for this group (spec §5.3). Returns the newly allocated

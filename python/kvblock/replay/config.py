@@ -1,0 +1,114 @@
+"""Settings of a replay: :class:`SimConfig`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..hashing import ALGORITHMS
+from .backends import IMPLS
+from .errors import ReplayError
+from .trace import SchedulerDefaults, Trace
+
+__all__ = ["DEFAULTS", "SimConfig"]
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How to replay a workload.
+
+    Attributes:
+        num_blocks: KV-cache blocks including vLLM's null block 0 (``num_gpu_blocks``);
+            None means unlimited: enough blocks that nothing is ever evicted.
+        block_size: tokens per block (also the hash block size).
+        hash_algo: ``sha256`` (vLLM's default), ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``.
+        impl: ``"kvblock"`` or ``"reference"``.
+        ideal: requests finish instantly (admit, record, free, one at a time in arrival
+            order): the replay measures the prefix cache alone.
+        max_running: most requests running at once (vLLM ``max_num_seqs``).
+        token_budget: tokens scheduled per step (``max_num_batched_tokens``); None: unlimited.
+        chunked_prefill: split prompts longer than the remaining budget across steps.
+        asap: ignore timestamps: every request is waiting from the start.
+        step_ms: simulated duration of one scheduler step (milliseconds).
+        time_scale: multiply arrival timestamps by this (0.5 = twice the request rate).
+        fingerprint: compute the block-id fingerprint of the workload README §5.1.
+    """
+
+    num_blocks: int | None = 32768
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    impl: str = "kvblock"
+    ideal: bool = False
+    max_running: int = 256
+    token_budget: int | None = 8192
+    chunked_prefill: bool = True
+    asap: bool = False
+    step_ms: float = 20.0
+    time_scale: float = 1.0
+    fingerprint: bool = False
+
+    def validate(self) -> "SimConfig":
+        """Return self if every setting is valid.
+
+        Raises:
+            ReplayError: a non-positive size, budget, step or scale, fewer than 2 blocks (the
+                null block plus one), an unknown hash algorithm or implementation.
+        """
+        if self.block_size <= 0:
+            raise ReplayError(f"--block-size must be > 0, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ReplayError(
+                f"--num-blocks must be >= 2 (block 0 is vLLM's null block), got {self.num_blocks}"
+            )
+        if self.hash_algo not in ALGORITHMS:
+            raise ReplayError(f"unknown --hash-algo {self.hash_algo!r}; choose from {', '.join(ALGORITHMS)}")
+        if self.impl not in IMPLS:
+            raise ReplayError(f"unknown --impl {self.impl!r}; choose from {', '.join(IMPLS)}")
+        if self.max_running < 1:
+            raise ReplayError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ReplayError(f"--token-budget must be >= 1 (or 0 for unlimited), got {self.token_budget}")
+        if not (self.step_ms > 0 and math.isfinite(self.step_ms)):
+            raise ReplayError(f"--step-ms must be > 0, got {self.step_ms}")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ReplayError(f"--time-scale must be > 0, got {self.time_scale}")
+        return self
+
+    def with_defaults(self, defaults: SchedulerDefaults, explicit: set[str]) -> "SimConfig":
+        """Apply a workload's defaults to the fields not in ``explicit``."""
+        changes: dict[str, Any] = {}
+        for name, value in asdict(defaults).items():
+            if value is None or name in explicit:
+                continue
+            if name == "token_budget":
+                value = value or None
+            changes[name] = value
+        return replace(self, **changes)
+
+    def resolved_num_blocks(self, trace: Trace) -> int:
+        """``num_blocks``, or for unlimited the blocks every request could ever hold at once
+        plus the null block (so no block is ever evicted)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        b = self.block_size
+        if self.ideal:
+            total = sum(-(-r.prompt_len // b) for r in trace.requests)
+        else:
+            total = sum(-(-(r.prompt_len + max(r.output_len, 1) - 1) // b) for r in trace.requests)
+        return total + 1
+
+    def describe(self, trace: Trace) -> dict[str, Any]:
+        """The settings as a plain dict (unlimited blocks resolved, ``num_blocks_unlimited``
+        telling which)."""
+        d = asdict(self)
+        d["num_blocks"] = self.resolved_num_blocks(trace)
+        d["num_blocks_unlimited"] = self.num_blocks is None
+        if self.ideal:
+            for k in ("max_running", "token_budget", "chunked_prefill", "asap", "step_ms", "time_scale"):
+                d.pop(k)
+        return d
+
+
+#: The general defaults.
+DEFAULTS = SimConfig()

@@ -1,0 +1,54 @@
+"""The replay tool's user-facing errors.
+
+Every problem caused by the input or the settings (a missing file, a malformed trace line, a
+cache too small for a request, an unknown implementation) is a :class:`ReplayError`: the
+``kvblock`` command prints its message and exits with its ``exit_code``, never with a
+traceback. Programming errors keep their own exception types.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ReplayError", "TraceFormatError", "UnservableRequestsError"]
+
+
+class ReplayError(Exception):
+    """A user error of ``kvblock replay`` / ``kvblock sweep``; ``str(e)`` is the message.
+
+    Attributes:
+        exit_code: the process exit status the CLI uses (2: bad input or settings).
+    """
+
+    exit_code = 2
+
+
+class TraceFormatError(ReplayError):
+    """A trace line that cannot be read: malformed JSON or an invalid record.
+
+    Attributes:
+        path: the trace file.
+        line: 1-based line number of the offending line.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        self.path, self.line, self.reason = path, line, reason
+        super().__init__(
+            f"{path}:{line}: {reason} (pass --skip-bad-lines to skip such lines)"
+        )
+
+
+class UnservableRequestsError(ReplayError):
+    """Requests that need more KV-cache blocks than the whole cache holds.
+
+    Raised by the CLI *after* the replay has run and its report was printed, so the numbers of
+    the servable requests are still shown; the replay itself never hangs on such a request.
+
+    Attributes:
+        count: how many requests were unservable.
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, count: int) -> None:
+        self.count = count
+        super().__init__(message)

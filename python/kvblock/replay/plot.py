@@ -1,0 +1,80 @@
+"""Plotting a capacity sweep (matplotlib, Agg backend, no display needed).
+
+The figure follows the Mooncake paper's Figure 9: cache capacity in blocks on a log x axis,
+hit rate on the y axis, one line with markers per trace. An unlimited capacity is drawn as a
+hollow marker at an "∞" tick to the right and a dotted line at that trace's upper bound.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .errors import ReplayError
+from .sweep import SweepSeries
+
+__all__ = ["plot_sweep"]
+
+
+def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = None) -> None:
+    """Draw hit rate against capacity for every series and save it to ``path`` (PNG, SVG or
+    PDF by extension).
+
+    Raises:
+        ReplayError: matplotlib is not installed, there is nothing to plot, or the file
+            cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        raise ReplayError("--plot needs matplotlib: pip install 'kvblock[plot]'") from None
+    if not series or not any(s.points for s in series):
+        raise ReplayError("nothing to plot")
+    finite = [p.capacity for s in series for p in s.points if p.capacity is not None]
+    has_inf = any(p.capacity is None for s in series for p in s.points)
+    lo = min(finite) if finite else 1
+    hi = max(finite) if finite else 1
+    x_inf = hi * 4 if finite else 1
+
+    fig = Figure(figsize=(7.0, 4.4), dpi=120)
+    ax = fig.add_subplot()
+    for i, s in enumerate(series):
+        color = f"C{i}"
+        pts = [p for p in s.points if p.capacity is not None]
+        ax.plot([p.capacity for p in pts], [100 * p.hit_rate for p in pts], marker="o", color=color,
+                linewidth=1.8, markersize=5, label=s.name)
+        for p in s.points:
+            if p.capacity is None:
+                y = 100 * p.hit_rate
+                ax.plot([x_inf], [y], marker="o", markerfacecolor="white", color=color, markersize=6)
+                ax.axhline(y, color=color, linestyle=":", linewidth=1)
+                if pts:
+                    ax.plot([pts[-1].capacity, x_inf], [100 * pts[-1].hit_rate, y], color=color,
+                            linestyle="--", linewidth=1)
+    ax.set_xscale("log")
+    ticks = sorted(set(finite)) + ([x_inf] if has_inf else [])
+
+    def label(x: float, _pos: int) -> str:
+        if has_inf and x == x_inf:
+            return "∞"
+        return f"{x / 1e6:g}M" if x >= 1e6 else f"{x / 1e3:g}k" if x >= 1e3 else f"{x:g}"
+
+    ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lo / 1.5, (x_inf if has_inf else hi) * 1.5)
+    ax.set_ylim(0, 100)
+    block = series[0].block_size
+    ax.set_xlabel(f"cache capacity (blocks of {block} tokens)")
+    ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax.set_title(title or "Hit rate vs cache capacity (vLLM APC, LRU)")
+    ax.grid(True, which="major", alpha=0.35)
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:
+        raise ReplayError(f"cannot write plot {path}: {e}") from None

@@ -1,0 +1,162 @@
+"""Hit rate against cache capacity: ideal replays of one or more traces at several capacities
+(the data of the Mooncake paper's Figure 9, with vLLM's exact prefix-caching rules).
+
+Every point is an ``ideal`` replay (requests finish instantly, so only the cache matters).
+Requests that need more blocks than a capacity holds are unservable there and count as
+misses: ``hit_rate = hits / prompt_tokens`` over *all* requests, so misses can be compared
+across capacities. ``token_hit_rate`` is vLLM's ``hits / queries`` over served requests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .config import SimConfig
+from .errors import ReplayError
+from .simulator import Replayer
+from .trace import Trace
+
+__all__ = ["SweepPoint", "SweepSeries", "parse_capacities", "sweep"]
+
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
+
+
+def parse_capacities(specs: Sequence[str]) -> list[int | None]:
+    """Parse capacities in blocks: ints with an optional ``k`` / ``m`` suffix, separated by
+    commas or given as several arguments; ``inf`` / ``unlimited`` means unlimited (None).
+
+    Returns them sorted ascending, unlimited last, without duplicates.
+
+    Raises:
+        ReplayError: no capacity, an unparsable one, or one below 2 blocks (block 0 is the
+            null block, so 2 is the smallest cache that holds anything).
+    """
+    out: set[int | None] = set()
+    for spec in specs:
+        for part in str(spec).split(","):
+            s = part.strip().lower()
+            if not s:
+                continue
+            if s in ("inf", "unlimited", "none"):
+                out.add(None)
+                continue
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", s)
+            if m is None:
+                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf")
+            value = float(m.group(1)) * _SUFFIX[m.group(2)]
+            if value != int(value):
+                raise ReplayError(f"bad capacity {part.strip()!r}: not a whole number of blocks")
+            if value < 2:
+                raise ReplayError(
+                    f"capacity {part.strip()} is too small: at least 2 blocks (block 0 is vLLM's null block)"
+                )
+            out.add(int(value))
+    if not out:
+        raise ReplayError("no capacities given (e.g. --capacities 1k,10k,100k,inf)")
+    finite = sorted(c for c in out if c is not None)
+    return finite + ([None] if None in out else [])
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One capacity of one trace.
+
+    Attributes:
+        capacity: the requested ``num_blocks`` (None: unlimited); num_blocks: the resolved one.
+        prompt_tokens: prompt tokens of all requests; queries, hits: vLLM's counters over the
+            served requests; unservable, unservable_tokens: requests too large for the cache.
+        evictions: cached blocks evicted.
+    """
+
+    capacity: int | None
+    num_blocks: int
+    prompt_tokens: int
+    queries: int
+    hits: int
+    unservable: int
+    unservable_tokens: int
+    evictions: int
+
+    @property
+    def misses(self) -> int:
+        """Prompt tokens not served from the cache (unservable requests count in full)."""
+        return self.prompt_tokens - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / prompt_tokens`` (unservable requests count as misses)."""
+        return self.hits / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        """vLLM's ``hits / queries`` over the served requests."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "capacity": self.capacity, "num_blocks": self.num_blocks,
+            "prompt_tokens": self.prompt_tokens, "queries": self.queries, "hits": self.hits,
+            "misses": self.misses, "hit_rate": self.hit_rate, "token_hit_rate": self.token_hit_rate,
+            "unservable": self.unservable, "unservable_tokens": self.unservable_tokens,
+            "evictions": self.evictions,
+        }
+
+
+@dataclass
+class SweepSeries:
+    """The points of one trace, in capacity order."""
+
+    name: str
+    source: str
+    block_size: int
+    points: list[SweepPoint] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "source": self.source, "block_size": self.block_size,
+                "points": [p.to_dict() for p in self.points]}
+
+
+def sweep(
+    traces: Sequence[Trace],
+    capacities: Sequence[int | None],
+    *,
+    block_size: int = 16,
+    hash_algo: str = "sha256",
+    impl: str = "kvblock",
+    progress: Callable[[int], None] | None = None,
+) -> list[SweepSeries]:
+    """Ideal replays of every trace at every capacity.
+
+    Each trace's block hashes are computed once and reused across its capacities.
+
+    Args:
+        progress: called with the number of requests replayed so far, over all runs.
+
+    Raises:
+        ReplayError: invalid settings or capacities below 2 blocks.
+    """
+    for c in capacities:
+        if c is not None and c < 2:
+            raise ReplayError(f"capacity {c} is too small: at least 2 blocks (block 0 is vLLM's null block)")
+    replayer = Replayer(impl, block_size, hash_algo)
+    out: list[SweepSeries] = []
+    base = 0
+    for trace in traces:
+        series = SweepSeries(trace.name, trace.source, block_size)
+        for cap in capacities:
+            cfg = SimConfig(num_blocks=cap, block_size=block_size, hash_algo=hash_algo, impl=impl, ideal=True)
+            offset = base
+            r = replayer.run(trace, cfg, None if progress is None else (lambda d, o=offset: progress(o + d)))
+            base += len(trace.requests)
+            unservable_ids = {u.request_id for u in r.unservable}
+            series.points.append(SweepPoint(
+                capacity=cap, num_blocks=r.usable_blocks + 1, prompt_tokens=r.prompt_tokens,
+                queries=r.queries, hits=r.hits, unservable=len(r.unservable),
+                unservable_tokens=sum(t.prompt_len for t in trace.requests if t.request_id in unservable_ids),
+                evictions=r.evictions,
+            ))
+        out.append(series)
+    return out
+
