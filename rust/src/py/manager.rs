@@ -309,7 +309,7 @@ impl PyManager {
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
-        slf: &Bound<'py, Self>,
+        mut slf: PyRefMut<'py, Self>,
         request: &Bound<'py, PyAny>,
         num_new_tokens: i64,
         num_new_computed_tokens: i64,
@@ -325,19 +325,15 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let _ = (skip_zeroing_group_ids, count(num_encoder_tokens, "num_encoder_tokens")?);
-        let (hits, has_new) = {
-            let me = slf.borrow();
-            match new_computed_blocks {
-                Some(b) if !b.is_none() && !me.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
-                _ => (Vec::new(), false),
-            }
+        let (hits, has_new) = match new_computed_blocks {
+            Some(b) if !b.is_none() && !slf.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
+            _ => (Vec::new(), false),
         };
-        let mut me = slf.borrow_mut();
-        let v = me.view(request)?;
-        let apply_watermark = me.watermark_applies(request, has_scheduled_reqs)?;
-        let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(request)? } else { 0 };
-        let pool = me.pool.bind(py).clone();
-        let mut p = pool.borrow_mut();
+        let v = slf.view(request)?;
+        let apply_watermark = slf.watermark_applies(request, has_scheduled_reqs)?;
+        let num_in_flight_tokens = if slf.inner.is_sliding_window() { slf.in_flight(request)? } else { 0 };
+        let me = &mut *slf;
+        let mut p = me.pool.bind(py).borrow_mut();
         let tag = p.tag(request);
         let args = AllocArgs {
             num_computed_tokens: v.num_computed,
@@ -357,7 +353,6 @@ impl PyManager {
         };
         let pending = p.inner.num_pending_events();
         let id = v.id.to_str()?;
-        let me = &mut *me;
         let fields = &me.fields;
         let res = me.inner.allocate_slots(&mut p.inner, id, &args, || hashes_of(fields, request));
         if tag != 0 && p.inner.num_pending_events() == pending {
