@@ -165,10 +165,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
         self.kv_cache_spec_kind = "sliding_window" if sliding_window else "full_attention"
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(self.block_pool, ((),))
-        pool = self.block_pool
         self._init_python(
             self.empty_kv_cache_blocks,
-            lambda ids: KVCacheBlocks._from_ids(pool, (ids,)),
+            KVCacheBlocks,
             RequestStatus.WAITING,
             RequestStatus.PREEMPTED,
             Request,

@@ -108,3 +108,60 @@ impl RequestFields {
         request.getattr(self.names[i].bind(request.py()))
     }
 }
+
+/// Builds instances of a Python class whose fields are `__slots__`, without running Python
+/// code: allocate with the type's `tp_alloc`, then store each slot.
+pub struct SlotFactory {
+    ty: Py<PyType>,
+    offsets: Vec<isize>,
+}
+
+impl SlotFactory {
+    /// A factory for `ty`, whose object slots `names` will be set, in this order, by
+    /// [`SlotFactory::make`].
+    pub fn new(ty: &Bound<'_, PyType>, names: &[&str]) -> PyResult<Self> {
+        let py = ty.py();
+        let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
+        let dict = ty.getattr("__dict__")?;
+        let mut offsets = Vec::with_capacity(names.len());
+        for name in names {
+            let descr = dict.get_item(name)?;
+            if !descr.get_type().is(&member_type) {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not a slot of {ty}")));
+            }
+            // SAFETY: a member descriptor's d_member points at the slot's PyMemberDef.
+            let (offset, kind) = unsafe {
+                let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member as *mut ffi::PyMemberDef;
+                ((*m).offset, (*m).type_code)
+            };
+            if kind != ffi::Py_T_OBJECT_EX {
+                return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not an object slot")));
+            }
+            offsets.push(offset);
+        }
+        Ok(SlotFactory { ty: ty.clone().unbind(), offsets })
+    }
+
+    /// A new instance with the slots set to `values` (same order as the names).
+    pub fn make<'py>(&self, py: Python<'py>, values: &[&Bound<'py, PyAny>]) -> PyResult<Bound<'py, PyAny>> {
+        if values.len() != self.offsets.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err("wrong number of slot values"));
+        }
+        // SAFETY: tp_alloc returns a new, zeroed instance of the type (GC-tracked when the type
+        // is); each slot offset comes from the type's own member descriptors and held NULL, so
+        // storing a new strong reference there is what `setattr` would do.
+        unsafe {
+            let tp = self.ty.as_ptr() as *mut ffi::PyTypeObject;
+            let alloc = (*tp).tp_alloc.unwrap_or(ffi::PyType_GenericAlloc);
+            let obj = alloc(tp, 0);
+            if obj.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            for (&off, v) in self.offsets.iter().zip(values) {
+                let slot = (obj as *mut u8).offset(off) as *mut *mut ffi::PyObject;
+                *slot = (*v).clone().into_ptr();
+            }
+            Ok(Bound::from_owned_ptr(py, obj))
+        }
+    }
+}

@@ -5,7 +5,7 @@
 use super::block_ids::PyBlockIds;
 use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
-use super::fields::{Field, RequestFields};
+use super::fields::{Field, RequestFields, SlotFactory};
 use crate::manager::{AllocArgs, HashSource, Manager};
 use numpy::PyArray1;
 use pyo3::intern;
@@ -54,7 +54,8 @@ pub struct PyManager {
     watermark_blocks: usize,
     /// The shared empty `KVCacheBlocks` and the factory `make(list[int]) -> KVCacheBlocks`.
     empty: Option<Py<PyAny>>,
-    make_blocks: Option<Py<PyAny>>,
+    /// Builds `KVCacheBlocks(_ids=(BlockIds,), _pool=pool, _blocks=None)`.
+    make_blocks: Option<SlotFactory>,
     /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
     waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
     fields: RequestFields,
@@ -81,7 +82,8 @@ impl PyManager {
             return self.empty(py);
         }
         let make = self.make_blocks.as_ref().ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
-        make.bind(py).call1((Bound::new(py, PyBlockIds { ids })?,))
+        let ids = pyo3::types::PyTuple::new(py, [Bound::new(py, PyBlockIds { ids })?])?;
+        make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
 
     fn empty<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
@@ -210,13 +212,13 @@ impl PyManager {
     fn _init_python(
         &mut self,
         empty: Py<PyAny>,
-        make_blocks: Py<PyAny>,
+        blocks_type: &Bound<'_, PyType>,
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
         request_type: &Bound<'_, PyType>,
     ) -> PyResult<()> {
         self.empty = Some(empty);
-        self.make_blocks = Some(make_blocks);
+        self.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);
         self.waiting_states = Some((waiting, preempted));
         self.fields = RequestFields::for_type(request_type)?;
         Ok(())
