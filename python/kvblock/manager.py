@@ -139,22 +139,6 @@ class KVCacheManager(_core.KVCacheManagerCore):
         )
         self.block_pool = pool
         self.hash_fn = hash_fn
-        return self
-
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256",
-        max_model_len: int | None = None,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        use_eagle: bool = False,
-        watermark: float = 0.0,
-        sliding_window: int | None = None,
-    ) -> None:
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
@@ -175,6 +159,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         if enable_caching and (hashing.NONE_HASH is None or hashing._NONE_HASH_ALGO != hash_algo):
             hashing.init_none_hash(self.hash_fn)
         self.request_block_hasher = hashing.get_request_block_hasher(block_size, self.hash_fn)
+        return self
 
     # -- vLLM's KVCacheManager API (the scheduler calls are inherited from the Rust core) -------
     @property

@@ -60,25 +60,11 @@ pub fn block_ids_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
     with_block_ids(obj, arg, |s| Ok(s.to_vec()))
 }
 
-/// Read `hashes[i]` from a Python list of bytes.
+/// Read `hashes[i]` from a Python list of bytes as a [`Digest`].
 #[inline]
 pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<Digest> {
-    if i >= list.len() {
-        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
-    }
-    // SAFETY: i < len with the GIL held and no Python code run meanwhile; the item is a
-    // borrowed reference kept alive by the list, read only within this call.
-    unsafe {
-        let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-        if pyo3::ffi::PyBytes_Check(item) == 0 {
-            return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
-        }
-        let n = pyo3::ffi::Py_SIZE(item) as usize;
-        let p = pyo3::ffi::PyBytes_AS_STRING(item) as *const u8;
-        Digest::from_slice(std::slice::from_raw_parts(p, n)).ok_or_else(|| {
-            crate::error::Error::value(arg, format!("a block hash must be 16 or 32 bytes, got {n}"))
-        })
-    }
+    let b = list_hash_bytes(list, i, arg)?;
+    Digest::from_slice(b).ok_or_else(|| crate::error::Error::value(arg, "a block hash must be 16 or 32 bytes"))
 }
 
 /// The raw bytes of `hashes[i]` (a 16- or 32-byte bytes object), borrowed from the list item.
