@@ -40,6 +40,15 @@ impl HashSource for [Digest] {
     }
 }
 
+impl HashSource for Vec<Digest> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+    fn get(&self, i: usize) -> Result<&[u8]> {
+        HashSource::get(self.as_slice(), i)
+    }
+}
+
 /// Per-request bookkeeping (`req_to_blocks`, `num_cached_block`).
 #[derive(Clone, Debug, Default)]
 pub struct ReqState {

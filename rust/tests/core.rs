@@ -118,3 +118,91 @@ fn algorithm_names() {
     assert!(e.contains("sha256, sha256_cbor, xxhash, xxhash_cbor"), "{e}");
     assert!(BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[], &[1i64], 0, |_| None).is_err());
 }
+
+mod pool_and_manager {
+    use _core::block_pool::BlockPool;
+    use _core::hashing::{BlockHasher, Digest, HashAlgo};
+    use _core::manager::{AllocArgs, Manager};
+
+    fn hashes(tokens: &[i64], bs: usize) -> Vec<Digest> {
+        BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[7u8; 32], tokens, bs, |_| None).unwrap()
+    }
+
+    fn admit(m: &mut Manager, p: &mut BlockPool, id: &str, tokens: &[i64], bs: usize) -> (Vec<u32>, Vec<u32>) {
+        let h = hashes(tokens, bs);
+        let hit = m.find_longest_cache_hit(p, &h[..], tokens.len() - 1).unwrap();
+        let n = hit.len() * bs;
+        let args = AllocArgs {
+            num_tokens: tokens.len(),
+            num_new_tokens: tokens.len() - n,
+            num_new_computed_tokens: n,
+            new_computed: &hit,
+            has_new_computed: !hit.is_empty(),
+            ..Default::default()
+        };
+        let new = m.allocate_slots(p, id, &args, || Ok(h.clone())).unwrap().unwrap();
+        (hit, new)
+    }
+
+    #[test]
+    fn spec_4_1_free_order() {
+        // block size 16, 11 blocks: req0 = 48 common + 7, req1 = same 48 + 5 (spec §4.1)
+        let mut p = BlockPool::new(11, true, 16, false).unwrap();
+        let mut m = Manager::new(16, 4096, true, false, None, 0).unwrap();
+        let common: Vec<i64> = (0..48).collect();
+        let r0: Vec<i64> = common.iter().copied().chain(100..107).collect();
+        let r1: Vec<i64> = common.iter().copied().chain(200..205).collect();
+        assert_eq!(admit(&mut m, &mut p, "r0", &r0, 16), (vec![], vec![1, 2, 3, 4]));
+        assert_eq!(admit(&mut m, &mut p, "r1", &r1, 16), (vec![1, 2, 3], vec![5]));
+        m.free(&mut p, "r0").unwrap();
+        m.free(&mut p, "r1").unwrap();
+        assert_eq!(p.free_queue().collect::<Vec<_>>(), vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+        p.check_invariants().unwrap();
+        let mut out = Vec::new();
+        p.get_new_blocks(10, &mut out).unwrap();
+        assert_eq!(out, vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+    }
+
+    #[test]
+    fn failed_allocation_changes_nothing() {
+        // CASES C10: a hit block that is also the only free block cannot double as the new block
+        let mut p = BlockPool::new(4, true, 4, false).unwrap();
+        let mut m = Manager::new(4, 4096, true, false, None, 0).unwrap();
+        admit(&mut m, &mut p, "a", &[1, 2, 3, 4], 4);
+        m.free(&mut p, "a").unwrap();
+        admit(&mut m, &mut p, "c", &(20..28).collect::<Vec<_>>(), 4);
+        let b: Vec<i64> = vec![1, 2, 3, 4, 9];
+        let h = hashes(&b, 4);
+        let hit = m.find_longest_cache_hit(&p, &h[..], 4).unwrap();
+        assert_eq!(hit, vec![1]);
+        let args = AllocArgs {
+            num_tokens: 5,
+            num_new_tokens: 1,
+            num_new_computed_tokens: 4,
+            new_computed: &hit,
+            has_new_computed: true,
+            ..Default::default()
+        };
+        assert_eq!(m.allocate_slots(&mut p, "b", &args, || Ok(h.clone())).unwrap(), None);
+        assert_eq!((p.num_free_blocks(), p.ref_cnt(1).unwrap()), (1, 0));
+        assert!(m.block_ids("b").is_empty());
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn pool_bad_input_is_atomic() {
+        let mut p = BlockPool::new(4, true, 4, false).unwrap();
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(5, &mut out).is_err());
+        assert_eq!(p.free_queue().collect::<Vec<_>>(), vec![1, 2, 3]);
+        p.get_new_blocks(2, &mut out).unwrap();
+        // block 2 freed twice: the first decrement is rolled back
+        assert!(p.free_blocks(&[1, 2, 2], false).is_err());
+        assert_eq!((p.ref_cnt(1).unwrap(), p.ref_cnt(2).unwrap()), (1, 1));
+        assert!(p.free_blocks(&[9], false).is_err());
+        assert!(p.touch(&[0], false).is_err());
+        p.check_invariants().unwrap();
+        assert!(BlockPool::new(0, true, 4, false).is_err());
+        assert!(Manager::new(0, 16, true, false, None, 0).is_err());
+    }
+}
