@@ -12,14 +12,19 @@ import os
 # numpy's OpenBLAS worker threads busy-wait after a call and steal one of the two cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-# Pin the benchmarks to one CPU (KVBLOCK_BENCH_CPU, default 0; "none" to leave them free).
+# Pin the benchmark thread to one CPU (KVBLOCK_BENCH_CPU, default 0; "none" to leave it free).
 # On the shared 2-vCPU VMs these numbers come from, one vCPU ran the pure-Python reference
 # about 1.75x slower than the other while Rust code ran at the same speed on both, so an
-# unpinned run could inflate the ratios by chance. Pinned, both sides run on the same CPU.
+# unpinned run could inflate the ratios by chance. Pinned, both sides run on the same CPU;
+# kvblock's hashing worker threads are started first, so they may still use the other CPU
+# (the batch step API hashes new prompts on several threads).
 _cpu = os.environ.get("KVBLOCK_BENCH_CPU", "0")
 if _cpu != "none" and hasattr(os, "sched_setaffinity"):
+    import kvblock._core  # noqa: E402
+
+    kvblock._core.hashing_threads()
     try:
-        os.sched_setaffinity(0, {int(_cpu)})
+        os.sched_setaffinity(0, {int(_cpu)})  # this thread only (Linux)
     except (OSError, ValueError):
         pass
 

@@ -114,7 +114,7 @@ def test_mooncake_trace_slice(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["replay", "/no/such/trace.jsonl"], "trace file not found: /no/such/trace.jsonl"),
     (["replay", "builtin:nope"], "unknown workload 'nope'"),
-    (["replay", "--num-blocks", "1"], "--num-blocks must be >= 2"),
+    (["replay", "--num-blocks", "1"], "capacity 1 is too small"),
     (["replay", "--block-size", "0"], "--block-size must be > 0"),
     (["replay", "--token-budget", "-5"], "--token-budget must be >= 1"),
     (["replay", "--limit", "0"], "--limit must be > 0"),
@@ -128,7 +128,7 @@ def test_user_errors_exit_2_with_a_message(capsys, argv, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["replay", "--impl", "vllm"], "argument --impl: invalid choice: 'vllm'"),
-    (["replay", "--num-blocks", "lots"], "expected a block count or 'unlimited'"),
+    (["replay", "--num-blocks", "lots"], "bad capacity 'lots': expected a block count such as 1000, 10k or inf"),
     (["replay", "--hash-algo", "md5"], "argument --hash-algo: invalid choice"),
     (["sweep", "x.jsonl", "--impl", "nope"], "argument --impl: invalid choice"),
 ])

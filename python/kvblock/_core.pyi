@@ -74,6 +74,9 @@ def hash_blocks(
 def hash_requests(requests: list[Any]) -> int:
     """Bring the ``block_hashes`` of many requests up to date; returns blocks hashed in Rust."""
 
+def hashing_threads() -> int:
+    """Start the worker threads of ``hash_requests`` (if not started) and return their number."""
+
 class BlockIds:
     """An immutable sequence of block ids held in Rust (no Python int per block until read)."""
 

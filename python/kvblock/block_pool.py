@@ -149,8 +149,10 @@ class BlockPool(_core.BlockPoolCore):
             ``AllBlocksCleared`` for :meth:`take_events`.
         medium: the ``medium`` field of events (``"GPU"``).
 
-    Per block the pool keeps 16 bytes (ref count, key slot, two queue links); building it is
-    O(num_gpu_blocks) in Rust with no Python object per block.
+    Per block the pool keeps 24 bytes (ref count, key slot, two free-queue links, two
+    duplicate-key links); building it is O(num_gpu_blocks) in Rust with no Python object per
+    block. The id API (``cache_ids``) knows no request: its ``BlockStored`` events carry the
+    hashes but empty ``token_ids``.
     """
 
     def __init__(
@@ -272,3 +274,4 @@ class BlockPool(_core.BlockPoolCore):
                 self._pending_events.append(block_removed(raw[1], raw[2], self.medium))
             else:
                 self._pending_events.append(AllBlocksCleared())
+

@@ -78,12 +78,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- replay / sweep ----------------------------------------------------------------------------
 
 def _num_blocks(text: str) -> int | None:
-    if text.strip().lower() in ("unlimited", "inf", "none"):
-        return None
+    """A block count (``10k`` and ``1m`` suffixes allowed) or ``unlimited``."""
+    from .replay.errors import ReplayError
+    from .replay.sweep import parse_capacities
+
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a block count or 'unlimited', got {text!r}") from None
+        caps = parse_capacities([text])
+    except ReplayError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if len(caps) != 1:
+        raise argparse.ArgumentTypeError(f"expected one block count or 'unlimited', got {text!r}")
+    return caps[0]
 
 
 def _int(text: str) -> int:
@@ -267,11 +272,18 @@ _UNSET: Any = _Unset()
 _DEFAULT_WORKLOAD = "shared-prompt"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error message (``kvblock: error: ...``, exit status 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"kvblock: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .hashing import ALGORITHMS
     from .replay.workloads import WORKLOADS
 
-    p = argparse.ArgumentParser(prog="kvblock", description="vLLM-identical prefix-caching KV block manager")
+    p = _Parser(prog="kvblock", description="vLLM-identical prefix-caching KV block manager")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="build profile and a hashing speed table")
     info.add_argument("--repeat", type=int, default=20, help="timing repetitions (default 20)")
@@ -355,17 +367,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .replay.errors import ReplayError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        from .demo import main as demo_main  # imports torch: only this command needs it
-
-        return demo_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        if argv[:1] == ["demo"]:
+            try:
+                from .demo import main as demo_main  # imports torch: only this command needs it
+            except ImportError as e:
+                print(f"kvblock: error: the demo needs torch (pip install 'kvblock[torch]'): {e}", file=sys.stderr)
+                return 2
+            try:
+                return demo_main(argv[1:])
+            except RuntimeError as e:  # torch's errors, e.g. an unknown or absent device
+                print(f"kvblock: error: {e}", file=sys.stderr)
+                return 2
+        parser = build_parser()
+        args = parser.parse_args(argv)
         return int(args.func(args))
     except ReplayError as e:
         print(f"kvblock: error: {e}", file=sys.stderr)
         return e.exit_code
+    except (ValueError, TypeError, OverflowError, MemoryError, RecursionError, OSError) as e:
+        # settings the core refuses (e.g. a pool beyond the int32 block-id range)
+        print(f"kvblock: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("kvblock: interrupted", file=sys.stderr)
         return 130

@@ -107,11 +107,25 @@ def block_stored_for_request(
     use_int: bool | None = None,
 ) -> BlockStored:
     """The ``BlockStored`` vLLM publishes when blocks ``first_block ..`` of ``request`` are
-    cached: token ids of those blocks, per-block untagged extra keys, the LoRA identity."""
+    cached: token ids of those blocks, per-block untagged extra keys, the LoRA identity.
+    Without a request (blocks cached through the pool's id API) the token ids are unknown:
+    ``token_ids`` is empty and every block's extra keys are None."""
     from .hashing import maybe_convert_block_hash
     from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window, to_event_extra_keys
 
     n = len(block_hashes)
+    if request is None:
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
+            parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
+            token_ids=[],
+            block_size=block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            extra_keys=[None] * n,
+            group_idx=group_idx,
+        )
     start = first_block * block_size
     tokens = request.all_token_ids
     extra: list = []

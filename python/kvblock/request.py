@@ -271,14 +271,24 @@ class Request:
 
     # -- updates -----------------------------------------------------------------------------
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
-        """Append sampled token(s) and hash the blocks they complete (one batch call)."""
+        """Append sampled token(s) and hash the blocks they complete (one batch call).
+
+        If hashing rejects a token (e.g. not an int), the tokens are not appended and the
+        error is raised.
+        """
+        n_out, n_all = len(self._output_token_ids), len(self._all_token_ids)
         if isinstance(token_ids, int):
             self._output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        try:
+            self.update_block_hashes()
+        except BaseException:
+            del self._output_token_ids[n_out:]
+            del self._all_token_ids[n_all:]
+            raise
 
     def attach_block_hasher(
         self, block_hasher: Callable[["Request"], list[bytes]] | None, hash_now: bool = True

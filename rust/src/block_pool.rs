@@ -56,10 +56,10 @@ impl BlockPool {
             num_blocks,
             enable_caching,
             hash_block_size,
-            ref_cnt: vec![0; num_blocks],
-            key_slot: vec![NO_KEY; num_blocks],
+            ref_cnt: Error::try_vec("the block arena", num_blocks, 0)?,
+            key_slot: Error::try_vec("the block arena", num_blocks, NO_KEY)?,
             queue,
-            map: CacheMap::new(num_blocks),
+            map: CacheMap::new(num_blocks)?,
             events_enabled: enable_kv_cache_events,
             events: Vec::new(),
             scratch: Vec::new(),
@@ -194,6 +194,9 @@ impl BlockPool {
     /// `get_new_blocks(n)`: pop `n` blocks from the head, evicting cached ones, each with
     /// `ref_cnt = 1`, appended to `out`. Fails, changing nothing, if fewer than `n` are free.
     pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        if n > self.queue.len() {
+            return Err(Error::NotEnoughFreeBlocks { requested: n, free: self.queue.len() });
+        }
         let start = out.len();
         self.queue.popleft_n(n, out)?;
         for i in start..out.len() {

@@ -72,15 +72,15 @@ pub struct CacheMap {
 
 impl CacheMap {
     /// An empty map for block ids below `num_blocks`.
-    pub fn new(num_blocks: usize) -> Self {
-        CacheMap {
+    pub fn new(num_blocks: usize) -> crate::error::Result<Self> {
+        Ok(CacheMap {
             table: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            dup_prev: vec![NONE; num_blocks],
-            dup_next: vec![NONE; num_blocks],
+            dup_prev: crate::error::Error::try_vec("the hash map", num_blocks, NONE)?,
+            dup_next: crate::error::Error::try_vec("the hash map", num_blocks, NONE)?,
             seed: random_seed(),
-        }
+        })
     }
 
     /// Bytes of per-block state (the duplicate-list links).

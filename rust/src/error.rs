@@ -25,6 +25,9 @@ pub enum Error {
     /// An operation that is illegal in the current state (maps to `RuntimeError`).
     #[error("{0}")]
     State(String),
+    /// Memory for the structure could not be allocated (maps to `MemoryError`).
+    #[error("{0}")]
+    Memory(String),
 }
 
 /// Result alias of the core.
@@ -35,6 +38,15 @@ impl Error {
     pub fn value(arg: &str, msg: impl std::fmt::Display) -> Self {
         Error::Value(format!("{arg}: {msg}"))
     }
+    /// A vector of `n` copies of `value`, or `Error::Memory` if it cannot be allocated.
+    pub fn try_vec<T: Clone>(what: &str, n: usize, value: T) -> Result<Vec<T>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(n)
+            .map_err(|_| Error::Memory(format!("cannot allocate {what} for {n} blocks")))?;
+        v.resize(n, value);
+        Ok(v)
+    }
+
     /// A `TypeError`-kind error naming the offending argument.
     pub fn type_(arg: &str, msg: impl std::fmt::Display) -> Self {
         Error::Type(format!("{arg}: {msg}"))

@@ -27,16 +27,14 @@ impl FreeQueue {
         }
         let n = num_blocks as u32;
         let (head, tail) = (n, n + 1);
-        let mut prev = Vec::with_capacity(num_blocks + 2);
-        let mut next = Vec::with_capacity(num_blocks + 2);
+        let mut prev = Error::try_vec("the free queue", num_blocks + 2, UNLINKED)?;
+        let mut next = Error::try_vec("the free queue", num_blocks + 2, UNLINKED)?;
         for b in 0..n {
-            prev.push(if b == 0 { head } else { b - 1 });
-            next.push(if b + 1 == n { tail } else { b + 1 });
+            prev[b as usize] = if b == 0 { head } else { b - 1 };
+            next[b as usize] = if b + 1 == n { tail } else { b + 1 };
         }
-        prev.push(UNLINKED); // head sentinel
-        next.push(if n == 0 { tail } else { 0 });
-        prev.push(if n == 0 { head } else { n - 1 }); // tail sentinel
-        next.push(UNLINKED);
+        next[head as usize] = if n == 0 { tail } else { 0 }; // head sentinel
+        prev[tail as usize] = if n == 0 { head } else { n - 1 }; // tail sentinel
         Ok(FreeQueue { prev, next, len: num_blocks })
     }
 

@@ -155,6 +155,37 @@ impl Config {
         Ok(())
     }
 
+    /// What caching a request's full blocks up to `num_tokens` tokens would do, given that it
+    /// then holds `num_cached` cached blocks of `num_blocks`: the first block to cache, the new
+    /// hashes and the parent hash. Reads and validates every hash first, so that a request with
+    /// bad hashes fails before anything changes. `None` when there is nothing to cache.
+    fn plan_cache<H: HashSource + ?Sized>(
+        &self,
+        num_cached: usize,
+        num_blocks: usize,
+        num_tokens: usize,
+        hashes: &H,
+    ) -> Result<Option<CachePlan>> {
+        let num_full = (num_tokens.min(hashes.len() * self.block_size) / self.block_size).min(num_blocks);
+        if !self.enable_caching || num_cached >= num_full {
+            return Ok(None);
+        }
+        let mut new_hashes = Vec::with_capacity(num_full - num_cached);
+        for i in num_cached..num_full {
+            new_hashes.push(hashes.digest(i)?);
+        }
+        let parent = if num_cached > 0 { Some(hashes.digest(num_cached - 1)?) } else { None };
+        Ok(Some(CachePlan { first: num_cached, hashes: new_hashes, parent }))
+    }
+
+    /// Carry out a [`CachePlan`] on `state`.
+    fn apply_cache(&self, pool: &mut BlockPool, state: &mut ReqState, plan: CachePlan, event_tag: u64) -> Result<()> {
+        let end = plan.first + plan.hashes.len();
+        pool.cache_blocks(&state.blocks, plan.first, &plan.hashes, plan.parent, self.block_size, 0, true, event_tag)?;
+        state.num_cached = Some(end);
+        Ok(())
+    }
+
     /// Cache `state`'s full blocks up to `num_tokens` tokens.
     fn cache_blocks<H: HashSource + ?Sized>(
         &self,
@@ -164,23 +195,18 @@ impl Config {
         hashes: &H,
         event_tag: u64,
     ) -> Result<()> {
-        if !self.enable_caching {
-            return Ok(());
+        match self.plan_cache(state.num_cached.unwrap_or(0), state.blocks.len(), num_tokens, hashes)? {
+            Some(plan) => self.apply_cache(pool, state, plan, event_tag),
+            None => Ok(()),
         }
-        let num_cached = state.num_cached.unwrap_or(0);
-        let num_full = (num_tokens.min(hashes.len() * self.block_size) / self.block_size).min(state.blocks.len());
-        if num_cached >= num_full {
-            return Ok(());
-        }
-        let mut new_hashes = Vec::with_capacity(num_full - num_cached);
-        for i in num_cached..num_full {
-            new_hashes.push(hashes.digest(i)?);
-        }
-        let parent = if num_cached > 0 { Some(hashes.digest(num_cached - 1)?) } else { None };
-        pool.cache_blocks(&state.blocks, num_cached, &new_hashes, parent, self.block_size, 0, true, event_tag)?;
-        state.num_cached = Some(num_full);
-        Ok(())
     }
+}
+
+/// Blocks a request is about to cache, with their hashes read in advance.
+struct CachePlan {
+    first: usize,
+    hashes: Vec<Digest>,
+    parent: Option<Digest>,
 }
 
 /// The manager of one KV-cache group.
@@ -373,12 +399,33 @@ impl Manager {
             return Ok(None);
         }
 
-        if (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none() {
+        // Everything that can fail is checked before anything changes: the shape of the
+        // table after this call, then the hashes of the blocks it will cache.
+        let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
+        let total = num_local_computed + a.num_external_computed_tokens;
+        let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
+        let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
+        let (mut len_after, cached_after) = if adopt {
+            let l = skipped + hits.len();
+            (if a.num_external_computed_tokens > 0 { l.max(cdiv(total, cfg.block_size)) } else { l }, l)
+        } else {
+            (state.blocks.len(), state.num_cached.unwrap_or(0))
+        };
+        len_after = len_after.max(cdiv(need_slot, cfg.block_size));
+        let plan = if cfg.enable_caching && !a.delay_cache_blocks {
+            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+            if to_cache / cfg.block_size > cached_after {
+                cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
+            } else {
+                None
+            }
+        } else {
+            None
+        };
+
+        if adopt {
             // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
             debug_assert!(state.blocks.is_empty());
-            let total = num_local_computed + a.num_external_computed_tokens;
-            let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
-            let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
             if cfg.enable_caching {
                 pool.touch(hits, true)?;
             }
@@ -396,12 +443,8 @@ impl Manager {
             pool.get_new_blocks(n, &mut new)?;
             state.blocks.extend_from_slice(&new);
         }
-        if cfg.enable_caching && !a.delay_cache_blocks {
-            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
-            if to_cache / cfg.block_size > state.num_cached.unwrap_or(0) {
-                let hashes = hashes()?;
-                cfg.cache_blocks(pool, state, to_cache, &hashes, a.event_tag)?;
-            }
+        if let Some(plan) = plan {
+            cfg.apply_cache(pool, state, plan, a.event_tag)?;
         }
         if is_new {
             self.reqs.insert(req.to_owned(), fresh);

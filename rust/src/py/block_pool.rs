@@ -27,6 +27,9 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
         }
         let mut out = Vec::with_capacity(list.len());
         for (i, item) in list.iter().enumerate() {
+            if item.is_instance_of::<pyo3::types::PyBool>() {
+                return Err(type_err(&format!("{arg}[{i}]"), "block ids must be int, got bool"));
+            }
             let v: i64 = item.extract().map_err(|_| type_err(&format!("{arg}[{i}]"), "block ids must be int"))?;
             out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
         }
@@ -203,8 +206,9 @@ impl PyBlockPool {
         if n < 0 {
             return Err(value_err("n", format!("must be >= 0, got {n}")));
         }
-        let mut out = Vec::with_capacity(n as usize);
-        self.inner.get_new_blocks(n as usize, &mut out).py_err()?;
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        let mut out = Vec::new();
+        self.inner.get_new_blocks(n, &mut out).py_err()?;
         Ok(ids_array(py, out))
     }
 
@@ -262,6 +266,9 @@ impl PyBlockPool {
     ) -> PyResult<()> {
         if num_cached_blocks < 0 || num_full_blocks < 0 {
             return Err(value_err("num_cached_blocks", "block counts must be >= 0"));
+        }
+        if block_size == Some(0) {
+            return Err(value_err("block_size", "must be > 0"));
         }
         let (first, end) = (num_cached_blocks as usize, num_full_blocks as usize);
         if first >= end {
@@ -342,8 +349,9 @@ impl PyBlockPool {
     }
 
     /// True if the block is in the free queue.
-    fn is_free(&self, block_id: u32) -> bool {
-        self.inner.is_free(block_id)
+    fn is_free(&self, block_id: u32) -> PyResult<bool> {
+        self.inner.ref_cnt(block_id).py_err()?;
+        Ok(self.inner.is_free(block_id))
     }
 
     /// The free queue's block ids, head (next to allocate) first.

@@ -306,7 +306,9 @@ pub fn extract_token_range(
         return from_items(py, (start..end).map(|i| t.get_item(i)), arg, start);
     }
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 && !obj.is_instance_of::<PyBytes>() {
-        let raw = PyUntypedBuffer::get(obj)?;
+        let raw = PyUntypedBuffer::get(obj).map_err(|e| {
+            value_err(arg, format!("expected a 1-D sequence of token ids, got a buffer it cannot read as one ({e})"))
+        })?;
         let toks = from_buffer(py, raw, arg)?;
         let end = check(toks.len())?;
         if start == 0 && end == toks.len() {

@@ -319,6 +319,13 @@ impl PyRequestBlockHasher {
     }
 }
 
+/// Start the worker threads `hash_requests` uses (if not yet started) and return their number
+/// (the `RAYON_NUM_THREADS` environment variable sets it; default: one per CPU).
+#[pyfunction]
+pub fn hashing_threads() -> usize {
+    rayon::current_num_threads()
+}
+
 /// Blocks at or above which `hash_requests` spreads the work over threads.
 const PARALLEL_MIN_BLOCKS: usize = 512;
 

@@ -31,14 +31,24 @@ impl HashSource for PyHashes<'_> {
     }
 }
 
-/// `request.block_hashes` as a hash source.
-fn hashes_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> crate::error::Result<PyHashes<'py>> {
-    let h = fields
-        .get(request, Field::BlockHashes)
-        .map_err(|e| crate::error::Error::Type(format!("request.block_hashes: {e}")))?;
-    h.cast_into::<PyList>()
+/// `request.block_hashes` as a hash source (errors of the attribute read pass through).
+fn hashes_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> PyResult<PyHashes<'py>> {
+    fields
+        .get(request, Field::BlockHashes)?
+        .cast_into::<PyList>()
         .map(PyHashes)
-        .map_err(|_| crate::error::Error::type_("request.block_hashes", "must be a list of bytes"))
+        .map_err(|_| type_err("request.block_hashes", "must be a list of bytes"))
+}
+
+/// The hash source for an allocation: read up front (before anything changes) when caching is
+/// on; with caching off it is never needed.
+fn hashes_for<'py>(
+    enable_caching: bool,
+    fields: &RequestFields,
+    request: &Bound<'py, PyAny>,
+) -> PyResult<impl FnOnce() -> crate::error::Result<PyHashes<'py>>> {
+    let hashes = if enable_caching { Some(hashes_of(fields, request)?) } else { None };
+    Ok(move || hashes.ok_or_else(|| crate::error::Error::State("block hashes are not read with caching off".into())))
 }
 
 fn count(v: i64, arg: &str) -> PyResult<usize> {
@@ -114,16 +124,16 @@ impl PyManager {
         let v = self.view(request)?;
         let max_len = v.num_tokens.saturating_sub(1);
         let pool = self.pool.bind(py).clone();
-        let hashes = hashes_of(&self.fields, request).py_err()?;
+        let hashes = hashes_of(&self.fields, request)?;
         let hit = {
-            let p = pool.borrow();
+            let p = pool.try_borrow()?;
             self.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
         };
-        if !hit.is_empty() && pool.borrow().inner.events_enabled() {
+        if !hit.is_empty() && pool.try_borrow()?.inner.events_enabled() {
             let mode = self.fields.get(request, Field::KvCacheReportMode).ok();
             if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
                 let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
-                let mut p = pool.borrow_mut();
+                let mut p = pool.try_borrow_mut()?;
                 let tag = p.tag(request);
                 p.inner.record_stored(hashes, self.inner.block_size(), 0, tag);
             }
@@ -143,7 +153,9 @@ fn hit_ids(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = blocks.py();
     let groups = match blocks.getattr(intern!(py, "_ids")) {
         Ok(g) => g,
-        Err(_) => blocks.call_method0(intern!(py, "get_block_ids"))?,
+        Err(_) => blocks.call_method0(intern!(py, "get_block_ids")).map_err(|_| {
+            type_err("new_computed_blocks", format!("expected KVCacheBlocks, got {}", blocks.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+        })?,
     };
     let groups = groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
     if groups.len() != 1 {
@@ -178,7 +190,7 @@ impl PyManager {
         if max_model_len <= 0 {
             return Err(value_err("max_model_len", format!("must be > 0, got {max_model_len}")));
         }
-        if block_pool.borrow().inner.hash_block_size() != block_size as usize {
+        if block_pool.try_borrow()?.inner.hash_block_size() != block_size as usize {
             return Err(value_err("block_size", "must equal the pool's hash_block_size (one KV-cache group)"));
         }
         let sliding_window = match sliding_window {
@@ -229,7 +241,7 @@ impl PyManager {
     /// change. `(empty, 0, 0)` with caching off or `request.skip_reading_prefix_cache`.
     fn get_computed_blocks<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
-        let me = slf.borrow();
+        let me = slf.try_borrow()?;
         let hit = me.lookup(request)?;
         let n = hit.len() * me.inner.block_size();
         Ok((me.blocks_of(py, hit)?, n, 0))
@@ -256,14 +268,14 @@ impl PyManager {
         let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
         for r in reqs.iter() {
-            let hit = slf.borrow().lookup(&r)?;
-            let mut me = slf.borrow_mut();
+            let hit = slf.try_borrow()?.lookup(&r)?;
+            let mut me = slf.try_borrow_mut()?;
             let n = hit.len() * me.inner.block_size();
             let v = me.view(&r)?;
             let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
             let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
             let pool = me.pool.bind(py).clone();
-            let mut p = pool.borrow_mut();
+            let mut p = pool.try_borrow_mut()?;
             let tag = p.tag(&r);
             let pending = p.inner.num_pending_events();
             let args = AllocArgs {
@@ -281,7 +293,8 @@ impl PyManager {
             };
             let m = &mut *me;
             let fields = &m.fields;
-            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, || hashes_of(fields, &r));
+            let hashes = hashes_for(m.enable_caching, fields, &r)?;
+            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, hashes);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }
@@ -335,7 +348,7 @@ impl PyManager {
         let apply_watermark = slf.watermark_applies(request, has_scheduled_reqs)?;
         let num_in_flight_tokens = if slf.inner.is_sliding_window() { slf.in_flight(request)? } else { 0 };
         let me = &mut *slf;
-        let mut p = me.pool.bind(py).borrow_mut();
+        let mut p = me.pool.bind(py).try_borrow_mut()?;
         let tag = p.tag(request);
         let args = AllocArgs {
             num_computed_tokens: v.num_computed,
@@ -356,7 +369,8 @@ impl PyManager {
         let pending = p.inner.num_pending_events();
         let id = v.id.to_str()?;
         let fields = &me.fields;
-        let res = me.inner.allocate_slots(&mut p.inner, id, &args, || hashes_of(fields, request));
+        let hashes = hashes_for(me.enable_caching, fields, request)?;
+        let res = me.inner.allocate_slots(&mut p.inner, id, &args, hashes);
         if tag != 0 && p.inner.num_pending_events() == pending {
             p.untag_unused(tag);
         }
@@ -387,15 +401,19 @@ impl PyManager {
             None => vec![1; n],
             Some(x) if x.extract::<i64>().is_ok() => vec![count(x.extract::<i64>()?, "num_new_tokens")?; n],
             Some(x) => {
-                let v = block_ids_of(x, "num_new_tokens")?;
+                let v = super::convert::extract_tokens(x, "num_new_tokens", 0)?;
+                let v: Vec<i64> = crate::with_token_slice!(&v, |s| s
+                    .iter()
+                    .map(|&t| crate::value::TokenId::as_i64(t).unwrap_or(-1))
+                    .collect());
                 if v.len() != n {
                     return Err(value_err("num_new_tokens", format!("{} values for {n} requests", v.len())));
                 }
-                v.into_iter().map(|x| x as usize).collect()
+                v.iter().enumerate().map(|(i, &t)| count(t, &format!("num_new_tokens[{i}]"))).collect::<PyResult<Vec<usize>>>()?
             }
         };
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let mut me = slf.borrow_mut();
+        let mut me = slf.try_borrow_mut()?;
         let mut views = Vec::with_capacity(n);
         for r in reqs.iter() {
             let v = me.view(&r)?;
@@ -404,7 +422,7 @@ impl PyManager {
             views.push((r, v, wm, infl));
         }
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.borrow_mut();
+        let mut p = pool.try_borrow_mut()?;
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
         for (i, (r, v, wm, infl)) in views.iter().enumerate() {
@@ -422,7 +440,8 @@ impl PyManager {
             };
             let m = &mut *me;
             let fields = &m.fields;
-            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, || hashes_of(fields, r));
+            let hashes = hashes_for(m.enable_caching, fields, r)?;
+            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, hashes);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }
@@ -441,7 +460,7 @@ impl PyManager {
     /// requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = slf.borrow().fields.get(request, Field::RequestId)?;
+        let id = slf.try_borrow()?.fields.get(request, Field::RequestId)?;
         let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
         let _ = py;
         Self::free_request_id(slf, id.to_str()?)
@@ -450,9 +469,9 @@ impl PyManager {
     /// `free` by request id.
     fn free_request_id(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
         let py = slf.py();
-        let mut me = slf.borrow_mut();
+        let mut me = slf.try_borrow_mut()?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.borrow_mut();
+        let mut p = pool.try_borrow_mut()?;
         me.inner.free(&mut p.inner, request_id).py_err()?;
         Ok(())
     }
@@ -462,13 +481,13 @@ impl PyManager {
     fn cache_blocks(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, num_computed_tokens: i64) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.borrow_mut();
+        let mut me = slf.try_borrow_mut()?;
         let v = me.view(request)?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.borrow_mut();
+        let mut p = pool.try_borrow_mut()?;
         let tag = p.tag(request);
         let pending = p.inner.num_pending_events();
-        let hashes = hashes_of(&me.fields, request).py_err()?;
+        let hashes = hashes_of(&me.fields, request)?;
         let res = me.inner.cache_blocks(&mut p.inner, v.id.to_str()?, n, &hashes, tag);
         if tag != 0 && p.inner.num_pending_events() == pending {
             p.untag_unused(tag);
@@ -481,9 +500,9 @@ impl PyManager {
     fn remove_skipped_blocks(slf: &Bound<'_, Self>, request_id: &str, num_computed_tokens: i64) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.borrow_mut();
+        let mut me = slf.try_borrow_mut()?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.borrow_mut();
+        let mut p = pool.try_borrow_mut()?;
         me.inner.remove_skipped_blocks(&mut p.inner, request_id, n).py_err()
     }
 

@@ -27,5 +27,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_requests, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::hashing_threads, m)?)?;
     Ok(())
 }
