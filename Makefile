@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install rust-test py-test bench demo clean
+.PHONY: test install rust-test py-test lint bench demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ py-test: install
 	$(BIN)/python -m pytest -q
 
 test: rust-test py-test
+
+# Formatting and clippy, warnings as errors (CI's lint job).
+lint:
+	cargo fmt --check
+	cargo clippy --features python --all-targets -- -D warnings
 
 bench: install
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name

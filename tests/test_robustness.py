@@ -55,6 +55,69 @@ def test_bad_block_hashes_fail_before_any_change(running, bad):
     mgr.block_pool.check_invariants()
 
 
+def _batch_of_three(mgr, running):
+    reqs = [Request(f"r{i}", [i] * 16 + list(range(48)), block_hasher=mgr.request_block_hasher) for i in range(3)]
+    if running:
+        for r in reqs:
+            mgr.allocate_slots(r, 31)  # 2 blocks, 1 cached; decode caches the next
+            r.num_computed_tokens = 31
+    return reqs
+
+
+@pytest.mark.parametrize("api", ["allocate_slots_batch", "admit_batch"])
+@pytest.mark.parametrize("bad", ["short_hash", "not_bytes", "tuple", "no_status"])
+def test_bad_request_in_a_batch_changes_nothing(api, bad):
+    """The last request of the batch is bad: the first two must not be allocated either."""
+    mgr = KVCacheManager(num_blocks=40, block_size=16, watermark=0.1)
+    reqs = _batch_of_three(mgr, running=api == "allocate_slots_batch")
+    if api == "allocate_slots_batch":
+        for r in reqs:
+            r.num_computed_tokens = 31
+    before = _snapshot(mgr)
+    bad_req = reqs[2]
+    if bad == "short_hash":
+        bad_req.block_hashes[1] = b"x" * 5
+    elif bad == "not_bytes":
+        bad_req.block_hashes[1] = 7
+    elif bad == "tuple":
+        bad_req.block_hashes = tuple(bad_req.block_hashes)
+    else:
+        del bad_req.status
+    with pytest.raises((TypeError, ValueError, AttributeError)):
+        if api == "allocate_slots_batch":
+            mgr.allocate_slots_batch(reqs, num_new_tokens=1)
+        else:
+            mgr.admit_batch(reqs)
+    assert _snapshot(mgr) == before
+    mgr.block_pool.check_invariants()
+
+
+@pytest.mark.parametrize("api", ["allocate_slots_batch", "admit_batch"])
+def test_request_listed_twice_in_a_batch_is_rejected(api):
+    mgr = KVCacheManager(num_blocks=40, block_size=16)
+    reqs = _batch_of_three(mgr, running=api == "allocate_slots_batch")
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match="listed twice"):
+        getattr(mgr, api)([reqs[0], reqs[1], reqs[0]])
+    assert _snapshot(mgr) == before
+
+
+def test_admit_batch_takes_only_waiting_requests():
+    mgr = KVCacheManager(num_blocks=40, block_size=16)
+    running, waiting = _batch_of_three(mgr, running=True), _batch_of_three(mgr, running=False)
+    waiting = [Request(f"w{i}", r.prompt_token_ids, block_hasher=mgr.request_block_hasher) for i, r in enumerate(waiting)]
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match="already running"):
+        mgr.admit_batch([waiting[0], running[1]])
+    waiting[1].num_computed_tokens = 16
+    with pytest.raises(ValueError, match="not waiting"):
+        mgr.admit_batch([waiting[0], waiting[1]])
+    assert _snapshot(mgr) == before
+    waiting[1].num_computed_tokens = 0
+    n, hit_tokens, *_ = mgr.admit_batch(waiting)
+    assert n == 3 and hit_tokens.tolist() == [16, 16, 16]  # each shares the running twin's first block
+
+
 def test_reentrant_call_is_a_runtime_error_and_changes_nothing():
     mgr = KVCacheManager(num_blocks=20, block_size=4)
 

@@ -199,8 +199,7 @@ impl BlockPool {
         }
         let start = out.len();
         self.queue.popleft_n(n, out)?;
-        for i in start..out.len() {
-            let b = out[i];
+        for &b in &out[start..] {
             if self.enable_caching {
                 self.evict(b);
             }
@@ -261,9 +260,7 @@ impl BlockPool {
                     }
                 }
                 self.scratch = reached;
-                return Err(Error::Value(format!(
-                    "block_ids: block {b} is already free (ref_cnt 0): double free"
-                )));
+                return Err(Error::Value(format!("block_ids: block {b} is already free (ref_cnt 0): double free")));
             }
             *rc -= 1;
             if *rc == 0 {
@@ -295,6 +292,7 @@ impl BlockPool {
     /// (`cache_full_blocks`). Null blocks are skipped (`skip_null`) or rejected. A block that
     /// already has a key loses it first (`BlockRemoved`). With events on, one `BlockStored`
     /// covers the newly cached blocks.
+    #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the event tag
     pub fn cache_blocks(
         &mut self,
         table: &[u32],
@@ -308,10 +306,7 @@ impl BlockPool {
     ) -> Result<()> {
         let end = first + hashes.len();
         if end > table.len() {
-            return Err(Error::value(
-                "num_full_blocks",
-                format!("{end} exceeds the {} blocks given", table.len()),
-            ));
+            return Err(Error::value("num_full_blocks", format!("{end} exceeds the {} blocks given", table.len())));
         }
         for &b in &table[first..end] {
             self.check_id(b)?;

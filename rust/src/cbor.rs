@@ -154,9 +154,7 @@ pub fn put(out: &mut Vec<u8>, v: &Value) -> Result<()> {
         Value::Bytes { data, .. } => put_bytes(out, data),
         Value::Str { data, utf8_ok, .. } => {
             if !*utf8_ok {
-                return Err(Error::Value(
-                    "a str holding lone surrogates cannot be encoded as CBOR text".into(),
-                ));
+                return Err(Error::Value("a str holding lone surrogates cannot be encoded as CBOR text".into()));
             }
             head(out, 3, data.len() as u64);
             out.extend_from_slice(data);

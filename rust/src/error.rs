@@ -41,8 +41,7 @@ impl Error {
     /// A vector of `n` copies of `value`, or `Error::Memory` if it cannot be allocated.
     pub fn try_vec<T: Clone>(what: &str, n: usize, value: T) -> Result<Vec<T>> {
         let mut v = Vec::new();
-        v.try_reserve_exact(n)
-            .map_err(|_| Error::Memory(format!("cannot allocate {what} for {n} blocks")))?;
+        v.try_reserve_exact(n).map_err(|_| Error::Memory(format!("cannot allocate {what} for {n} blocks")))?;
         v.resize(n, value);
         Ok(v)
     }

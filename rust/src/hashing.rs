@@ -101,9 +101,8 @@ impl HashAlgo {
 }
 
 /// SHA-256 initial hash value (FIPS 180-4 §5.3.3).
-const SHA256_IV: [u32; 8] = [
-    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
-];
+const SHA256_IV: [u32; 8] =
+    [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
 
 /// SHA-256 of `buf`, padding it in place (FIPS 180-4 §5.1.1) and calling the `sha2` crate's
 /// compression function (SHA-NI when the CPU has it) on the whole buffer.

@@ -24,7 +24,9 @@ pub trait HashSource {
     /// Hash `i` as a [`Digest`].
     fn digest(&self, i: usize) -> Result<Digest> {
         let b = self.get(i)?;
-        Digest::from_slice(b).ok_or_else(|| Error::value("block_hashes", format!("a block hash must be 16 or 32 bytes, got {}", b.len())))
+        Digest::from_slice(b).ok_or_else(|| {
+            Error::value("block_hashes", format!("a block hash must be 16 or 32 bytes, got {}", b.len()))
+        })
     }
 }
 
@@ -135,7 +137,13 @@ impl Config {
     }
 
     /// Free the blocks of `state` that left the sliding window (tail first).
-    fn remove_skipped_blocks(&self, pool: &mut BlockPool, state: &mut ReqState, num_computed_tokens: usize, scratch: &mut Vec<u32>) -> Result<()> {
+    fn remove_skipped_blocks(
+        &self,
+        pool: &mut BlockPool,
+        state: &mut ReqState,
+        num_computed_tokens: usize,
+        scratch: &mut Vec<u32>,
+    ) -> Result<()> {
         let skipped_tokens = self.num_skipped_tokens(num_computed_tokens);
         if skipped_tokens == 0 {
             return Ok(());
@@ -200,6 +208,18 @@ impl Config {
             None => Ok(()),
         }
     }
+}
+
+/// The checked effect of an `allocate_slots` call (see `Manager::prepare`).
+struct Prepared {
+    total: usize,
+    total_computed: usize,
+    num_local_computed: usize,
+    need_slot: usize,
+    adopt: bool,
+    skipped: usize,
+    hits_from: usize,
+    plan: Option<CachePlan>,
 }
 
 /// Blocks a request is about to cache, with their hashes read in advance.
@@ -336,22 +356,19 @@ impl Manager {
         self.cfg.remove_skipped_blocks(pool, state, num_computed_tokens, &mut self.scratch)
     }
 
-    /// `allocate_slots` (spec §5.3). Returns `Ok(None)` — with no side effect — when the pool
-    /// cannot supply the blocks, else the newly allocated block ids. `hashes()` gives the
-    /// request's block hashes; it is called only if blocks are to be cached.
-    pub fn allocate_slots<H: HashSource>(
-        &mut self,
-        pool: &mut BlockPool,
-        req: &str,
+    /// Check an `allocate_slots` call and work out its effect on the request's table and
+    /// cache, without changing anything: every error the call can raise is raised here
+    /// (arguments, hashes of the blocks it would cache).
+    fn prepare<H: HashSource>(
+        &self,
+        pool: &BlockPool,
+        state: &ReqState,
         a: &AllocArgs<'_>,
         hashes: impl FnOnce() -> Result<H>,
-    ) -> Result<Option<Vec<u32>>> {
-        let cfg = self.cfg;
+    ) -> Result<Prepared> {
+        let cfg = &self.cfg;
         if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 && a.num_external_computed_tokens == 0 {
-            return Err(Error::value(
-                "num_new_tokens",
-                "must be > 0 when there are no computed tokens to adopt",
-            ));
+            return Err(Error::value("num_new_tokens", "must be > 0 when there are no computed tokens to adopt"));
         }
         if a.num_tokens > cfg.max_model_len {
             return Err(Error::value(
@@ -360,90 +377,115 @@ impl Manager {
             ));
         }
         pool.check_ids(a.new_computed)?;
-        // One lookup of the request: a running request is updated in place, a new one is
-        // built aside and inserted only once the allocation succeeds.
-        let mut fresh = ReqState::default();
-        let existing = self.reqs.get_mut(req);
-        let is_new = existing.is_none();
-        let state: &mut ReqState = existing.unwrap_or(&mut fresh);
         if state.num_cached.is_some() && !a.new_computed.is_empty() {
             return Err(Error::value("new_computed_blocks", "a running request cannot adopt new computed blocks"));
         }
         let num_local_computed = a.num_computed_tokens + a.num_new_computed_tokens;
-        let total_computed = (num_local_computed + a.num_external_computed_tokens).min(cfg.max_model_len);
-        let watermark = if a.apply_watermark { cfg.watermark_blocks } else { 0 };
-
-        if a.full_sequence_must_fit {
-            let full = a.num_tokens.min(cfg.max_model_len);
-            let need = cfg.num_blocks_to_allocate(pool, state, full, a.new_computed, total_computed)?;
-            if need + watermark > pool.num_free_blocks() {
-                return Ok(None);
-            }
-        }
-        let num_tokens_main = total_computed + a.num_new_tokens;
-        let need_slot = (num_tokens_main + a.num_lookahead_tokens).min(cfg.max_model_len);
-
-        // Runs even if the allocation then fails (vLLM frees out-of-window blocks first).
-        if cfg.sliding_window.is_some() {
-            let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
-            cfg.remove_skipped_blocks(pool, state, processed, &mut self.scratch)?;
-        }
-        let need = cfg.num_blocks_to_allocate(
-            pool,
-            state,
-            need_slot,
-            a.new_computed,
-            num_local_computed + a.num_external_computed_tokens,
-        )?;
-        if (need + watermark) as i64 > pool.num_free_blocks() as i64 - a.reserved_blocks as i64 {
-            return Ok(None);
-        }
-
-        // Everything that can fail is checked before anything changes: the shape of the
-        // table after this call, then the hashes of the blocks it will cache.
-        let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
         let total = num_local_computed + a.num_external_computed_tokens;
+        let total_computed = total.min(cfg.max_model_len);
+        let need_slot = (total_computed + a.num_new_tokens + a.num_lookahead_tokens).min(cfg.max_model_len);
+        let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
         let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
-        let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
+        let hits_from = skipped.min(a.new_computed.len());
         let (mut len_after, cached_after) = if adopt {
-            let l = skipped + hits.len();
+            let l = skipped + a.new_computed.len() - hits_from;
             (if a.num_external_computed_tokens > 0 { l.max(cdiv(total, cfg.block_size)) } else { l }, l)
         } else {
             (state.blocks.len(), state.num_cached.unwrap_or(0))
         };
         len_after = len_after.max(cdiv(need_slot, cfg.block_size));
-        let plan = if cfg.enable_caching && !a.delay_cache_blocks {
-            let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
-            if to_cache / cfg.block_size > cached_after {
-                cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
-            } else {
-                None
-            }
+        let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+        let plan = if cfg.enable_caching && !a.delay_cache_blocks && to_cache / cfg.block_size > cached_after {
+            cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
         } else {
             None
         };
+        Ok(Prepared { total, total_computed, num_local_computed, need_slot, adopt, skipped, hits_from, plan })
+    }
 
-        if adopt {
+    /// Check that `allocate_slots(req, a)` would raise no error, changing nothing (a batch
+    /// checks all its requests this way before it changes anything).
+    pub fn check_allocate<H: HashSource>(
+        &self,
+        pool: &BlockPool,
+        req: &str,
+        a: &AllocArgs<'_>,
+        hashes: impl FnOnce() -> Result<H>,
+    ) -> Result<()> {
+        let fresh = ReqState::default();
+        let state = self.reqs.get(req).unwrap_or(&fresh);
+        self.prepare(pool, state, a, hashes).map(|_| ())
+    }
+
+    /// `allocate_slots` (spec §5.3). Returns `Ok(None)` — with no side effect but the
+    /// sliding-window frees vLLM also makes — when the pool cannot supply the blocks, else the
+    /// newly allocated block ids. `hashes()` gives the request's block hashes; it is called
+    /// only if blocks are to be cached. An error leaves everything unchanged.
+    pub fn allocate_slots<H: HashSource>(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &str,
+        a: &AllocArgs<'_>,
+        hashes: impl FnOnce() -> Result<H>,
+    ) -> Result<Option<Vec<u32>>> {
+        let cfg = self.cfg;
+        // One lookup of the request: a running request is updated in place, a new one is
+        // built aside and inserted only once the allocation succeeds.
+        let mut fresh = ReqState::default();
+        let is_new = !self.reqs.contains_key(req);
+        let p = {
+            let state = self.reqs.get(req).unwrap_or(&fresh);
+            self.prepare(pool, state, a, hashes)?
+        };
+        let state: &mut ReqState = match self.reqs.get_mut(req) {
+            Some(s) => s,
+            None => &mut fresh,
+        };
+        let watermark = if a.apply_watermark { cfg.watermark_blocks } else { 0 };
+        if a.full_sequence_must_fit {
+            let full = a.num_tokens.min(cfg.max_model_len);
+            let need = cfg.num_blocks_to_allocate(pool, state, full, a.new_computed, p.total_computed)?;
+            if need + watermark > pool.num_free_blocks() {
+                return Ok(None);
+            }
+        }
+        // Runs even if the allocation then fails (vLLM frees out-of-window blocks first).
+        if cfg.sliding_window.is_some() {
+            let processed = p.total_computed.saturating_sub(a.num_in_flight_tokens);
+            cfg.remove_skipped_blocks(pool, state, processed, &mut self.scratch)?;
+        }
+        let need = cfg.num_blocks_to_allocate(
+            pool,
+            state,
+            p.need_slot,
+            a.new_computed,
+            p.num_local_computed + a.num_external_computed_tokens,
+        )?;
+        if (need + watermark) as i64 > pool.num_free_blocks() as i64 - a.reserved_blocks as i64 {
+            return Ok(None);
+        }
+        if p.adopt {
             // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
             debug_assert!(state.blocks.is_empty());
+            let hits = &a.new_computed[p.hits_from..];
             if cfg.enable_caching {
                 pool.touch(hits, true)?;
             }
-            state.blocks.resize(skipped, NULL_BLOCK);
+            state.blocks.resize(p.skipped, NULL_BLOCK);
             state.blocks.extend_from_slice(hits);
             state.num_cached = Some(state.blocks.len());
             if a.num_external_computed_tokens > 0 {
-                let n = cdiv(total, cfg.block_size).saturating_sub(state.blocks.len());
+                let n = cdiv(p.total, cfg.block_size).saturating_sub(state.blocks.len());
                 pool.get_new_blocks(n, &mut state.blocks)?;
             }
         }
         let mut new = Vec::new();
-        let n = cdiv(need_slot, cfg.block_size).saturating_sub(state.blocks.len());
+        let n = cdiv(p.need_slot, cfg.block_size).saturating_sub(state.blocks.len());
         if n > 0 {
             pool.get_new_blocks(n, &mut new)?;
             state.blocks.extend_from_slice(&new);
         }
-        if let Some(plan) = plan {
+        if let Some(plan) = p.plan {
             cfg.apply_cache(pool, state, plan, a.event_tag)?;
         }
         if is_new {

@@ -121,8 +121,7 @@ impl Pickler {
         let frame_len = self.out.len() - start - FRAME_HEADER_SIZE;
         if frame_len >= FRAME_SIZE_MIN {
             self.out[start] = FRAME;
-            self.out[start + 1..start + FRAME_HEADER_SIZE]
-                .copy_from_slice(&(frame_len as u64).to_le_bytes());
+            self.out[start + 1..start + FRAME_HEADER_SIZE].copy_from_slice(&(frame_len as u64).to_le_bytes());
         } else {
             self.out.drain(start..start + FRAME_HEADER_SIZE);
         }

@@ -39,16 +39,32 @@ fn none_hash_golden() {
 fn plain_chain_golden() {
     let tokens: Vec<i64> = (0..32).collect();
     let cases = [
-        (HashAlgo::Sha256, "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
-         ["fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798",
-          "8be7aaa33831156d316f1f463ae57e643deb63f42e633e2d631df88815cc4629"]),
-        (HashAlgo::Sha256Cbor, "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
-         ["dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749",
-          "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c"]),
-        (HashAlgo::Xxhash, "6fb31cc38bba6066183f7f2104b9c051",
-         ["8ef953407c0da43eacbb3639ed2bff4d", "5a51cc5ac3a4b1f7d5efd012fb00201a"]),
-        (HashAlgo::XxhashCbor, "1ebe36576dcb573f26b99533a20aaeca",
-         ["209f5d549fc07c8e39d823615ede61ce", "03888914ee75b87e89df867a21beb72b"]),
+        (
+            HashAlgo::Sha256,
+            "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198",
+            [
+                "fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798",
+                "8be7aaa33831156d316f1f463ae57e643deb63f42e633e2d631df88815cc4629",
+            ],
+        ),
+        (
+            HashAlgo::Sha256Cbor,
+            "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0",
+            [
+                "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749",
+                "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c",
+            ],
+        ),
+        (
+            HashAlgo::Xxhash,
+            "6fb31cc38bba6066183f7f2104b9c051",
+            ["8ef953407c0da43eacbb3639ed2bff4d", "5a51cc5ac3a4b1f7d5efd012fb00201a"],
+        ),
+        (
+            HashAlgo::XxhashCbor,
+            "1ebe36576dcb573f26b99533a20aaeca",
+            ["209f5d549fc07c8e39d823615ede61ce", "03888914ee75b87e89df867a21beb72b"],
+        ),
     ];
     for (algo, root, want) in cases {
         let mut h = BlockHasher::new(algo);
@@ -75,8 +91,14 @@ fn multimodal_memo_golden() {
         ],
     );
     let tokens: Vec<i64> = [vec![1; 3], vec![9; 20], vec![2; 5], vec![9; 10], vec![3; 10]].concat();
-    let e0 = Value::tuple(6, vec![Value::tuple(7, vec![Value::str(mm, "mm"), Value::str(3, "img-a"), Value::Int(Int::Small(3))])]);
-    let e2 = Value::tuple(8, vec![Value::tuple(9, vec![Value::str(mm, "mm"), Value::str(5, "img-b"), Value::Int(Int::Small(-4))])]);
+    let e0 = Value::tuple(
+        6,
+        vec![Value::tuple(7, vec![Value::str(mm, "mm"), Value::str(3, "img-a"), Value::Int(Int::Small(3))])],
+    );
+    let e2 = Value::tuple(
+        8,
+        vec![Value::tuple(9, vec![Value::str(mm, "mm"), Value::str(5, "img-b"), Value::Int(Int::Small(-4))])],
+    );
     let extras = [e0, extra, e2];
     let root = unhex("066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198");
     let got = BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &root, &tokens, 16, |i| Some(&extras[i])).unwrap();

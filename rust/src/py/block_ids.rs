@@ -58,7 +58,9 @@ impl PyBlockIds {
         if let Ok(o) = other.cast::<PyBlockIds>() {
             return o.get().ids == self.ids;
         }
-        other.extract::<Vec<i64>>().is_ok_and(|v| v.len() == self.ids.len() && v.iter().zip(&self.ids).all(|(&a, &b)| a == b as i64))
+        other
+            .extract::<Vec<i64>>()
+            .is_ok_and(|v| v.len() == self.ids.len() && v.iter().zip(&self.ids).all(|(&a, &b)| a == b as i64))
     }
 
     fn __hash__(&self) -> u64 {

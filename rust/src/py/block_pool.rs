@@ -47,11 +47,21 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
         }
         Tokens::U32(b) => f(b.as_slice()),
         Tokens::I64(b) => {
-            let v = b.as_slice().iter().enumerate().map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v))).collect::<PyResult<Vec<u32>>>()?;
+            let v = b
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
+                .collect::<PyResult<Vec<u32>>>()?;
             f(&v)
         }
         Tokens::U64(b) => {
-            let v = b.as_slice().iter().enumerate().map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v.min(i64::MAX as u64) as i64))).collect::<PyResult<Vec<u32>>>()?;
+            let v = b
+                .as_slice()
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v.min(i64::MAX as u64) as i64)))
+                .collect::<PyResult<Vec<u32>>>()?;
             f(&v)
         }
         Tokens::Big(_) => Err(value_err(arg, "block ids must fit in 32 bits")),
@@ -151,12 +161,17 @@ impl PyBlockPool {
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         if num_gpu_blocks <= 0 {
-            return Err(value_err("num_gpu_blocks", format!("must be > 0 (block 0 is the null block), got {num_gpu_blocks}")));
+            return Err(value_err(
+                "num_gpu_blocks",
+                format!("must be > 0 (block 0 is the null block), got {num_gpu_blocks}"),
+            ));
         }
         if hash_block_size <= 0 {
             return Err(value_err("hash_block_size", format!("must be > 0, got {hash_block_size}")));
         }
-        let inner = BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events).py_err()?;
+        let inner =
+            BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events)
+                .py_err()?;
         Ok(PyBlockPool { inner, tags: HashMap::new(), next_tag: 0 })
     }
 
@@ -314,7 +329,12 @@ impl PyBlockPool {
     /// For each hash, the first block cached under `(hash, group_id)`, or -1: int32
     /// `[len(block_hashes)]` (per-block `get_cached_block`, no prefix stop, no ref changes).
     #[pyo3(signature = (block_hashes, group_id=0))]
-    fn lookup_ids<'py>(&self, py: Python<'py>, block_hashes: &Bound<'py, PyAny>, group_id: u32) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn lookup_ids<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        group_id: u32,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let mut out = Vec::with_capacity(seq.len());
         for i in 0..seq.len() {
@@ -424,6 +444,7 @@ impl PyBlockPool {
 
     /// Cache blocks for a request (the facade's `cache_full_blocks`): ids of the request's
     /// table, its hash list, and the request for event enrichment.
+    #[allow(clippy::too_many_arguments)] // the facade's cache_full_blocks arguments
     fn _cache_for_request(
         &mut self,
         request: &Bound<'_, PyAny>,
@@ -446,7 +467,11 @@ impl PyBlockPool {
             .map(|i| list_digest(hashes, i, "block_hashes"))
             .collect::<crate::error::Result<Vec<_>>>()
             .py_err()?;
-        let parent = if num_cached_blocks > 0 { Some(list_digest(hashes, num_cached_blocks - 1, "block_hashes").py_err()?) } else { None };
+        let parent = if num_cached_blocks > 0 {
+            Some(list_digest(hashes, num_cached_blocks - 1, "block_hashes").py_err()?)
+        } else {
+            None
+        };
         let pending = self.inner.num_pending_events();
         let tag = self.tag(request);
         let res = self.inner.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag);
@@ -463,7 +488,8 @@ impl PyBlockPool {
         for e in self.inner.take_events() {
             match e {
                 Event::BlockStored { block_hashes, parent_block_hash, first_block, block_size, group, tag } => {
-                    let hs: Vec<Bound<'py, PyBytes>> = block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
+                    let hs: Vec<Bound<'py, PyBytes>> =
+                        block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
                     let req = self.tags.remove(&tag);
                     out.append(("stored", hs, parent, first_block, block_size, group, req))?;

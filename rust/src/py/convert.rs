@@ -87,11 +87,7 @@ macro_rules! with_token_slice {
     };
 }
 
-fn typed<T: pyo3::buffer::Element + Copy>(
-    py: Python<'_>,
-    raw: PyUntypedBuffer,
-    arg: &str,
-) -> PyResult<TokenBuf<T>> {
+fn typed<T: pyo3::buffer::Element + Copy>(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<TokenBuf<T>> {
     let buf: PyBuffer<T> = raw.into_typed::<T>().map_err(|e| type_err(arg, e))?;
     if buf.is_c_contiguous() {
         Ok(TokenBuf::Borrowed(buf))
@@ -132,12 +128,8 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
         ElementType::Float { .. } => {
             return Err(type_err(arg, format!("expected integer token ids, got a float buffer (format {fmt:?})")))
         }
-        ElementType::Bool => {
-            return Err(type_err(arg, "expected integer token ids, got a bool buffer"))
-        }
-        _ => {
-            return Err(type_err(arg, format!("expected integer token ids, got buffer format {fmt:?}")))
-        }
+        ElementType::Bool => return Err(type_err(arg, "expected integer token ids, got a bool buffer")),
+        _ => return Err(type_err(arg, format!("expected integer token ids, got buffer format {fmt:?}"))),
     })
 }
 
@@ -259,9 +251,7 @@ pub fn int_of(obj: &Bound<'_, PyAny>) -> PyResult<Option<Int>> {
     let nbytes = (nbits >> 3) + 1;
     let kw = pyo3::types::PyDict::new(obj.py());
     kw.set_item("signed", true)?;
-    let le: Vec<u8> = idx
-        .call_method(pyo3::intern!(obj.py(), "to_bytes"), (nbytes, "little"), Some(&kw))?
-        .extract()?;
+    let le: Vec<u8> = idx.call_method(pyo3::intern!(obj.py(), "to_bytes"), (nbytes, "little"), Some(&kw))?.extract()?;
     Ok(Some(Int::from_le_signed(&le)))
 }
 
@@ -276,12 +266,7 @@ pub fn extract_tokens(obj: &Bound<'_, PyAny>, arg: &str, start: usize) -> PyResu
 }
 
 /// [`extract_tokens`] limited to `obj[start:end]` (`end` = `None`: to the end).
-pub fn extract_token_range(
-    obj: &Bound<'_, PyAny>,
-    arg: &str,
-    start: usize,
-    end: Option<usize>,
-) -> PyResult<Tokens> {
+pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end: Option<usize>) -> PyResult<Tokens> {
     let py = obj.py();
     let check = |len: usize| -> PyResult<usize> {
         let end = end.unwrap_or(len);
@@ -327,9 +312,7 @@ pub fn extract_token_range(
     }
     let seq: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
         Ok(it) => it.collect::<PyResult<_>>()?,
-        Err(_) => {
-            return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj))))
-        }
+        Err(_) => return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj)))),
     };
     let end = check(seq.len())?;
     from_items(py, seq.into_iter().take(end).skip(start).map(Ok), arg, start)

@@ -55,20 +55,8 @@ impl RequestFields {
     pub fn for_type(request_type: &Bound<'_, PyType>) -> PyResult<Self> {
         let py = request_type.py();
         let mut f = Self::generic(py);
-        let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
-        let dict = request_type.getattr("__dict__")?;
         for (i, name) in NAMES.iter().enumerate() {
-            let Ok(descr) = dict.get_item(name) else { continue };
-            if !descr.get_type().is(&member_type) {
-                continue;
-            }
-            // SAFETY: `descr` is a member descriptor (checked above), whose d_member points at
-            // the slot's PyMemberDef for the lifetime of the type.
-            let (offset, kind) = unsafe {
-                let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member as *mut ffi::PyMemberDef;
-                ((*m).offset, (*m).type_code)
-            };
-            if kind == ffi::Py_T_OBJECT_EX {
+            if let Some(offset) = object_slot_offset(request_type, name)? {
                 f.offsets[i] = offset;
             }
         }
@@ -109,6 +97,24 @@ impl RequestFields {
     }
 }
 
+/// The byte offset of `ty.__dict__[name]` in instances, if it is an object `__slots__` member
+/// (None for anything else: a property, a plain attribute, a typed member, a missing name).
+fn object_slot_offset(ty: &Bound<'_, PyType>, name: &str) -> PyResult<Option<isize>> {
+    let py = ty.py();
+    let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
+    let Ok(descr) = ty.getattr("__dict__")?.get_item(name) else { return Ok(None) };
+    if !descr.get_type().is(&member_type) {
+        return Ok(None);
+    }
+    // SAFETY: `descr` is a member descriptor (checked above), whose d_member points at the
+    // slot's PyMemberDef for the lifetime of the type.
+    let (offset, kind) = unsafe {
+        let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member;
+        ((*m).offset, (*m).type_code)
+    };
+    Ok((kind == ffi::Py_T_OBJECT_EX).then_some(offset))
+}
+
 /// Builds instances of a Python class whose fields are `__slots__`, without running Python
 /// code: allocate with the type's `tp_alloc`, then store each slot.
 pub struct SlotFactory {
@@ -120,24 +126,14 @@ impl SlotFactory {
     /// A factory for `ty`, whose object slots `names` will be set, in this order, by
     /// [`SlotFactory::make`].
     pub fn new(ty: &Bound<'_, PyType>, names: &[&str]) -> PyResult<Self> {
-        let py = ty.py();
-        let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
-        let dict = ty.getattr("__dict__")?;
         let mut offsets = Vec::with_capacity(names.len());
         for name in names {
-            let descr = dict.get_item(name)?;
-            if !descr.get_type().is(&member_type) {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not a slot of {ty}")));
+            match object_slot_offset(ty, name)? {
+                Some(offset) => offsets.push(offset),
+                None => {
+                    return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not an object slot of {ty}")))
+                }
             }
-            // SAFETY: a member descriptor's d_member points at the slot's PyMemberDef.
-            let (offset, kind) = unsafe {
-                let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member as *mut ffi::PyMemberDef;
-                ((*m).offset, (*m).type_code)
-            };
-            if kind != ffi::Py_T_OBJECT_EX {
-                return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not an object slot")));
-            }
-            offsets.push(offset);
         }
         Ok(SlotFactory { ty: ty.clone().unbind(), offsets })
     }

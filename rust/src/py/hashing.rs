@@ -86,11 +86,7 @@ impl PyHashFunction {
     /// The bytes that are fed to the digest for `obj` (pickle protocol 5 or canonical CBOR).
     fn serialize<'py>(&self, py: Python<'py>, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
         let v = to_value(obj, "obj")?;
-        let data = if self.algo.uses_cbor() {
-            crate::cbor::dumps(&v).py_err()?
-        } else {
-            crate::pickle::dumps(&v)
-        };
+        let data = if self.algo.uses_cbor() { crate::cbor::dumps(&v).py_err()? } else { crate::pickle::dumps(&v) };
         Ok(PyBytes::new(py, &data))
     }
 
@@ -145,16 +141,15 @@ pub fn hash_block_tokens<'py>(
     let parent_id = parent_block_hash.as_ptr() as usize as u64;
     let tokens = extract_tokens(curr_block_token_ids, "curr_block_token_ids", 0)?;
     let extra = extra_of(extra_keys, "extra_keys")?;
-    let d = with_hasher(algo, |h| {
-        with_token_slice!(&tokens, |s| h.hash_block(parent_id, parent, s, extra.as_ref()))
-    })
-    .py_err()?;
+    let d = with_hasher(algo, |h| with_token_slice!(&tokens, |s| h.hash_block(parent_id, parent, s, extra.as_ref())))
+        .py_err()?;
     Ok(PyBytes::new(py, d.as_bytes()))
 }
 
 /// Hash every full block of `token_ids[start:end]` as one chain from `parent`.
 #[pyfunction]
 #[pyo3(signature = (algo, token_ids, block_size, parent, extra_keys=None, start=0, end=None))]
+#[allow(clippy::too_many_arguments)] // a Python signature with keyword defaults
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     algo: &Bound<'py, PyAny>,
@@ -184,7 +179,9 @@ pub fn hash_blocks<'py>(
         None => None,
         Some(e) if e.is_none() => None,
         Some(e) => {
-            let n = e.len().map_err(|_| type_err("extra_keys", "expected None or a sequence with one entry per full block"))?;
+            let n = e
+                .len()
+                .map_err(|_| type_err("extra_keys", "expected None or a sequence with one entry per full block"))?;
             if n != n_blocks {
                 return Err(value_err(
                     "extra_keys",
@@ -201,9 +198,8 @@ pub fn hash_blocks<'py>(
     };
     let run = || -> crate::error::Result<Vec<Digest>> {
         with_hasher(algo, |h| {
-            with_token_slice!(&tokens, |s| h.hash_chain(parent_id, &parent, s, block_size, |i| {
-                extras.as_ref().and_then(|x| x[i].as_ref())
-            }))
+            with_token_slice!(&tokens, |s| h
+                .hash_chain(parent_id, &parent, s, block_size, |i| { extras.as_ref().and_then(|x| x[i].as_ref()) }))
         })
     };
     let digests = if n_blocks >= DETACH_MIN_BLOCKS {
@@ -290,11 +286,7 @@ impl PyRequestBlockHasher {
         if num_new == 0 {
             return Ok(PyList::empty(py));
         }
-        let parent = if hashes.is_empty() {
-            self.root.bind(py).call0()?
-        } else {
-            hashes.get_item(hashes.len() - 1)?
-        };
+        let parent = if hashes.is_empty() { self.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
         let has_extra = self.lookahead > 0
             || request.getattr(intern!(py, "lora_request"))?.is_truthy()?
             || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
@@ -306,7 +298,16 @@ impl PyRequestBlockHasher {
             None
         };
         let algo = self.hash_fn.bind(py).clone().into_any();
-        hash_blocks(py, &algo, &tokens, bs as i64, &parent, extra.as_ref(), start as i64, Some((start + num_new * bs) as i64))
+        hash_blocks(
+            py,
+            &algo,
+            &tokens,
+            bs as i64,
+            &parent,
+            extra.as_ref(),
+            start as i64,
+            Some((start + num_new * bs) as i64),
+        )
     }
 
     fn __repr__(&self) -> String {
@@ -372,11 +373,8 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         }
         let parent = if hashes.is_empty() { h.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
         let parent_id = parent.as_ptr() as usize as u64;
-        let parent = parent
-            .cast::<PyBytes>()
-            .map_err(|_| type_err("parent_block_hash", "expected bytes"))?
-            .as_bytes()
-            .to_vec();
+        let parent =
+            parent.cast::<PyBytes>().map_err(|_| type_err("parent_block_hash", "expected bytes"))?.as_bytes().to_vec();
         let has_extra = h.lookahead > 0
             || r.getattr(intern!(py, "lora_request"))?.is_truthy()?
             || r.getattr(intern!(py, "mm_features"))?.is_truthy()?
@@ -401,7 +399,16 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
                 continue;
             }
         };
-        jobs.push(Job { request: r.clone(), hashes, algo: h.algo, parent_id, parent, tokens: toks, block_size: bs, extras });
+        jobs.push(Job {
+            request: r.clone(),
+            hashes,
+            algo: h.algo,
+            parent_id,
+            parent,
+            tokens: toks,
+            block_size: bs,
+            extras,
+        });
     }
     let total: usize = jobs.iter().map(|j| j.tokens.len() / j.block_size).sum();
     let chain_jobs: Vec<ChainJob<'_>> = jobs

@@ -19,6 +19,9 @@ struct ReqView<'py> {
     num_tokens: usize,
 }
 
+/// A 1-D int32 numpy array (batch results).
+type I32Array<'py> = Bound<'py, PyArray1<i32>>;
+
 /// A request's `block_hashes` list, read in place.
 pub struct PyHashes<'py>(pub Bound<'py, PyList>);
 
@@ -91,7 +94,10 @@ impl PyManager {
         if ids.is_empty() {
             return self.empty(py);
         }
-        let make = self.make_blocks.as_ref().ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
+        let make = self
+            .make_blocks
+            .as_ref()
+            .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
         let ids = pyo3::types::PyTuple::new(py, [Bound::new(py, PyBlockIds { ids })?])?;
         make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
@@ -132,7 +138,8 @@ impl PyManager {
         if !hit.is_empty() && pool.try_borrow()?.inner.events_enabled() {
             let mode = self.fields.get(request, Field::KvCacheReportMode).ok();
             if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
-                let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
+                let hashes =
+                    (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
                 let mut p = pool.try_borrow_mut()?;
                 let tag = p.tag(request);
                 p.inner.record_stored(hashes, self.inner.block_size(), 0, tag);
@@ -154,10 +161,17 @@ fn hit_ids(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let groups = match blocks.getattr(intern!(py, "_ids")) {
         Ok(g) => g,
         Err(_) => blocks.call_method0(intern!(py, "get_block_ids")).map_err(|_| {
-            type_err("new_computed_blocks", format!("expected KVCacheBlocks, got {}", blocks.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+            type_err(
+                "new_computed_blocks",
+                format!(
+                    "expected KVCacheBlocks, got {}",
+                    blocks.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                ),
+            )
         })?,
     };
-    let groups = groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
+    let groups =
+        groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
     if groups.len() != 1 {
         return Err(value_err("new_computed_blocks", format!("expected 1 KV-cache group, got {}", groups.len())));
     }
@@ -239,7 +253,10 @@ impl PyManager {
     /// `get_computed_blocks(request) -> (KVCacheBlocks, num_computed_tokens, 0)`: the longest
     /// cached prefix, capped at `num_tokens - 1` tokens, block-aligned. No reference counts
     /// change. `(empty, 0, 0)` with caching off or `request.skip_reading_prefix_cache`.
-    fn get_computed_blocks<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
+    fn get_computed_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
         let me = slf.try_borrow()?;
         let hit = me.lookup(request)?;
@@ -254,34 +271,71 @@ impl PyManager {
     /// new_block_ids)`: int32 arrays of one entry per admitted request, and the hit and new
     /// block ids of all admitted requests concatenated. Prefix-cache stats are the caller's to
     /// record (`record_prefix_cache_stats`), as with the per-request calls.
+    ///
+    /// Every request must be waiting: not running in this manager, listed once, with
+    /// `num_computed_tokens == 0` and at least one token. All requests are checked (these
+    /// rules, their fields and every block hash) before any is admitted, so a `ValueError` or
+    /// `TypeError` leaves the manager and pool unchanged.
     #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
-    #[allow(clippy::type_complexity)]
     fn admit_batch<'py>(
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyAny>,
         num_lookahead_tokens: i64,
         has_scheduled_reqs: bool,
-    ) -> PyResult<(usize, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(usize, I32Array<'py>, I32Array<'py>, I32Array<'py>, I32Array<'py>)> {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        // Phase 1: check every request; nothing changes until all pass.
+        let mut checked = Vec::with_capacity(reqs.len());
+        {
+            let me = slf.try_borrow()?;
+            let mut seen = std::collections::HashSet::with_capacity(reqs.len());
+            for r in reqs.iter() {
+                let v = me.view(&r)?;
+                let id = v.id.to_str()?.to_owned();
+                if me.inner.state(&id).is_some() {
+                    return Err(value_err("requests", format!("request {id:?} is already running")));
+                }
+                if v.num_computed != 0 || v.num_tokens == 0 {
+                    return Err(value_err(
+                        "requests",
+                        format!(
+                            "request {id:?} is not waiting: it has {} of {} tokens computed",
+                            v.num_computed, v.num_tokens
+                        ),
+                    ));
+                }
+                if me.enable_caching {
+                    let h = hashes_of(&me.fields, &r)?;
+                    for i in 0..h.len() {
+                        h.get(i).py_err()?;
+                    }
+                    me.fields.get(&r, Field::SkipReadingPrefixCache)?.is_truthy()?;
+                }
+                let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
+                let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
+                if !seen.insert(id.clone()) {
+                    return Err(value_err("requests", format!("request {id:?} is listed twice")));
+                }
+                checked.push((r, id, v.num_tokens, apply_watermark, num_in_flight_tokens));
+            }
+        }
+        // Phase 2: admit in order.
+        let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
-        for r in reqs.iter() {
+        for (r, id, num_tokens, apply_watermark, num_in_flight_tokens) in checked {
             let hit = slf.try_borrow()?.lookup(&r)?;
             let mut me = slf.try_borrow_mut()?;
             let n = hit.len() * me.inner.block_size();
-            let v = me.view(&r)?;
-            let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
-            let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
             let pool = me.pool.bind(py).clone();
             let mut p = pool.try_borrow_mut()?;
             let tag = p.tag(&r);
             let pending = p.inner.num_pending_events();
             let args = AllocArgs {
-                num_computed_tokens: v.num_computed,
-                num_tokens: v.num_tokens,
-                num_new_tokens: v.num_tokens.saturating_sub(v.num_computed + n),
+                num_tokens,
+                num_new_tokens: num_tokens - n,
                 num_new_computed_tokens: n,
                 new_computed: &hit,
                 has_new_computed: !hit.is_empty(),
@@ -292,9 +346,8 @@ impl PyManager {
                 ..Default::default()
             };
             let m = &mut *me;
-            let fields = &m.fields;
-            let hashes = hashes_for(m.enable_caching, fields, &r)?;
-            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, hashes);
+            let hashes = hashes_for(m.enable_caching, &m.fields, &r)?;
+            let res = m.inner.allocate_slots(&mut p.inner, &id, &args, hashes);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }
@@ -393,7 +446,7 @@ impl PyManager {
         requests: &Bound<'py, PyAny>,
         num_new_tokens: Option<&Bound<'py, PyAny>>,
         num_lookahead_tokens: i64,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(I32Array<'py>, I32Array<'py>)> {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
         let n = reqs.len();
@@ -409,39 +462,55 @@ impl PyManager {
                 if v.len() != n {
                     return Err(value_err("num_new_tokens", format!("{} values for {n} requests", v.len())));
                 }
-                v.iter().enumerate().map(|(i, &t)| count(t, &format!("num_new_tokens[{i}]"))).collect::<PyResult<Vec<usize>>>()?
+                v.iter()
+                    .enumerate()
+                    .map(|(i, &t)| count(t, &format!("num_new_tokens[{i}]")))
+                    .collect::<PyResult<Vec<usize>>>()?
             }
         };
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
         let mut me = slf.try_borrow_mut()?;
-        let mut views = Vec::with_capacity(n);
-        for r in reqs.iter() {
-            let v = me.view(&r)?;
-            let wm = me.watermark_applies(&r, true)?;
-            let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-            views.push((r, v, wm, infl));
-        }
         let pool = me.pool.bind(py).clone();
         let mut p = pool.try_borrow_mut()?;
+        let args_of = |i: usize, v: &ReqView<'_>, wm: bool, infl: usize, tag: u64| AllocArgs {
+            num_computed_tokens: v.num_computed,
+            num_tokens: v.num_tokens,
+            num_new_tokens: new_tokens[i],
+            num_lookahead_tokens: lookahead,
+            apply_watermark: wm,
+            num_in_flight_tokens: infl,
+            event_tag: tag,
+            ..Default::default()
+        };
+        // Phase 1: read and check every request (fields, arguments, the hashes of the blocks
+        // it would cache); nothing changes until all pass. Requests are distinct, so one's
+        // allocation cannot change whether another's raises.
+        let mut views = Vec::with_capacity(n);
+        {
+            let m = &*me;
+            let mut seen = std::collections::HashSet::with_capacity(n);
+            for (i, r) in reqs.iter().enumerate() {
+                let v = m.view(&r)?;
+                let id = v.id.to_str()?.to_owned();
+                let wm = m.watermark_applies(&r, true)?;
+                let infl = if m.inner.is_sliding_window() { m.in_flight(&r)? } else { 0 };
+                let hashes = hashes_for(m.enable_caching, &m.fields, &r)?;
+                m.inner.check_allocate(&p.inner, &id, &args_of(i, &v, wm, infl, 0), hashes).py_err()?;
+                if !seen.insert(id.clone()) {
+                    return Err(value_err("requests", format!("request {id:?} is listed twice")));
+                }
+                views.push((r, v, id, wm, infl));
+            }
+        }
+        // Phase 2: allocate in order.
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
-        for (i, (r, v, wm, infl)) in views.iter().enumerate() {
+        for (i, (r, v, id, wm, infl)) in views.iter().enumerate() {
             let tag = p.tag(r);
             let pending = p.inner.num_pending_events();
-            let args = AllocArgs {
-                num_computed_tokens: v.num_computed,
-                num_tokens: v.num_tokens,
-                num_new_tokens: new_tokens[i],
-                num_lookahead_tokens: lookahead,
-                apply_watermark: *wm,
-                num_in_flight_tokens: *infl,
-                event_tag: tag,
-                ..Default::default()
-            };
             let m = &mut *me;
-            let fields = &m.fields;
-            let hashes = hashes_for(m.enable_caching, fields, r)?;
-            let res = m.inner.allocate_slots(&mut p.inner, v.id.to_str()?, &args, hashes);
+            let hashes = hashes_for(m.enable_caching, &m.fields, r)?;
+            let res = m.inner.allocate_slots(&mut p.inner, id, &args_of(i, v, *wm, *infl, tag), hashes);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }

@@ -15,10 +15,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
-    m.add(
-        "ALGORITHMS",
-        pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?,
-    )?;
+    m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
     m.add_class::<hashing::PyHashFunction>()?;
     m.add_class::<hashing::PyRequestBlockHasher>()?;
     m.add_class::<block_pool::PyBlockPool>()?;
