@@ -92,14 +92,20 @@ def test_bad_request_in_a_batch_changes_nothing(api, bad):
     mgr.block_pool.check_invariants()
 
 
-@pytest.mark.parametrize("api", ["allocate_slots_batch", "admit_batch"])
-def test_request_listed_twice_in_a_batch_is_rejected(api):
+@pytest.mark.parametrize("api,running", [("allocate_slots_batch", True), ("allocate_slots_batch", False),
+                                         ("admit_batch", False)])
+def test_request_listed_twice_in_a_batch_is_rejected(api, running):
     mgr = KVCacheManager(num_blocks=40, block_size=16)
-    reqs = _batch_of_three(mgr, running=api == "allocate_slots_batch")
+    reqs = _batch_of_three(mgr, running=running)
+    twin = Request(reqs[0].request_id, reqs[0].prompt_token_ids, block_hasher=mgr.request_block_hasher)
+    twin.num_computed_tokens = reqs[0].num_computed_tokens
     before = _snapshot(mgr)
-    with pytest.raises(ValueError, match="listed twice"):
-        getattr(mgr, api)([reqs[0], reqs[1], reqs[0]])
-    assert _snapshot(mgr) == before
+    for batch in ([reqs[0], reqs[1], reqs[0]], [reqs[0], reqs[1], twin]):  # same object, same id
+        with pytest.raises(ValueError, match="listed twice"):
+            getattr(mgr, api)(batch)
+        assert _snapshot(mgr) == before
+    getattr(mgr, api)(reqs)  # a batch after a rejected one still works
+    assert mgr.num_requests == 3
 
 
 def test_admit_batch_takes_only_waiting_requests():

@@ -12,6 +12,7 @@ pub mod free_queue;
 pub mod hashing;
 pub mod manager;
 pub mod pickle;
+pub mod requests;
 pub mod token_simd;
 pub mod value;
 

@@ -8,7 +8,8 @@
 use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::error::{Error, Result};
 use crate::hashing::Digest;
-use hashbrown::HashMap;
+use crate::requests::RequestTable;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// A request's block hashes, read lazily (the binding reads them straight from the Python
 /// list, only as far as a lookup or caching needs).
@@ -52,12 +53,20 @@ impl HashSource for Vec<Digest> {
 }
 
 /// Per-request bookkeeping (`req_to_blocks`, `num_cached_block`).
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct ReqState {
     /// The block table, in token order (null blocks where a sliding window skipped).
     pub blocks: Vec<u32>,
     /// Blocks already cached; `None` until the request is known to `num_cached_block`.
     pub num_cached: Option<usize>,
+    /// The batch that last prepared this request (see [`Manager::new_batch_mark`]).
+    batch_mark: std::sync::atomic::AtomicU64,
+}
+
+impl Clone for ReqState {
+    fn clone(&self) -> Self {
+        ReqState { blocks: self.blocks.clone(), num_cached: self.num_cached, batch_mark: Default::default() }
+    }
 }
 
 /// The inputs of one `allocate_slots` call, besides the request's hashes.
@@ -208,18 +217,132 @@ impl Config {
             None => Ok(()),
         }
     }
+
+    /// Check an `allocate_slots` call and work out its effect on the request's table and
+    /// cache, without changing anything: every error the call can raise is raised here
+    /// (arguments, hashes of the blocks it would cache).
+    #[inline(always)]
+    fn prepare<H: HashSource>(
+        &self,
+        pool: &BlockPool,
+        state: &ReqState,
+        a: &AllocArgs<'_>,
+        hashes: impl FnOnce() -> Result<H>,
+    ) -> Result<Prepared> {
+        let cfg = self;
+        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 && a.num_external_computed_tokens == 0 {
+            return Err(Error::value("num_new_tokens", "must be > 0 when there are no computed tokens to adopt"));
+        }
+        if a.num_tokens > cfg.max_model_len {
+            return Err(Error::value(
+                "request",
+                format!("{} tokens exceed max_model_len {}", a.num_tokens, cfg.max_model_len),
+            ));
+        }
+        pool.check_ids(a.new_computed)?;
+        if state.num_cached.is_some() && !a.new_computed.is_empty() {
+            return Err(Error::value("new_computed_blocks", "a running request cannot adopt new computed blocks"));
+        }
+        let total = a.num_computed_tokens + a.num_new_computed_tokens + a.num_external_computed_tokens;
+        let total_computed = total.min(cfg.max_model_len);
+        let need_slot = (total_computed + a.num_new_tokens + a.num_lookahead_tokens).min(cfg.max_model_len);
+        let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
+        let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
+        let hits_from = skipped.min(a.new_computed.len());
+        let (mut len_after, cached_after) = if adopt {
+            let l = skipped + a.new_computed.len() - hits_from;
+            (if a.num_external_computed_tokens > 0 { l.max(cdiv(total, cfg.block_size)) } else { l }, l)
+        } else {
+            (state.blocks.len(), state.num_cached.unwrap_or(0))
+        };
+        len_after = len_after.max(cdiv(need_slot, cfg.block_size));
+        let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+        let plan = if cfg.enable_caching && !a.delay_cache_blocks && to_cache / cfg.block_size > cached_after {
+            cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
+        } else {
+            None
+        };
+        Ok(Prepared { slot: None, total, need_slot, adopt, plan: plan.map(Box::new) })
+    }
+
+    /// Carry out a prepared `allocate_slots` on `state`: `Ok(None)` (with only the
+    /// sliding-window frees vLLM also makes) when the pool cannot supply the blocks.
+    #[inline(always)]
+    fn apply(
+        &self,
+        pool: &mut BlockPool,
+        state: &mut ReqState,
+        a: &AllocArgs<'_>,
+        p: Prepared,
+        scratch: &mut Vec<u32>,
+    ) -> Result<Option<Vec<u32>>> {
+        let cfg = self;
+        let total_computed = p.total.min(cfg.max_model_len);
+        let watermark = if a.apply_watermark { cfg.watermark_blocks } else { 0 };
+        if a.full_sequence_must_fit {
+            let full = a.num_tokens.min(cfg.max_model_len);
+            let need = cfg.num_blocks_to_allocate(pool, state, full, a.new_computed, total_computed)?;
+            if need + watermark > pool.num_free_blocks() {
+                return Ok(None);
+            }
+        }
+        // Runs even if the allocation then fails (vLLM frees out-of-window blocks first).
+        if cfg.sliding_window.is_some() {
+            let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
+            cfg.remove_skipped_blocks(pool, state, processed, scratch)?;
+        }
+        let need = cfg.num_blocks_to_allocate(pool, state, p.need_slot, a.new_computed, p.total)?;
+        if (need + watermark) as i64 > pool.num_free_blocks() as i64 - a.reserved_blocks as i64 {
+            return Ok(None);
+        }
+        if p.adopt {
+            // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
+            debug_assert!(state.blocks.is_empty());
+            let skipped = cfg.num_skipped_tokens(p.total) / cfg.block_size;
+            let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
+            if cfg.enable_caching {
+                pool.touch(hits, true)?;
+            }
+            state.blocks.resize(skipped, NULL_BLOCK);
+            state.blocks.extend_from_slice(hits);
+            state.num_cached = Some(state.blocks.len());
+            if a.num_external_computed_tokens > 0 {
+                let n = cdiv(p.total, cfg.block_size).saturating_sub(state.blocks.len());
+                pool.get_new_blocks(n, &mut state.blocks)?;
+            }
+        }
+        let mut new = Vec::new();
+        let n = cdiv(p.need_slot, cfg.block_size).saturating_sub(state.blocks.len());
+        if n > 0 {
+            pool.get_new_blocks(n, &mut new)?;
+            state.blocks.extend_from_slice(&new);
+        }
+        if let Some(plan) = p.plan {
+            cfg.apply_cache(pool, state, *plan, a.event_tag)?;
+        }
+        Ok(Some(new))
+    }
 }
 
-/// The checked effect of an `allocate_slots` call (see `Manager::prepare`).
-struct Prepared {
+/// The checked effect of an `allocate_slots` call (see [`Manager::prepare_allocate`]).
+pub struct Prepared {
+    /// The request's slot in the request table; `None` when it is not running yet.
+    slot: Option<u32>,
+    /// Computed tokens after the call (local + external), before the max_model_len cap.
     total: usize,
-    total_computed: usize,
-    num_local_computed: usize,
+    /// Tokens that need slots.
     need_slot: usize,
+    /// The request adopts the computed blocks (its first allocation).
     adopt: bool,
-    skipped: usize,
-    hits_from: usize,
-    plan: Option<CachePlan>,
+    /// Boxed: most calls cache nothing, and a batch keeps one `Prepared` per request.
+    plan: Option<Box<CachePlan>>,
+}
+
+impl Prepared {
+    /// True when the request is not running yet (it is added if the allocation succeeds).
+    pub fn is_new(&self) -> bool {
+        self.slot.is_none()
+    }
 }
 
 /// Blocks a request is about to cache, with their hashes read in advance.
@@ -233,8 +356,9 @@ struct CachePlan {
 #[derive(Clone)]
 pub struct Manager {
     cfg: Config,
-    reqs: HashMap<String, ReqState>,
+    reqs: RequestTable<ReqState>,
     scratch: Vec<u32>,
+    batch_epoch: u64,
 }
 
 #[inline(always)]
@@ -263,8 +387,9 @@ impl Manager {
         }
         Ok(Manager {
             cfg: Config { block_size, max_model_len, enable_caching, use_eagle, sliding_window, watermark_blocks },
-            reqs: HashMap::new(),
+            reqs: RequestTable::default(),
             scratch: Vec::new(),
+            batch_epoch: 0,
         })
     }
 
@@ -356,65 +481,65 @@ impl Manager {
         self.cfg.remove_skipped_blocks(pool, state, num_computed_tokens, &mut self.scratch)
     }
 
-    /// Check an `allocate_slots` call and work out its effect on the request's table and
-    /// cache, without changing anything: every error the call can raise is raised here
-    /// (arguments, hashes of the blocks it would cache).
-    fn prepare<H: HashSource>(
-        &self,
-        pool: &BlockPool,
-        state: &ReqState,
-        a: &AllocArgs<'_>,
-        hashes: impl FnOnce() -> Result<H>,
-    ) -> Result<Prepared> {
-        let cfg = &self.cfg;
-        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 && a.num_external_computed_tokens == 0 {
-            return Err(Error::value("num_new_tokens", "must be > 0 when there are no computed tokens to adopt"));
-        }
-        if a.num_tokens > cfg.max_model_len {
-            return Err(Error::value(
-                "request",
-                format!("{} tokens exceed max_model_len {}", a.num_tokens, cfg.max_model_len),
-            ));
-        }
-        pool.check_ids(a.new_computed)?;
-        if state.num_cached.is_some() && !a.new_computed.is_empty() {
-            return Err(Error::value("new_computed_blocks", "a running request cannot adopt new computed blocks"));
-        }
-        let num_local_computed = a.num_computed_tokens + a.num_new_computed_tokens;
-        let total = num_local_computed + a.num_external_computed_tokens;
-        let total_computed = total.min(cfg.max_model_len);
-        let need_slot = (total_computed + a.num_new_tokens + a.num_lookahead_tokens).min(cfg.max_model_len);
-        let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
-        let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
-        let hits_from = skipped.min(a.new_computed.len());
-        let (mut len_after, cached_after) = if adopt {
-            let l = skipped + a.new_computed.len() - hits_from;
-            (if a.num_external_computed_tokens > 0 { l.max(cdiv(total, cfg.block_size)) } else { l }, l)
-        } else {
-            (state.blocks.len(), state.num_cached.unwrap_or(0))
-        };
-        len_after = len_after.max(cdiv(need_slot, cfg.block_size));
-        let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
-        let plan = if cfg.enable_caching && !a.delay_cache_blocks && to_cache / cfg.block_size > cached_after {
-            cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
-        } else {
-            None
-        };
-        Ok(Prepared { total, total_computed, num_local_computed, need_slot, adopt, skipped, hits_from, plan })
+    /// A fresh batch mark for [`Manager::prepare_allocate`].
+    pub fn new_batch_mark(&mut self) -> u64 {
+        self.batch_epoch += 1;
+        self.batch_epoch
     }
 
-    /// Check that `allocate_slots(req, a)` would raise no error, changing nothing (a batch
-    /// checks all its requests this way before it changes anything).
-    pub fn check_allocate<H: HashSource>(
+    /// Check an `allocate_slots(req, a)` call and work out its effect, changing nothing: every
+    /// error the call can raise is raised here. A batch prepares all its requests before it
+    /// applies any ([`Manager::apply_allocate`]), passing one `batch_mark` (0: none) so that a
+    /// running request prepared twice in the batch is an error; the caller checks the
+    /// requests that come back `is_new` for repeats.
+    pub fn prepare_allocate<H: HashSource>(
         &self,
         pool: &BlockPool,
         req: &str,
         a: &AllocArgs<'_>,
         hashes: impl FnOnce() -> Result<H>,
-    ) -> Result<()> {
-        let fresh = ReqState::default();
-        let state = self.reqs.get(req).unwrap_or(&fresh);
-        self.prepare(pool, state, a, hashes).map(|_| ())
+        batch_mark: u64,
+    ) -> Result<Prepared> {
+        match self.reqs.slot(req) {
+            Some(slot) => {
+                let state = self.reqs.at(slot);
+                if batch_mark != 0 {
+                    // An atomic only so the mark is writable through &self; a batch is
+                    // prepared by one caller, so a relaxed load and store (no locked
+                    // read-modify-write) are enough.
+                    if state.batch_mark.load(Relaxed) == batch_mark {
+                        return Err(Error::value("requests", format!("request {req:?} is listed twice")));
+                    }
+                    state.batch_mark.store(batch_mark, Relaxed);
+                }
+                Ok(Prepared { slot: Some(slot), ..self.cfg.prepare(pool, state, a, hashes)? })
+            }
+            None => self.cfg.prepare(pool, &ReqState::default(), a, hashes),
+        }
+    }
+
+    /// Carry out an `allocate_slots` prepared by [`Manager::prepare_allocate`] with the same
+    /// `req` and `a`, nothing having changed the request since (a running request is found by
+    /// the slot noted then, without a lookup).
+    pub fn apply_allocate(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &str,
+        a: &AllocArgs<'_>,
+        p: Prepared,
+    ) -> Result<Option<Vec<u32>>> {
+        let cfg = self.cfg;
+        match p.slot {
+            Some(slot) => cfg.apply(pool, self.reqs.at_mut(slot), a, p, &mut self.scratch),
+            None => {
+                let mut state = ReqState::default();
+                let res = cfg.apply(pool, &mut state, a, p, &mut self.scratch)?;
+                if res.is_some() {
+                    self.reqs.insert(req, state);
+                }
+                Ok(res)
+            }
+        }
     }
 
     /// `allocate_slots` (spec §5.3). Returns `Ok(None)` — with no side effect but the
@@ -431,67 +556,21 @@ impl Manager {
         let cfg = self.cfg;
         // One lookup of the request: a running request is updated in place, a new one is
         // built aside and inserted only once the allocation succeeds.
-        let mut fresh = ReqState::default();
-        let is_new = !self.reqs.contains_key(req);
-        let p = {
-            let state = self.reqs.get(req).unwrap_or(&fresh);
-            self.prepare(pool, state, a, hashes)?
-        };
-        let state: &mut ReqState = match self.reqs.get_mut(req) {
-            Some(s) => s,
-            None => &mut fresh,
-        };
-        let watermark = if a.apply_watermark { cfg.watermark_blocks } else { 0 };
-        if a.full_sequence_must_fit {
-            let full = a.num_tokens.min(cfg.max_model_len);
-            let need = cfg.num_blocks_to_allocate(pool, state, full, a.new_computed, p.total_computed)?;
-            if need + watermark > pool.num_free_blocks() {
-                return Ok(None);
+        match self.reqs.get_mut(req) {
+            Some(state) => {
+                let p = cfg.prepare(pool, state, a, hashes)?;
+                cfg.apply(pool, state, a, p, &mut self.scratch)
+            }
+            None => {
+                let mut state = ReqState::default();
+                let p = cfg.prepare(pool, &state, a, hashes)?;
+                let res = cfg.apply(pool, &mut state, a, p, &mut self.scratch)?;
+                if res.is_some() {
+                    self.reqs.insert(req, state);
+                }
+                Ok(res)
             }
         }
-        // Runs even if the allocation then fails (vLLM frees out-of-window blocks first).
-        if cfg.sliding_window.is_some() {
-            let processed = p.total_computed.saturating_sub(a.num_in_flight_tokens);
-            cfg.remove_skipped_blocks(pool, state, processed, &mut self.scratch)?;
-        }
-        let need = cfg.num_blocks_to_allocate(
-            pool,
-            state,
-            p.need_slot,
-            a.new_computed,
-            p.num_local_computed + a.num_external_computed_tokens,
-        )?;
-        if (need + watermark) as i64 > pool.num_free_blocks() as i64 - a.reserved_blocks as i64 {
-            return Ok(None);
-        }
-        if p.adopt {
-            // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
-            debug_assert!(state.blocks.is_empty());
-            let hits = &a.new_computed[p.hits_from..];
-            if cfg.enable_caching {
-                pool.touch(hits, true)?;
-            }
-            state.blocks.resize(p.skipped, NULL_BLOCK);
-            state.blocks.extend_from_slice(hits);
-            state.num_cached = Some(state.blocks.len());
-            if a.num_external_computed_tokens > 0 {
-                let n = cdiv(p.total, cfg.block_size).saturating_sub(state.blocks.len());
-                pool.get_new_blocks(n, &mut state.blocks)?;
-            }
-        }
-        let mut new = Vec::new();
-        let n = cdiv(p.need_slot, cfg.block_size).saturating_sub(state.blocks.len());
-        if n > 0 {
-            pool.get_new_blocks(n, &mut new)?;
-            state.blocks.extend_from_slice(&new);
-        }
-        if let Some(plan) = p.plan {
-            cfg.apply_cache(pool, state, plan, a.event_tag)?;
-        }
-        if is_new {
-            self.reqs.insert(req.to_owned(), fresh);
-        }
-        Ok(Some(new))
     }
 
     /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to

@@ -290,22 +290,8 @@ impl PyManager {
         let mut checked = Vec::with_capacity(reqs.len());
         {
             let me = slf.try_borrow()?;
-            let mut seen = std::collections::HashSet::with_capacity(reqs.len());
             for r in reqs.iter() {
                 let v = me.view(&r)?;
-                let id = v.id.to_str()?.to_owned();
-                if me.inner.state(&id).is_some() {
-                    return Err(value_err("requests", format!("request {id:?} is already running")));
-                }
-                if v.num_computed != 0 || v.num_tokens == 0 {
-                    return Err(value_err(
-                        "requests",
-                        format!(
-                            "request {id:?} is not waiting: it has {} of {} tokens computed",
-                            v.num_computed, v.num_tokens
-                        ),
-                    ));
-                }
                 if me.enable_caching {
                     let h = hashes_of(&me.fields, &r)?;
                     for i in 0..h.len() {
@@ -315,23 +301,42 @@ impl PyManager {
                 }
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
                 let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-                if !seen.insert(id.clone()) {
+                checked.push((r, v, apply_watermark, num_in_flight_tokens));
+            }
+        }
+        let ids: Vec<&str> = checked.iter().map(|x| x.1.id.to_str()).collect::<PyResult<_>>()?;
+        {
+            let me = slf.try_borrow()?;
+            let mut seen = hashbrown::HashSet::with_capacity(ids.len());
+            for (&id, (_, v, ..)) in ids.iter().zip(&checked) {
+                if me.inner.state(id).is_some() {
+                    return Err(value_err("requests", format!("request {id:?} is already running")));
+                }
+                if v.num_computed != 0 || v.num_tokens == 0 {
+                    let msg = format!(
+                        "request {id:?} is not waiting: {} of {} tokens computed",
+                        v.num_computed, v.num_tokens
+                    );
+                    return Err(value_err("requests", msg));
+                }
+                if !seen.insert(id) {
                     return Err(value_err("requests", format!("request {id:?} is listed twice")));
                 }
-                checked.push((r, id, v.num_tokens, apply_watermark, num_in_flight_tokens));
             }
         }
         // Phase 2: admit in order.
         let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
-        for (r, id, num_tokens, apply_watermark, num_in_flight_tokens) in checked {
-            let hit = slf.try_borrow()?.lookup(&r)?;
+        for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
+            let (r, num_tokens, apply_watermark, num_in_flight_tokens) =
+                (r, v.num_tokens, *apply_watermark, *num_in_flight_tokens);
+            let hit = slf.try_borrow()?.lookup(r)?;
             let mut me = slf.try_borrow_mut()?;
             let n = hit.len() * me.inner.block_size();
             let pool = me.pool.bind(py).clone();
             let mut p = pool.try_borrow_mut()?;
-            let tag = p.tag(&r);
+            let tag = p.tag(r);
             let pending = p.inner.num_pending_events();
             let args = AllocArgs {
                 num_tokens,
@@ -346,8 +351,8 @@ impl PyManager {
                 ..Default::default()
             };
             let m = &mut *me;
-            let hashes = hashes_for(m.enable_caching, &m.fields, &r)?;
-            let res = m.inner.allocate_slots(&mut p.inner, &id, &args, hashes);
+            let hashes = hashes_for(m.enable_caching, &m.fields, r)?;
+            let res = m.inner.allocate_slots(&mut p.inner, id, &args, hashes);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }
@@ -485,32 +490,28 @@ impl PyManager {
         // Phase 1: read and check every request (fields, arguments, the hashes of the blocks
         // it would cache); nothing changes until all pass. Requests are distinct, so one's
         // allocation cannot change whether another's raises.
-        let mut views = Vec::with_capacity(n);
-        {
-            let m = &*me;
-            let mut seen = std::collections::HashSet::with_capacity(n);
-            for (i, r) in reqs.iter().enumerate() {
-                let v = m.view(&r)?;
-                let id = v.id.to_str()?.to_owned();
-                let wm = m.watermark_applies(&r, true)?;
-                let infl = if m.inner.is_sliding_window() { m.in_flight(&r)? } else { 0 };
-                let hashes = hashes_for(m.enable_caching, &m.fields, &r)?;
-                m.inner.check_allocate(&p.inner, &id, &args_of(i, &v, wm, infl, 0), hashes).py_err()?;
-                if !seen.insert(id.clone()) {
-                    return Err(value_err("requests", format!("request {id:?} is listed twice")));
-                }
-                views.push((r, v, id, wm, infl));
+        let mark = me.inner.new_batch_mark();
+        let mut new_ids = hashbrown::HashSet::new();
+        let mut prepared = Vec::with_capacity(n);
+        for (i, r) in reqs.iter().enumerate() {
+            let v = me.view(&r)?;
+            let wm = me.watermark_applies(&r, true)?;
+            let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
+            let hashes = hashes_for(me.enable_caching, &me.fields, &r)?;
+            let id = v.id.to_str()?;
+            let prep = me.inner.prepare_allocate(&p.inner, id, &args_of(i, &v, wm, infl, 0), hashes, mark).py_err()?;
+            if prep.is_new() && !new_ids.insert(id.to_owned()) {
+                return Err(value_err("requests", format!("request {id:?} is listed twice")));
             }
+            prepared.push((r, v, wm, infl, prep));
         }
         // Phase 2: allocate in order.
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
-        for (i, (r, v, id, wm, infl)) in views.iter().enumerate() {
-            let tag = p.tag(r);
+        for (i, (r, v, wm, infl, prep)) in prepared.into_iter().enumerate() {
+            let tag = p.tag(&r);
             let pending = p.inner.num_pending_events();
-            let m = &mut *me;
-            let hashes = hashes_for(m.enable_caching, &m.fields, r)?;
-            let res = m.inner.allocate_slots(&mut p.inner, id, &args_of(i, v, *wm, *infl, tag), hashes);
+            let res = me.inner.apply_allocate(&mut p.inner, v.id.to_str()?, &args_of(i, &v, wm, infl, tag), prep);
             if tag != 0 && p.inner.num_pending_events() == pending {
                 p.untag_unused(tag);
             }

@@ -1,0 +1,118 @@
+//! The manager's request table: request id → per-request state, with each state in a stable
+//! slot so that a batch can look a request up once and come back to it by slot.
+
+use hashbrown::HashMap;
+
+/// A map from request id to `T` whose values live in slots that keep their index until the
+/// entry is removed (inserting other entries never moves them).
+#[derive(Clone, Debug)]
+pub struct RequestTable<T> {
+    index: HashMap<String, u32>,
+    slots: Vec<T>,
+    /// Slots of removed entries, reused first.
+    vacant: Vec<u32>,
+}
+
+impl<T> Default for RequestTable<T> {
+    fn default() -> Self {
+        RequestTable { index: HashMap::new(), slots: Vec::new(), vacant: Vec::new() }
+    }
+}
+
+impl<T: Default> RequestTable<T> {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// True when there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// The slot of `id`, if present.
+    #[inline]
+    pub fn slot(&self, id: &str) -> Option<u32> {
+        self.index.get(id).copied()
+    }
+
+    #[inline]
+    pub fn get(&self, id: &str) -> Option<&T> {
+        self.slot(id).map(|s| &self.slots[s as usize])
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, id: &str) -> Option<&mut T> {
+        let s = self.slot(id)?;
+        Some(&mut self.slots[s as usize])
+    }
+
+    /// The entry in `slot` (a slot returned by [`RequestTable::slot`] or
+    /// [`RequestTable::insert`] whose entry has not been removed since).
+    #[inline]
+    pub fn at(&self, slot: u32) -> &T {
+        &self.slots[slot as usize]
+    }
+
+    /// [`RequestTable::at`], mutably.
+    #[inline]
+    pub fn at_mut(&mut self, slot: u32) -> &mut T {
+        &mut self.slots[slot as usize]
+    }
+
+    /// Insert `value` under `id` (which must not be present); returns its slot.
+    pub fn insert(&mut self, id: &str, value: T) -> u32 {
+        debug_assert!(!self.index.contains_key(id));
+        let s = match self.vacant.pop() {
+            Some(s) => {
+                self.slots[s as usize] = value;
+                s
+            }
+            None => {
+                self.slots.push(value);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.index.insert(id.to_owned(), s);
+        s
+    }
+
+    /// Remove `id`, returning its value.
+    pub fn remove(&mut self, id: &str) -> Option<T> {
+        let s = self.index.remove(id)?;
+        self.vacant.push(s);
+        Some(std::mem::take(&mut self.slots[s as usize]))
+    }
+
+    /// Remove every entry.
+    pub fn clear(&mut self) {
+        self.index.clear();
+        self.slots.clear();
+        self.vacant.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestTable;
+
+    #[test]
+    fn slots_are_stable_and_reused() {
+        let mut t: RequestTable<u64> = RequestTable::default();
+        let a = t.insert("a", 1);
+        let b = t.insert("b", 2);
+        for i in 0..100 {
+            t.insert(&format!("x{i}"), i);
+        }
+        assert_eq!((t.slot("a"), t.slot("b")), (Some(a), Some(b)));
+        *t.at_mut(b) += 40;
+        assert_eq!((t.get("b"), t.at(b)), (Some(&42), &42));
+        assert_eq!(t.remove("a"), Some(1));
+        assert_eq!(t.get("a"), None);
+        assert_eq!((t.remove("a"), t.len()), (None, 101));
+        assert_eq!(t.insert("c", 3), a); // the vacant slot is reused
+        assert_eq!(t.get("c"), Some(&3));
+        t.clear();
+        assert!(t.is_empty() && t.get("b").is_none());
+    }
+}
