@@ -219,6 +219,40 @@ class ManagerLockstep(RuleBasedStateMachine):
         self._same(lambda: self.fast.evict_blocks(ids), lambda: self.ref.evict_blocks(ids))
 
     @precondition(lambda self: self.all)
+    @rule(data=st.data())
+    def any_allocate(self, data):
+        """allocate_slots with any mix of arguments on any request, waiting or running: hits
+        or not (and counts that disagree with them), external tokens, lookahead, delayed
+        caching, the full-sequence gate, reserved blocks. Same result or same error; the
+        request's own counters are left as they are."""
+        fast_req, ref_req = data.draw(st.sampled_from(self.all))
+        use_hit = data.draw(st.booleans())
+        if use_hit:
+            fb, fn, _ = self.fast.get_computed_blocks(fast_req)
+            rb, rn, _ = self.ref.get_computed_blocks(ref_req)
+            assert (_ids(fb), fn) == (_ids(rb), rn)
+        else:
+            fb = rb = None
+            fn = 0
+        num_new_computed = data.draw(st.sampled_from([fn, fn, 0, fn + self.bs]))
+        kw = dict(
+            num_new_computed_tokens=num_new_computed,
+            num_lookahead_tokens=data.draw(st.integers(0, 2)),
+            num_external_computed_tokens=data.draw(st.sampled_from([0, 0, 1, self.bs, 2 * self.bs + 1])),
+            delay_cache_blocks=data.draw(st.booleans()),
+            full_sequence_must_fit=data.draw(st.booleans()),
+            reserved_blocks=data.draw(st.integers(0, 3)),
+        )
+        num_new = data.draw(st.integers(0, 6))
+        res, err = self._same(lambda: self.fast.allocate_slots(fast_req, num_new, new_computed_blocks=fb, **kw),
+                              lambda: self.ref.allocate_slots(ref_req, num_new, new_computed_blocks=rb, **kw))
+        if not err:
+            a, b = res
+            assert _ids(a) == _ids(b)
+            if a is not None and (fast_req, ref_req) in self.waiting:
+                self.waiting.remove((fast_req, ref_req))  # it holds blocks now: not for admission
+
+    @precondition(lambda self: self.all)
     @rule(data=st.data(), bad=st.sampled_from(["zero", "negative", "long"]))
     def bad_input(self, data, bad):
         """Bad input raises the same error in both and changes nothing (checked after)."""

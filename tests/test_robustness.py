@@ -207,3 +207,104 @@ def test_cli_errors_are_one_line(args):
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_admit_batch_checks_max_model_len_before_admitting_any():
+    mgr = KVCacheManager(num_blocks=40, block_size=16, max_model_len=200)
+    ok = Request("ok", list(range(50)), block_hasher=mgr.request_block_hasher)
+    too_long = Request("long", list(range(201)), block_hasher=mgr.request_block_hasher)
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match="max_model_len"):
+        mgr.admit_batch([ok, too_long])
+    assert _snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("api", ["per_request", "batch"])
+def test_event_tags_do_not_keep_requests_alive(api):
+    """With KV events on, a decode loop must not accumulate references to its requests, and a
+    call that raises must not leave one behind."""
+    mgr = KVCacheManager(num_blocks=400, block_size=4, enable_kv_cache_events=True)
+    reqs = [Request(f"r{i}", list(range(i * 100, i * 100 + 10 + i)), block_hasher=mgr.request_block_hasher)
+            for i in range(2)]
+    mgr.admit_batch(reqs)
+    for r in reqs:
+        r.num_computed_tokens = r.num_tokens
+        r.status = kvblock.RequestStatus.RUNNING
+    mgr.take_events()
+    base = sys.getrefcount(reqs[1])
+    for _ in range(200):
+        for r in reqs:
+            r.append_output_token_ids(1)
+        if api == "batch":
+            mgr.allocate_slots_batch(reqs)
+        else:
+            for r in reqs:
+                mgr.allocate_slots(r, 1)
+        for r in reqs:
+            r.num_computed_tokens += 1
+        mgr.take_events()
+    after = sys.getrefcount(reqs[1])  # (outside the assert: pytest's rewriting holds values)
+    assert after == base
+    x = Request("x", list(range(10)), block_hasher=mgr.request_block_hasher)
+    base = sys.getrefcount(x)
+    for _ in range(100):
+        with pytest.raises(ValueError):
+            mgr.allocate_slots(x, -1)
+    after = sys.getrefcount(x)
+    assert after == base
+
+
+def test_adopting_into_a_request_that_holds_blocks_is_refused_without_leaking():
+    mgr = KVCacheManager(num_blocks=10, block_size=4)
+    a = Request("a", list(range(8)), block_hasher=mgr.request_block_hasher)
+    mgr.allocate_slots(a, 8)  # caches blocks [1, 2]
+    b = Request("b", list(range(8)) + [99], block_hasher=mgr.request_block_hasher)
+    mgr.allocate_slots(b, 1)  # holds a block, nothing cached yet
+    hit, n, _ = mgr.get_computed_blocks(b)
+    assert n == 8
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        mgr.allocate_slots(b, 1, n, hit)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        mgr.allocate_slots(b, 4, num_external_computed_tokens=16)
+    assert _snapshot(mgr) == before
+    mgr.free(a)
+    mgr.free(b)
+    assert mgr.block_pool.get_num_free_blocks() == 9
+    mgr.block_pool.check_invariants()
+
+
+def test_hit_token_count_must_match_the_hit_blocks():
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    a = Request("a", list(range(40)), block_hasher=mgr.request_block_hasher)
+    mgr.allocate_slots(a, 40)
+    b = Request("b", list(range(40)), block_hasher=mgr.request_block_hasher)
+    hit, n, _ = mgr.get_computed_blocks(b)
+    assert n == 32
+    before = _snapshot(mgr)
+    for wrong in (0, 16, 48):
+        with pytest.raises(ValueError, match="num_new_computed_tokens"):
+            mgr.allocate_slots(b, 8, wrong, hit)
+    assert _snapshot(mgr) == before
+
+
+def test_huge_counts_saturate_instead_of_wrapping():
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    r = Request("r", list(range(10)), block_hasher=mgr.request_block_hasher)
+    m = 2**63 - 1
+    assert mgr.allocate_slots(r, m, num_lookahead_tokens=m) is None  # needs max_model_len slots
+    counts, _ = mgr.allocate_slots_batch([r], num_new_tokens=m, num_lookahead_tokens=m)
+    assert counts.tolist() == [-1]
+    with pytest.raises(ValueError, match="out of range"):
+        mgr.allocate_slots_batch([r], num_new_tokens=2**70)
+    with pytest.raises(ValueError, match=r"num_new_tokens\[0\]: out of range"):
+        mgr.allocate_slots_batch([r], num_new_tokens=[2**70])
+
+
+@pytest.mark.parametrize("dtype", [">i8", ">i4", ">u4"])
+def test_non_native_byte_order_is_refused(dtype):
+    toks = np.arange(64, dtype=dtype)
+    with pytest.raises(TypeError, match="byte order"):
+        kvblock.hash_blocks(toks, 16)
+    assert kvblock.hash_blocks(toks.astype(toks.dtype.newbyteorder("=")), 16) == kvblock.hash_blocks(
+        list(range(64)), 16)

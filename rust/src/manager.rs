@@ -225,7 +225,7 @@ impl Config {
     fn prepare<H: HashSource>(
         &self,
         pool: &BlockPool,
-        state: &ReqState,
+        state: Option<&ReqState>,
         a: &AllocArgs<'_>,
         hashes: impl FnOnce() -> Result<H>,
     ) -> Result<Prepared> {
@@ -240,29 +240,77 @@ impl Config {
             ));
         }
         pool.check_ids(a.new_computed)?;
-        if state.num_cached.is_some() && !a.new_computed.is_empty() {
-            return Err(Error::value("new_computed_blocks", "a running request cannot adopt new computed blocks"));
+        if a.new_computed.len().checked_mul(cfg.block_size) != Some(a.num_new_computed_tokens) {
+            return Err(Error::value(
+                "num_new_computed_tokens",
+                format!(
+                    "{} must equal the hit blocks' tokens ({} blocks x {})",
+                    a.num_new_computed_tokens,
+                    a.new_computed.len(),
+                    cfg.block_size
+                ),
+            ));
         }
-        let total = a.num_computed_tokens + a.num_new_computed_tokens + a.num_external_computed_tokens;
+        if state.is_some() && !a.new_computed.is_empty() {
+            return Err(Error::value(
+                "new_computed_blocks",
+                "the request already holds blocks and cannot adopt new computed blocks",
+            ));
+        }
+        if a.num_external_computed_tokens > 0 && state.is_some_and(|s| s.num_cached.is_none() && !s.blocks.is_empty()) {
+            // vLLM asserts the table is empty when it adopts computed tokens
+            return Err(Error::value(
+                "num_external_computed_tokens",
+                "the request already holds blocks and cannot adopt external computed tokens",
+            ));
+        }
+        let empty = ReqState::default();
+        let state = state.unwrap_or(&empty);
+        // Token counts saturate: a sum past usize::MAX is capped by max_model_len anyway.
+        let total = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens)
+            .saturating_add(a.num_external_computed_tokens);
         let total_computed = total.min(cfg.max_model_len);
-        let need_slot = (total_computed + a.num_new_tokens + a.num_lookahead_tokens).min(cfg.max_model_len);
+        let need_slot = total_computed
+            .saturating_add(a.num_new_tokens)
+            .saturating_add(a.num_lookahead_tokens)
+            .min(cfg.max_model_len);
         let adopt = (a.has_new_computed || a.num_external_computed_tokens > 0) && state.num_cached.is_none();
-        let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
-        let hits_from = skipped.min(a.new_computed.len());
         let (mut len_after, cached_after) = if adopt {
-            let l = skipped + a.new_computed.len() - hits_from;
-            (if a.num_external_computed_tokens > 0 { l.max(cdiv(total, cfg.block_size)) } else { l }, l)
+            let skipped = cfg.num_skipped_tokens(total) / cfg.block_size;
+            let l = state.blocks.len() + skipped + a.new_computed.len() - skipped.min(a.new_computed.len());
+            (
+                if cfg.external_after_skip(total, a.num_external_computed_tokens) > 0 {
+                    l.max(cdiv(total, cfg.block_size))
+                } else {
+                    l
+                },
+                l,
+            )
         } else {
             (state.blocks.len(), state.num_cached.unwrap_or(0))
         };
         len_after = len_after.max(cdiv(need_slot, cfg.block_size));
-        let to_cache = (total_computed + a.num_new_tokens).min(a.num_tokens);
+        let to_cache = total_computed.saturating_add(a.num_new_tokens).min(a.num_tokens);
         let plan = if cfg.enable_caching && !a.delay_cache_blocks && to_cache / cfg.block_size > cached_after {
             cfg.plan_cache(cached_after, len_after, to_cache, &hashes()?)?
         } else {
             None
         };
         Ok(Prepared { slot: None, total, need_slot, adopt, plan: plan.map(Box::new) })
+    }
+
+    /// External tokens that still need blocks once `total` computed tokens are known: those
+    /// inside the attention window (all of them for full attention).
+    #[inline]
+    fn external_after_skip(&self, total: usize, external: usize) -> usize {
+        let skipped_tokens = self.num_skipped_tokens(total);
+        if skipped_tokens > 0 {
+            external.min(total - skipped_tokens)
+        } else {
+            external
+        }
     }
 
     /// Carry out a prepared `allocate_slots` on `state`: `Ok(None)` (with only the
@@ -296,17 +344,18 @@ impl Config {
             return Ok(None);
         }
         if p.adopt {
-            // allocate_new_computed_blocks: touch the hits, pad skipped positions with null
-            debug_assert!(state.blocks.is_empty());
+            // allocate_new_computed_blocks: touch the hits and append them after null blocks
+            // for the skipped positions (a request that already holds blocks adopts no hits:
+            // `prepare` rejects that), then allocate blocks for the external tokens.
             let skipped = cfg.num_skipped_tokens(p.total) / cfg.block_size;
             let hits = &a.new_computed[skipped.min(a.new_computed.len())..];
             if cfg.enable_caching {
                 pool.touch(hits, true)?;
             }
-            state.blocks.resize(skipped, NULL_BLOCK);
+            state.blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped));
             state.blocks.extend_from_slice(hits);
             state.num_cached = Some(state.blocks.len());
-            if a.num_external_computed_tokens > 0 {
+            if cfg.external_after_skip(p.total, a.num_external_computed_tokens) > 0 {
                 let n = cdiv(p.total, cfg.block_size).saturating_sub(state.blocks.len());
                 pool.get_new_blocks(n, &mut state.blocks)?;
             }
@@ -512,9 +561,9 @@ impl Manager {
                     }
                     state.batch_mark.store(batch_mark, Relaxed);
                 }
-                Ok(Prepared { slot: Some(slot), ..self.cfg.prepare(pool, state, a, hashes)? })
+                Ok(Prepared { slot: Some(slot), ..self.cfg.prepare(pool, Some(state), a, hashes)? })
             }
-            None => self.cfg.prepare(pool, &ReqState::default(), a, hashes),
+            None => self.cfg.prepare(pool, None, a, hashes),
         }
     }
 
@@ -558,12 +607,12 @@ impl Manager {
         // built aside and inserted only once the allocation succeeds.
         match self.reqs.get_mut(req) {
             Some(state) => {
-                let p = cfg.prepare(pool, state, a, hashes)?;
+                let p = cfg.prepare(pool, Some(state), a, hashes)?;
                 cfg.apply(pool, state, a, p, &mut self.scratch)
             }
             None => {
                 let mut state = ReqState::default();
-                let p = cfg.prepare(pool, &state, a, hashes)?;
+                let p = cfg.prepare(pool, None, a, hashes)?;
                 let res = cfg.apply(pool, &mut state, a, p, &mut self.scratch)?;
                 if res.is_some() {
                     self.reqs.insert(req, state);

@@ -320,7 +320,8 @@ class KVCacheManager:
             TypeError / ValueError: negative or non-int counts; ``num_new_tokens == 0`` with
                 nothing to adopt; a request longer than ``max_model_len``; hit blocks whose
                 count does not match ``num_new_computed_tokens``, or given for a request that
-                already holds blocks. Nothing is changed.
+                already holds blocks; external tokens for a request that holds blocks but has
+                not adopted computed tokens (vLLM asserts an empty table). Nothing is changed.
         """
         for name, value in (
             ("num_new_tokens", num_new_tokens),
@@ -351,6 +352,15 @@ class KVCacheManager:
         adopts_hit = (
             new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks
         )
+        if (
+            num_external_computed_tokens > 0
+            and self.req_to_blocks.get(request_id)
+            and request_id not in self.num_cached_block
+        ):
+            # vLLM asserts the table is empty when it adopts computed tokens
+            raise ValueError(
+                f"request {request_id} already holds blocks and cannot adopt external computed tokens"
+            )
 
         # 2. Computed tokens: local (already computed + prefix hit) and external.
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens

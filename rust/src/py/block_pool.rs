@@ -129,22 +129,22 @@ pub struct PyBlockPool {
 }
 
 impl PyBlockPool {
-    /// Remember `request` for the `BlockStored` events of the next caching call; 0 when events
-    /// are off.
-    pub fn tag(&mut self, request: &Bound<'_, PyAny>) -> u64 {
+    /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
+    /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
+    /// is dropped again unless `f` buffered an event, whether `f` succeeded or not.
+    pub fn tagged<R>(&mut self, request: &Bound<'_, PyAny>, f: impl FnOnce(&mut BlockPool, u64) -> R) -> R {
         if !self.inner.events_enabled() {
-            return 0;
+            return f(&mut self.inner, 0);
         }
         self.next_tag += 1;
-        self.tags.insert(self.next_tag, request.clone().unbind());
-        self.next_tag
-    }
-
-    /// Drop tags no pending event refers to (after a caching call stored nothing).
-    pub fn untag_unused(&mut self, tag: u64) {
-        if tag != 0 && self.inner.num_pending_events() == 0 {
+        let tag = self.next_tag;
+        self.tags.insert(tag, request.clone().unbind());
+        let pending = self.inner.num_pending_events();
+        let res = f(&mut self.inner, tag);
+        if self.inner.num_pending_events() == pending {
             self.tags.remove(&tag);
         }
+        res
     }
 }
 
@@ -472,13 +472,10 @@ impl PyBlockPool {
         } else {
             None
         };
-        let pending = self.inner.num_pending_events();
-        let tag = self.tag(request);
-        let res = self.inner.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag);
-        if tag != 0 && self.inner.num_pending_events() == pending {
-            self.tags.remove(&tag);
-        }
-        res.py_err()
+        self.tagged(request, |pool, tag| {
+            pool.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag)
+        })
+        .py_err()
     }
 
     /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
@@ -500,6 +497,8 @@ impl PyBlockPool {
                 Event::AllBlocksCleared => out.append(("cleared",))?,
             }
         }
+        // No event is pending any more, so no tag can be referred to.
+        self.tags.clear();
         Ok(out)
     }
 

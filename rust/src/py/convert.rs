@@ -104,6 +104,15 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
         ));
     }
     let fmt = raw.format().to_string_lossy().into_owned();
+    // ElementType ignores the byte-order prefix; values stored in the other byte order would
+    // be read wrongly, so such buffers are refused (1-byte items have no byte order).
+    let foreign = if cfg!(target_endian = "little") { ['>', '!'] } else { ['<', '<'] };
+    if raw.item_size() > 1 && fmt.starts_with(foreign) {
+        return Err(type_err(
+            arg,
+            format!("token ids in non-native byte order (format {fmt:?}); convert them first, e.g. a.astype(a.dtype.newbyteorder('='))"),
+        ));
+    }
     Ok(match ElementType::from_format(raw.format()) {
         ElementType::SignedInteger { bytes: 8 } => Tokens::I64(typed::<i64>(py, raw, arg)?),
         ElementType::SignedInteger { bytes: 4 } => Tokens::I32(typed::<i32>(py, raw, arg)?),

@@ -140,9 +140,8 @@ impl PyManager {
             if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
                 let hashes =
                     (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
-                let mut p = pool.try_borrow_mut()?;
-                let tag = p.tag(request);
-                p.inner.record_stored(hashes, self.inner.block_size(), 0, tag);
+                let bs = self.inner.block_size();
+                pool.try_borrow_mut()?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
             }
         }
         Ok(hit)
@@ -312,6 +311,10 @@ impl PyManager {
                 if me.inner.state(id).is_some() {
                     return Err(value_err("requests", format!("request {id:?} is already running")));
                 }
+                if v.num_tokens > me.inner.max_model_len() {
+                    let msg = format!("request {id:?} has {} tokens, more than max_model_len", v.num_tokens);
+                    return Err(value_err("requests", msg));
+                }
                 if v.num_computed != 0 || v.num_tokens == 0 {
                     let msg = format!(
                         "request {id:?} is not waiting: {} of {} tokens computed",
@@ -336,9 +339,7 @@ impl PyManager {
             let n = hit.len() * me.inner.block_size();
             let pool = me.pool.bind(py).clone();
             let mut p = pool.try_borrow_mut()?;
-            let tag = p.tag(r);
-            let pending = p.inner.num_pending_events();
-            let args = AllocArgs {
+            let mut args = AllocArgs {
                 num_tokens,
                 num_new_tokens: num_tokens - n,
                 num_new_computed_tokens: n,
@@ -347,15 +348,14 @@ impl PyManager {
                 num_lookahead_tokens: lookahead,
                 apply_watermark,
                 num_in_flight_tokens,
-                event_tag: tag,
                 ..Default::default()
             };
             let m = &mut *me;
             let hashes = hashes_for(m.enable_caching, &m.fields, r)?;
-            let res = m.inner.allocate_slots(&mut p.inner, id, &args, hashes);
-            if tag != 0 && p.inner.num_pending_events() == pending {
-                p.untag_unused(tag);
-            }
+            let res = p.tagged(r, |pool, tag| {
+                args.event_tag = tag;
+                m.inner.allocate_slots(pool, id, &args, hashes)
+            });
             match res.py_err()? {
                 None => break,
                 Some(new) => {
@@ -379,6 +379,13 @@ impl PyManager {
     /// vLLM 0.33.0's `allocate_slots` for this group (spec §5.3). Returns the newly allocated
     /// blocks (`KVCacheBlocks`, the shared empty one if none), or None — with no side effect —
     /// if the pool cannot supply them.
+    ///
+    /// Raises `ValueError` / `TypeError`, changing nothing, for: negative or non-int counts;
+    /// `num_new_tokens == 0` with nothing to adopt; a request longer than `max_model_len`;
+    /// `num_new_computed_tokens` other than the hit blocks' tokens; hit blocks for a request
+    /// that already holds blocks, or external tokens for one that holds blocks but has not
+    /// adopted computed tokens (vLLM asserts an empty table); a malformed
+    /// `request.block_hashes` entry for a block this call caches.
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
@@ -407,8 +414,7 @@ impl PyManager {
         let num_in_flight_tokens = if slf.inner.is_sliding_window() { slf.in_flight(request)? } else { 0 };
         let me = &mut *slf;
         let mut p = me.pool.bind(py).try_borrow_mut()?;
-        let tag = p.tag(request);
-        let args = AllocArgs {
+        let mut args = AllocArgs {
             num_computed_tokens: v.num_computed,
             num_tokens: v.num_tokens,
             num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
@@ -422,16 +428,15 @@ impl PyManager {
             reserved_blocks: count(reserved_blocks, "reserved_blocks")?,
             apply_watermark,
             num_in_flight_tokens,
-            event_tag: tag,
+            event_tag: 0,
         };
-        let pending = p.inner.num_pending_events();
         let id = v.id.to_str()?;
-        let fields = &me.fields;
-        let hashes = hashes_for(me.enable_caching, fields, request)?;
-        let res = me.inner.allocate_slots(&mut p.inner, id, &args, hashes);
-        if tag != 0 && p.inner.num_pending_events() == pending {
-            p.untag_unused(tag);
-        }
+        let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
+        let inner = &mut me.inner;
+        let res = p.tagged(request, |pool, tag| {
+            args.event_tag = tag;
+            inner.allocate_slots(pool, id, &args, hashes)
+        });
         drop(p);
         match res.py_err()? {
             None => Ok(py.None().into_bound(py)),
@@ -457,19 +462,26 @@ impl PyManager {
         let n = reqs.len();
         let new_tokens: Vec<usize> = match num_new_tokens {
             None => vec![1; n],
-            Some(x) if x.extract::<i64>().is_ok() => vec![count(x.extract::<i64>()?, "num_new_tokens")?; n],
+            Some(x) if x.is_instance_of::<pyo3::types::PyInt>() => {
+                let v: i64 =
+                    x.extract().map_err(|_| value_err("num_new_tokens", "out of range (must fit in int64)"))?;
+                vec![count(v, "num_new_tokens")?; n]
+            }
             Some(x) => {
                 let v = super::convert::extract_tokens(x, "num_new_tokens", 0)?;
-                let v: Vec<i64> = crate::with_token_slice!(&v, |s| s
+                let v: Vec<Option<i64>> = crate::with_token_slice!(&v, |s| s
                     .iter()
-                    .map(|&t| crate::value::TokenId::as_i64(t).unwrap_or(-1))
+                    .map(|&t| crate::value::TokenId::as_i64(t).ok())
                     .collect());
                 if v.len() != n {
                     return Err(value_err("num_new_tokens", format!("{} values for {n} requests", v.len())));
                 }
                 v.iter()
                     .enumerate()
-                    .map(|(i, &t)| count(t, &format!("num_new_tokens[{i}]")))
+                    .map(|(i, &t)| {
+                        let arg = format!("num_new_tokens[{i}]");
+                        count(t.ok_or_else(|| value_err(&arg, "out of range (must fit in int64)"))?, &arg)
+                    })
                     .collect::<PyResult<Vec<usize>>>()?
             }
         };
@@ -509,12 +521,9 @@ impl PyManager {
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
         for (i, (r, v, wm, infl, prep)) in prepared.into_iter().enumerate() {
-            let tag = p.tag(&r);
-            let pending = p.inner.num_pending_events();
-            let res = me.inner.apply_allocate(&mut p.inner, v.id.to_str()?, &args_of(i, &v, wm, infl, tag), prep);
-            if tag != 0 && p.inner.num_pending_events() == pending {
-                p.untag_unused(tag);
-            }
+            let id = v.id.to_str()?;
+            let inner = &mut me.inner;
+            let res = p.tagged(&r, |pool, tag| inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep));
             match res.py_err()? {
                 None => counts.push(-1),
                 Some(new) => {
@@ -555,14 +564,10 @@ impl PyManager {
         let v = me.view(request)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.try_borrow_mut()?;
-        let tag = p.tag(request);
-        let pending = p.inner.num_pending_events();
         let hashes = hashes_of(&me.fields, request)?;
-        let res = me.inner.cache_blocks(&mut p.inner, v.id.to_str()?, n, &hashes, tag);
-        if tag != 0 && p.inner.num_pending_events() == pending {
-            p.untag_unused(tag);
-        }
-        res.py_err()
+        let id = v.id.to_str()?;
+        let inner = &mut me.inner;
+        p.tagged(request, |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
     }
 
     /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
