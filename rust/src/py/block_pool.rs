@@ -132,6 +132,7 @@ impl PyBlockPool {
     /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
     /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
     /// is dropped again unless `f` buffered an event, whether `f` succeeded or not.
+    #[inline(always)]
     pub fn tagged<R>(&mut self, request: &Bound<'_, PyAny>, f: impl FnOnce(&mut BlockPool, u64) -> R) -> R {
         if !self.inner.events_enabled() {
             return f(&mut self.inner, 0);
