@@ -25,6 +25,16 @@ def shared_path(*parts: str) -> Path:
     return p
 
 
+def require_module(name: str):
+    """Import an optional test dependency (torch, triton): a missing one fails in CI, where
+    `make test` installs it, and skips the module's tests elsewhere."""
+    if IN_CI:
+        import importlib
+
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
 @pytest.fixture(scope="session")
 def golden() -> dict:
     with open(shared_path("spec", "golden_vectors.json")) as f:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -488,7 +489,7 @@ def test_property_vectorized_equals_reference(problem):
 
 # -- the Triton kernel, run by the Triton interpreter on the CPU -----------------------------------
 def test_triton_kernel_under_the_interpreter():
-    pytest.importorskip("triton")
+    require_module("triton")
     script = textwrap.dedent(
         """
         import sys, numpy as np, torch

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import require_module
 
-torch = pytest.importorskip("torch")
+torch = require_module("torch")
 
 import kvblock.hashing as kh  # noqa: E402
 from kvblock.block_table import BlockTable  # noqa: E402

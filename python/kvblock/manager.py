@@ -123,8 +123,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         watermark: float = 0.0,
         sliding_window: int | None = None,
     ) -> "KVCacheManager":
-        if watermark < 0:
-            raise ValueError("watermark: must be non-negative")
+        if not watermark >= 0:  # NaN too
+            raise ValueError(f"watermark: must be >= 0, got {watermark}")
         hash_fn = hashing.get_hash_fn_by_name(hash_algo)
         pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
         self = super().__new__(

@@ -285,17 +285,15 @@ impl PyManager {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        // Phase 1: check every request; nothing changes until all pass.
+        // Phase 1: check every request; nothing changes until all pass. Each must be waiting
+        // and listed once, and `allocate_slots` without a hit must accept it: that reads the
+        // block hashes a lookup or this admission can read (a hit only narrows them).
         let mut checked = Vec::with_capacity(reqs.len());
         {
             let me = slf.try_borrow()?;
             for r in reqs.iter() {
                 let v = me.view(&r)?;
                 if me.enable_caching {
-                    let h = hashes_of(&me.fields, &r)?;
-                    for i in 0..h.len() {
-                        h.get(i).py_err()?;
-                    }
                     me.fields.get(&r, Field::SkipReadingPrefixCache)?.is_truthy()?;
                 }
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
@@ -306,14 +304,11 @@ impl PyManager {
         let ids: Vec<&str> = checked.iter().map(|x| x.1.id.to_str()).collect::<PyResult<_>>()?;
         {
             let me = slf.try_borrow()?;
+            let p = me.pool.bind(py).try_borrow()?;
             let mut seen = hashbrown::HashSet::with_capacity(ids.len());
-            for (&id, (_, v, ..)) in ids.iter().zip(&checked) {
+            for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
                 if me.inner.state(id).is_some() {
                     return Err(value_err("requests", format!("request {id:?} is already running")));
-                }
-                if v.num_tokens > me.inner.max_model_len() {
-                    let msg = format!("request {id:?} has {} tokens, more than max_model_len", v.num_tokens);
-                    return Err(value_err("requests", msg));
                 }
                 if v.num_computed != 0 || v.num_tokens == 0 {
                     let msg = format!(
@@ -325,6 +320,16 @@ impl PyManager {
                 if !seen.insert(id) {
                     return Err(value_err("requests", format!("request {id:?} is listed twice")));
                 }
+                let args = AllocArgs {
+                    num_tokens: v.num_tokens,
+                    num_new_tokens: v.num_tokens,
+                    num_lookahead_tokens: lookahead,
+                    apply_watermark: *apply_watermark,
+                    num_in_flight_tokens: *num_in_flight_tokens,
+                    ..Default::default()
+                };
+                let hashes = hashes_for(me.enable_caching, &me.fields, r)?;
+                me.inner.prepare_allocate(&p.inner, id, &args, hashes, 0).py_err()?;
             }
         }
         // Phase 2: admit in order.
