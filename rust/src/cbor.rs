@@ -145,6 +145,40 @@ pub fn put_tokens<T: TokenId>(out: &mut Vec<u8>, mut tokens: &[T]) {
     unsafe { out.set_len(pos) };
 }
 
+/// Spare capacity [`dumps_plain_block`] needs (plus 72 bytes of room for SHA-256 padding).
+pub fn plain_block_capacity(parent_len: usize, num_tokens: usize) -> usize {
+    16 + parent_len + num_tokens * 9 + 64 + 72
+}
+
+/// `cbor2.dumps([parent, list(tokens), None], canonical=True)` written straight into `out`
+/// (cleared first): the block of a request without extra keys. Same bytes as the general
+/// path ([`put_array_head`], [`put_bytes`], [`put_tokens`], null); the tests check that. The
+/// caller guarantees [`plain_block_capacity`] spare bytes.
+#[inline(always)]
+pub fn dumps_plain_block(out: &mut Vec<u8>, parent: &[u8], tokens: &[i64]) {
+    debug_assert!(out.capacity() >= plain_block_capacity(parent.len(), tokens.len()));
+    out.clear();
+    if parent.len() == 32 {
+        // SAFETY: capacity checked above; array(3) head, bytes(32) head, then the digest.
+        unsafe {
+            let base = out.as_mut_ptr();
+            std::ptr::copy_nonoverlapping([0x83u8, 0x58, 32].as_ptr(), base, 3);
+            std::ptr::copy_nonoverlapping(parent.as_ptr(), base.add(3), 32);
+            out.set_len(35);
+        }
+    } else {
+        put_array_head(out, 3);
+        put_bytes(out, parent);
+    }
+    put_tokens(out, tokens);
+    // SAFETY: put_tokens leaves spare capacity (the 72 bytes of padding room at least).
+    unsafe {
+        let len = out.len();
+        *out.as_mut_ptr().add(len) = 0xf6;
+        out.set_len(len + 1);
+    }
+}
+
 /// Encode any [`Value`]. Fails for a `str` holding lone surrogates (cbor2 raises too).
 pub fn put(out: &mut Vec<u8>, v: &Value) -> Result<()> {
     match v {

@@ -108,14 +108,22 @@ const SHA256_IV: [u32; 8] =
 /// compression function (SHA-NI when the CPU has it) on the whole buffer.
 #[inline]
 fn sha256_in_place(buf: &mut Vec<u8>) -> Digest {
-    let bits = (buf.len() as u64) * 8;
-    buf.push(0x80);
-    let pad = (64 + 56 - buf.len() % 64) % 64;
-    buf.resize(buf.len() + pad, 0);
-    buf.extend_from_slice(&bits.to_be_bytes());
+    let len = buf.len();
+    let total = (len + 9).div_ceil(64) * 64;
+    // The padding is at most 72 bytes; zero a fixed 72 (no memset call).
+    buf.reserve(72);
+    // SAFETY: 72 >= `total - len` bytes reserved; the padding is 0x80, zeros, then the bit
+    // length.
+    unsafe {
+        let base = buf.as_mut_ptr();
+        std::ptr::write_bytes(base.add(len), 0, 72);
+        *base.add(len) = 0x80;
+        let bits = ((len as u64) * 8).to_be_bytes();
+        std::ptr::copy_nonoverlapping(bits.as_ptr(), base.add(total - 8), 8);
+        buf.set_len(total);
+    }
     let mut state = SHA256_IV;
-    let (blocks, rest) = buf.as_chunks::<64>();
-    debug_assert!(rest.is_empty());
+    let (blocks, _) = buf.as_chunks::<64>();
     sha2::block_api::compress256(&mut state, blocks);
     let mut bytes = [0u8; 32];
     for (dst, w) in bytes.chunks_exact_mut(4).zip(state) {
@@ -291,24 +299,101 @@ impl BlockHasher {
         parent: &[u8],
         tokens: &[T],
         block_size: usize,
-        mut extra: impl FnMut(usize) -> Option<&'v Value>,
+        extra: impl FnMut(usize) -> Option<&'v Value>,
     ) -> Result<Vec<Digest>> {
+        let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+        self.hash_chain_into(parent_id, parent, tokens, block_size, extra, |d| out.push(d))?;
+        Ok(out)
+    }
+
+    /// [`BlockHasher::hash_chain`], handing each digest to `sink` in block order as soon as it
+    /// is computed (so a caller can build its own output while the next block hashes).
+    pub fn hash_chain_into<'v, T: TokenId>(
+        &mut self,
+        parent_id: ObjId,
+        parent: &[u8],
+        tokens: &[T],
+        block_size: usize,
+        extra: impl FnMut(usize) -> Option<&'v Value>,
+        sink: impl FnMut(Digest),
+    ) -> Result<()> {
         if block_size == 0 {
             return Err(Error::value("block_size", "must be > 0"));
         }
-        let n = tokens.len() / block_size;
-        let mut out = Vec::with_capacity(n);
+        self.chain_loop(parent_id, parent, tokens, block_size, extra, sink)
+    }
+
+    /// Digest of `(parent, tuple(tokens), None)`; the buffer has the plain-block capacity.
+    #[inline(always)]
+    fn plain_block_digest(&mut self, parent: &[u8], tokens: &[i64]) -> Digest {
+        if self.algo.uses_cbor() {
+            crate::cbor::dumps_plain_block(&mut self.buf, parent, tokens);
+            self.algo.digest_buf(&mut self.buf)
+        } else {
+            crate::pickle::dumps_plain_block(&mut self.pickler.out, parent, tokens);
+            self.algo.digest_buf(&mut self.pickler.out)
+        }
+    }
+
+    /// [`BlockHasher::plain_block_digest`] compiled for AVX-512, so that the vectorized token
+    /// encoder inlines into it.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
+    unsafe fn plain_block_digest_avx512(&mut self, parent: &[u8], tokens: &[i64]) -> Digest {
+        self.plain_block_digest(parent, tokens)
+    }
+
+    #[inline(always)]
+    fn chain_loop<'v, T: TokenId>(
+        &mut self,
+        parent_id: ObjId,
+        parent: &[u8],
+        tokens: &[T],
+        block_size: usize,
+        mut extra: impl FnMut(usize) -> Option<&'v Value>,
+        mut sink: impl FnMut(Digest),
+    ) -> Result<()> {
+        #[cfg(target_arch = "x86_64")]
+        let simd = crate::token_simd::available();
         let mut prev: Option<Digest> = None;
+        let cbor = self.algo.uses_cbor();
+        let plain = cbor || crate::pickle::plain_block_fits(parent.len().max(32), block_size);
+        if cbor {
+            self.buf.reserve(crate::cbor::plain_block_capacity(parent.len().max(32), block_size));
+        } else if plain {
+            self.pickler.out.reserve(crate::pickle::plain_block_capacity(parent.len().max(32), block_size));
+        }
         for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+            let e = extra(i);
+            if let (true, None, Some(block)) = (plain, e, T::as_i64_slice(block)) {
+                // The common block (no extra keys, fixed-width ints): serialized straight into
+                // the reserved buffer.
+                let p = match &prev {
+                    Some(d) => d.as_bytes(),
+                    None => parent,
+                };
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `simd` says the CPU has the features.
+                let d = if simd {
+                    unsafe { self.plain_block_digest_avx512(p, block) }
+                } else {
+                    self.plain_block_digest(p, block)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                let d = self.plain_block_digest(p, block);
+                sink(d);
+                prev = Some(d);
+                continue;
+            }
             let (pid, p) = match &prev {
                 Some(d) => (0, d.as_bytes()),
                 None => (parent_id, parent),
             };
-            let d = self.hash_block(pid, p, block, extra(i))?;
-            out.push(d);
+            let d = self.hash_block(pid, p, block, e)?;
+            sink(d);
             prev = Some(d);
         }
-        Ok(out)
+        Ok(())
     }
 }
 

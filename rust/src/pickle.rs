@@ -417,6 +417,64 @@ fn put_tokens_raw<T: TokenId>(out: &mut Vec<u8>, mut tokens: &[T]) -> bool {
     true
 }
 
+/// Spare capacity [`dumps_plain_block`] needs in its buffer (plus 72 bytes of room for the
+/// SHA-256 padding the caller may add in place).
+pub fn plain_block_capacity(parent_len: usize, num_tokens: usize) -> usize {
+    16 + parent_len + num_tokens * MAX_INT_OPCODE + 64 + 72
+}
+
+/// True if [`dumps_plain_block`] serializes this shape: a parent of at most 255 bytes and a
+/// non-empty token tuple that cannot reach the 64 KiB frame target (one frame, no commit
+/// inside it).
+#[inline]
+pub fn plain_block_fits(parent_len: usize, num_tokens: usize) -> bool {
+    parent_len <= 0xff && num_tokens > 0 && num_tokens * MAX_INT_OPCODE + 64 < FRAME_SIZE_TARGET
+}
+
+/// `pickle.dumps((parent, tuple(tokens), None), protocol=5)` written straight into `out`
+/// (cleared first): the block of a request without extra keys, by far the most common one.
+/// Nothing in it can be a memo back-reference (the tokens are ints and the third item is
+/// None), so the bytes are those of [`Pickler`]'s general path; the tests check that. The
+/// caller guarantees [`plain_block_fits`] and [`plain_block_capacity`] spare bytes.
+#[inline(always)]
+pub fn dumps_plain_block(out: &mut Vec<u8>, parent: &[u8], tokens: &[i64]) {
+    debug_assert!(plain_block_fits(parent.len(), tokens.len()));
+    debug_assert!(out.capacity() >= plain_block_capacity(parent.len(), tokens.len()));
+    out.clear();
+    let base = out.as_mut_ptr();
+    let n = tokens.len();
+    let mut pos;
+    // SAFETY: the capacity checked above covers the header, the parent and the tuple opener.
+    unsafe {
+        let head: [u8; 13] = [PROTO, 5, FRAME, 0, 0, 0, 0, 0, 0, 0, 0, SHORT_BINBYTES, parent.len() as u8];
+        std::ptr::copy_nonoverlapping(head.as_ptr(), base, 13);
+        match parent.len() {
+            // Fixed-size copies of the digest lengths (no memcpy call).
+            32 => std::ptr::copy_nonoverlapping(parent.as_ptr(), base.add(13), 32),
+            16 => std::ptr::copy_nonoverlapping(parent.as_ptr(), base.add(13), 16),
+            n => std::ptr::copy_nonoverlapping(parent.as_ptr(), base.add(13), n),
+        }
+        pos = 13 + parent.len();
+        *base.add(pos) = MEMOIZE;
+        *base.add(pos + 1) = MARK;
+        pos += 1 + (n > 3) as usize;
+        out.set_len(pos);
+    }
+    let ok = put_tokens_raw(out, tokens);
+    debug_assert!(ok, "every i64 has an int opcode");
+    let close = if n <= 3 { [TUPLE1, TUPLE2, TUPLE3][n - 1] } else { TUPLE };
+    let tail: [u8; 6] = [close, MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP];
+    // SAFETY: put_tokens_raw left its 8 spare bytes (and the 72 of padding room) free.
+    unsafe {
+        let end = out.len();
+        std::ptr::copy_nonoverlapping(tail.as_ptr(), base.add(end), 6);
+        let total = end + 6;
+        out.set_len(total);
+        let frame_len = ((total - 2 - FRAME_HEADER_SIZE) as u64).to_le_bytes();
+        std::ptr::copy_nonoverlapping(frame_len.as_ptr(), base.add(3), 8);
+    }
+}
+
 /// `pickle.dumps(value, protocol=5)` for a [`Value`].
 pub fn dumps(v: &Value) -> Vec<u8> {
     let mut p = Pickler::default();

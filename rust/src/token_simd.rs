@@ -24,6 +24,7 @@ pub fn available() -> bool {
         match STATE.load(Ordering::Relaxed) {
             0 => {
                 let ok = std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("popcnt")
                     && std::is_x86_feature_detected!("avx512bw")
                     && std::is_x86_feature_detected!("avx512vbmi2")
                     && std::env::var_os("KVBLOCK_NO_SIMD").is_none();
@@ -63,7 +64,8 @@ mod x86 {
     use super::Format;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
     pub unsafe fn encode(format: Format, tokens: &[i64], out: &mut Vec<u8>) -> usize {
         let base = out.as_mut_ptr();
         let mut pos = out.len();

@@ -228,3 +228,66 @@ mod pool_and_manager {
         assert!(Manager::new(0, 16, true, false, None, 0).is_err());
     }
 }
+
+mod plain_blocks {
+    //! The plain-block fast path (no extra keys, i64 tokens) against the general serializers.
+    use super::*;
+    use proptest::prelude::*;
+
+    fn token() -> impl Strategy<Value = i64> {
+        prop_oneof![0i64..24, 0i64..256, 0i64..65536, 0i64..(1 << 31), any::<i64>(), -(1i64 << 31)..0]
+    }
+
+    /// The digest of `(parent, tuple(tokens), None)` serialized as a general [`Value`].
+    fn general(algo: HashAlgo, parent: &[u8], tokens: &[i64]) -> Vec<u8> {
+        let v = Value::tuple(
+            0,
+            vec![
+                Value::bytes(0, parent),
+                Value::tuple(0, tokens.iter().map(|&t| Value::Int(Int::Small(t))).collect()),
+                Value::None,
+            ],
+        );
+        let ser = if algo.uses_cbor() { cbor::dumps(&v).unwrap() } else { pickle::dumps(&v) };
+        algo.digest(&ser).as_bytes().to_vec()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+        #[test]
+        fn chain_matches_general_serialization(
+            parent in proptest::collection::vec(any::<u8>(), 0..300),
+            tokens in proptest::collection::vec(token(), 0..70),
+            bs in prop_oneof![Just(1usize), Just(3), Just(4), Just(8), Just(16), Just(17)],
+        ) {
+            for algo in [HashAlgo::Sha256, HashAlgo::Sha256Cbor, HashAlgo::Xxhash, HashAlgo::XxhashCbor] {
+                let got = BlockHasher::new(algo).hash_chain(0, &parent, &tokens, bs, |_| None).unwrap();
+                let mut p = parent.clone();
+                for (i, block) in tokens.chunks_exact(bs).enumerate() {
+                    let want = general(algo, &p, block);
+                    prop_assert_eq!(got[i].as_bytes(), &want[..], "{} block {}", algo.name(), i);
+                    p = want;
+                }
+                prop_assert_eq!(got.len(), tokens.len() / bs);
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_and_vector_encoders_agree() {
+        // KVBLOCK_NO_SIMD is read once per process; this checks the fast path on whichever
+        // encoder this CPU uses against the general one on every width boundary.
+        let edges: Vec<i64> =
+            vec![0, 23, 24, 255, 256, 65535, 65536, (1 << 31) - 1, 1 << 31, -1, -(1 << 31), i64::MAX, i64::MIN];
+        let tokens: Vec<i64> = edges.iter().cycle().take(16 * 13).copied().collect();
+        for algo in [HashAlgo::Sha256, HashAlgo::Sha256Cbor, HashAlgo::Xxhash, HashAlgo::XxhashCbor] {
+            let got = BlockHasher::new(algo).hash_chain(0, &[7u8; 32], &tokens, 16, |_| None).unwrap();
+            let mut p = vec![7u8; 32];
+            for (i, block) in tokens.chunks_exact(16).enumerate() {
+                let want = general(algo, &p, block);
+                assert_eq!(got[i].as_bytes(), &want[..], "{} block {i}", algo.name());
+                p = want;
+            }
+        }
+    }
+}
