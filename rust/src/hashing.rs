@@ -416,14 +416,17 @@ pub struct ChainJob<'a> {
 /// Hash independent chains (e.g. the prompts of several new requests), in parallel on the
 /// rayon thread pool when `parallel` is set. Results are in job order.
 pub fn hash_chains(jobs: &[ChainJob<'_>], parallel: bool) -> Result<Vec<Vec<Digest>>> {
-    let one = |j: &ChainJob<'_>| -> Result<Vec<Digest>> {
-        let mut h = BlockHasher::new(j.algo);
+    // One reusable hasher per algorithm and worker (not one per job: most jobs are a block).
+    type Hashers = [Option<BlockHasher>; 4];
+    let one = |hashers: &mut Hashers, j: &ChainJob<'_>| -> Result<Vec<Digest>> {
+        let h = hashers[j.algo as usize].get_or_insert_with(|| BlockHasher::new(j.algo));
         h.hash_chain(j.parent_id, j.parent, j.tokens, j.block_size, |i| j.extras.and_then(|e| e[i].as_ref()))
     };
     if parallel && jobs.len() > 1 {
         use rayon::prelude::*;
-        jobs.par_iter().map(one).collect()
+        jobs.par_iter().map_init(Hashers::default, one).collect()
     } else {
-        jobs.iter().map(one).collect()
+        let mut hashers = Hashers::default();
+        jobs.iter().map(|j| one(&mut hashers, j)).collect()
     }
 }

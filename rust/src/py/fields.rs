@@ -21,9 +21,15 @@ pub enum Field {
     SkipReadingPrefixCache,
     KvCacheReportMode,
     BlockHasher,
+    LoraRequest,
+    MmFeatures,
+    CacheSalt,
+    PromptEmbeds,
+    HashLookahead,
+    NextHashAt,
 }
 
-const N: usize = 9;
+const N: usize = 15;
 
 const NAMES: [&str; N] = [
     "request_id",
@@ -35,6 +41,12 @@ const NAMES: [&str; N] = [
     "skip_reading_prefix_cache",
     "kv_cache_report_mode",
     "_block_hasher",
+    "lora_request",
+    "mm_features",
+    "cache_salt",
+    "prompt_embeds",
+    "_hash_lookahead",
+    "_next_hash_at",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.
@@ -94,6 +106,39 @@ impl RequestFields {
             }
         }
         request.getattr(self.names[i].bind(request.py()))
+    }
+
+    /// `setattr(request, field, value)`, stored straight into the slot for the exact request
+    /// type (as the slot's member descriptor would: the old value is released).
+    pub fn set(&self, request: &Bound<'_, PyAny>, field: Field, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let i = field as usize;
+        let off = self.offsets[i];
+        if let (true, Some(ty)) = (off >= 0, &self.ty) {
+            // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
+            // PyObject* (possibly NULL) lives at `off`; we store a new strong reference there
+            // and release the old one, as `PyMember_SetOne` does for an object slot.
+            unsafe {
+                if ffi::Py_TYPE(request.as_ptr()) == ty.as_ptr() as *mut ffi::PyTypeObject {
+                    let slot = (request.as_ptr() as *mut u8).offset(off) as *mut *mut ffi::PyObject;
+                    let old = std::mem::replace(&mut *slot, value.clone().into_ptr());
+                    ffi::Py_XDECREF(old);
+                    return Ok(());
+                }
+            }
+        }
+        request.setattr(self.names[i].bind(request.py()), value)
+    }
+}
+
+impl RequestFields {
+    /// True if `request` has anything that adds extra keys to its block hashes: a LoRA
+    /// adapter, multimodal items, a cache salt or prompt embeddings (vLLM's test in
+    /// `generate_block_hash_extra_keys`).
+    pub fn has_extra_keys(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.get(request, Field::LoraRequest)?.is_truthy()?
+            || self.get(request, Field::MmFeatures)?.is_truthy()?
+            || self.get(request, Field::CacheSalt)?.is_truthy()?
+            || !self.get(request, Field::PromptEmbeds)?.is_none())
     }
 }
 

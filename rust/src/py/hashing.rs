@@ -3,6 +3,7 @@
 
 use super::convert::{extract_token_range, extract_tokens, to_value};
 use super::errors::{type_err, value_err, IntoPy};
+use super::fields::{Field, RequestFields};
 use crate::hashing::{BlockHasher, HashAlgo};
 use crate::value::Value;
 use crate::with_token_slice;
@@ -301,10 +302,10 @@ impl PyRequestBlockHasher {
     }
 
     fn __call__<'py>(&self, py: Python<'py>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        use pyo3::intern;
-        let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let fields = RequestFields::of_kvblock_request(py)?;
+        let hashes = fields.get(request, Field::BlockHashes)?;
         let hashes = hashes.cast::<PyList>().map_err(|_| type_err("request.block_hashes", "must be a list"))?;
-        let tokens = request.getattr(intern!(py, "_all_token_ids"))?;
+        let tokens = fields.get(request, Field::AllTokenIds)?;
         let num_tokens = tokens.len()?;
         let bs = self.block_size;
         let start = hashes.len() * bs;
@@ -314,11 +315,7 @@ impl PyRequestBlockHasher {
             return Ok(PyList::empty(py));
         }
         let parent = if hashes.is_empty() { self.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
-        let has_extra = self.lookahead > 0
-            || request.getattr(intern!(py, "lora_request"))?.is_truthy()?
-            || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
-            || request.getattr(intern!(py, "cache_salt"))?.is_truthy()?
-            || !request.getattr(intern!(py, "prompt_embeds"))?.is_none();
+        let has_extra = self.lookahead > 0 || fields.has_extra_keys(request)?;
         let extra = if has_extra {
             Some(self.extra_keys.bind(py).call1((request, start, num_new, bs, self.lookahead))?)
         } else {
@@ -376,7 +373,6 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         block_size: usize,
         extras: Option<Vec<Option<Value>>>,
     }
-    use super::fields::{Field, RequestFields};
     let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
     let fields = RequestFields::of_kvblock_request(py)?;
     let mut jobs: Vec<Job<'_>> = Vec::new();
@@ -402,11 +398,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         let parent_id = parent.as_ptr() as usize as u64;
         let parent =
             parent.cast::<PyBytes>().map_err(|_| type_err("parent_block_hash", "expected bytes"))?.as_bytes().to_vec();
-        let has_extra = h.lookahead > 0
-            || r.getattr(intern!(py, "lora_request"))?.is_truthy()?
-            || r.getattr(intern!(py, "mm_features"))?.is_truthy()?
-            || r.getattr(intern!(py, "cache_salt"))?.is_truthy()?
-            || !r.getattr(intern!(py, "prompt_embeds"))?.is_none();
+        let has_extra = h.lookahead > 0 || fields.has_extra_keys(&r)?;
         let extras = if has_extra {
             let e = h.extra_keys.bind(py).call1((&r, start, num_new, bs, h.lookahead))?;
             let mut v = Vec::with_capacity(num_new);
@@ -462,9 +454,9 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         }
         // the token count at which the request's next block completes (Request.update_block_hashes)
         let next = (j.hashes.len() + 1) * j.block_size;
-        if j.request.hasattr(intern!(py, "_next_hash_at"))? {
-            let la: usize = j.request.getattr(intern!(py, "_hash_lookahead"))?.extract()?;
-            j.request.setattr(intern!(py, "_next_hash_at"), next + la)?;
+        if let Ok(la) = fields.get(&j.request, Field::HashLookahead) {
+            let la: usize = la.extract()?;
+            fields.set(&j.request, Field::NextHashAt, &(next + la).into_pyobject(py)?.into_any())?;
         }
     }
     Ok(total)
