@@ -308,3 +308,75 @@ def test_non_native_byte_order_is_refused(dtype):
         kvblock.hash_blocks(toks, 16)
     assert kvblock.hash_blocks(toks.astype(toks.dtype.newbyteorder("=")), 16) == kvblock.hash_blocks(
         list(range(64)), 16)
+
+
+def test_hash_requests_rejects_a_request_listed_twice():
+    """A duplicate used to append the new hashes twice (and later cache blocks under wrong
+    hashes); now it is refused before any request changes."""
+    mgr = KVCacheManager(num_blocks=64, block_size=16)
+    a = Request("a", list(range(40)))
+    b = Request("b", list(range(100, 140)))
+    for r in (a, b):
+        r.attach_block_hasher(mgr.request_block_hasher, hash_now=False)
+    with pytest.raises(ValueError, match='"b" is listed twice'):
+        kvblock.hashing.hash_requests([a, b, b])
+    assert a.block_hashes == [] and b.block_hashes == []
+    assert kvblock.hashing.hash_requests([a, b]) == 4
+    assert len(a.block_hashes) == 2 and len(b.block_hashes) == 2
+
+
+@pytest.mark.parametrize("typecode", ["b", "h", "i", "l", "q", "B", "H", "I", "L", "Q"])
+def test_empty_and_unaligned_buffers_hash(typecode):
+    import array
+
+    assert kvblock.hash_blocks(array.array(typecode), 16) == []
+    raw = np.zeros(8 * 32 + 1, dtype=np.uint8)
+    view = raw[1:].view(np.int64)  # items not 8-byte aligned
+    view[:] = np.arange(32)
+    assert kvblock.hash_blocks(view, 16) == kvblock.hash_blocks(list(range(32)), 16)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda pool, mgr, r: pool.ref_cnt(-1), "block_id"),
+    (lambda pool, mgr, r: pool.is_free(2**40), "block_id"),
+    (lambda pool, mgr, r: pool.lookup_prefix([], max_blocks=-1), "max_blocks"),
+    (lambda pool, mgr, r: pool.lookup_prefix([], group_id=-1), "group_id"),
+    (lambda pool, mgr, r: mgr.allocate_slots(r, 2**63), "num_new_tokens"),
+    (lambda pool, mgr, r: mgr.allocate_slots(r, 4, num_lookahead_tokens=-(2**70)), "num_lookahead_tokens"),
+    (lambda pool, mgr, r: kvblock.hash_blocks([1] * 16, 2**63), "block_size"),
+])
+def test_out_of_range_ints_are_value_errors_naming_the_argument(call, arg):
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    r = Request("r", list(range(10)), block_hasher=mgr.request_block_hasher)
+    before = _snapshot(mgr)
+    with pytest.raises(ValueError, match=arg):
+        call(mgr.block_pool, mgr, r)
+    assert _snapshot(mgr) == before
+
+
+def test_bool_counts_are_type_errors():
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    r = Request("r", list(range(10)), block_hasher=mgr.request_block_hasher)
+    before = _snapshot(mgr)
+    with pytest.raises(TypeError, match="num_new_tokens: expected int, got bool"):
+        mgr.allocate_slots(r, True)
+    with pytest.raises(TypeError, match="n: expected int, got bool"):
+        mgr.block_pool.allocate_ids(True)
+    assert _snapshot(mgr) == before
+
+
+def test_none_where_a_request_belongs_is_a_type_error():
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    before = _snapshot(mgr)
+    for call in (lambda: mgr.allocate_slots(None, 1), lambda: mgr.allocate_slots_batch([None]),
+                 lambda: mgr.admit_batch([None]), lambda: kvblock.hashing.hash_requests([None]),
+                 lambda: mgr.free(None), lambda: mgr.get_computed_blocks(None)):
+        with pytest.raises(TypeError, match="request: expected a request"):
+            call()
+    assert _snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("watermark", [1.5, -0.1, float("nan")])
+def test_watermark_is_a_fraction(watermark):
+    with pytest.raises(ValueError, match="watermark"):
+        KVCacheManager(num_blocks=20, block_size=16, watermark=watermark)

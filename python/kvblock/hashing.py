@@ -280,14 +280,25 @@ def hash_requests(requests: list[Any]) -> int:
     The batch form of ``request.update_block_hashes()`` for a scheduler step: requests whose
     hasher comes from :func:`get_request_block_hasher` with a kvblock hash function are hashed
     in Rust — on several threads, without the GIL, when there is enough work (e.g. the
-    prompts of the step's new requests); other hashers are called as usual. Results are
-    identical to per-request updates.
+    prompts of the step's new requests); other hashers are called as usual, after them.
+    Results are identical to per-request updates. A request has work to do once its hasher
+    is attached (``Request(..., block_hasher=...)``, or ``request.attach_block_hasher(hasher,
+    hash_now=False)`` to leave its prompt for this call) and blocks complete.
 
     Args:
-        requests: a list of :class:`kvblock.Request`.
+        requests: a list of :class:`kvblock.Request`, each at most once.
 
     Returns:
         The number of blocks hashed in Rust.
+
+    Raises:
+        ValueError: a request listed twice.
+        TypeError: ``requests`` is not a list, or a request's ``block_hashes`` is not a list
+            of bytes.
+
+    Every request is checked before any ``block_hashes`` changes, so these errors leave all
+    of them as they were; only a Python hasher that raises while it runs (they run last) can
+    leave the requests before it updated.
     """
     return _core.hash_requests(requests)
 

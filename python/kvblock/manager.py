@@ -102,7 +102,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         log_stats: keep :class:`PrefixCacheStats`.
         enable_kv_cache_events: record KV events for :meth:`take_events`.
         use_eagle: drop the last hit block (EAGLE needs its hidden states).
-        watermark: fraction of blocks kept free when admitting waiting/preempted requests.
+        watermark: fraction of blocks (in [0, 1]) kept free when admitting waiting/preempted
+            requests.
         sliding_window: make the group sliding-window attention with this window (tokens).
 
     Raises:
@@ -123,8 +124,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         watermark: float = 0.0,
         sliding_window: int | None = None,
     ) -> "KVCacheManager":
-        if not watermark >= 0:  # NaN too
-            raise ValueError(f"watermark: must be >= 0, got {watermark}")
+        if not 0 <= watermark <= 1:  # NaN too
+            raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
         hash_fn = hashing.get_hash_fn_by_name(hash_algo)
         pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
         self = super().__new__(

@@ -154,9 +154,9 @@ impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=false, *_args, **_kwargs))]
     fn new(
-        num_gpu_blocks: i64,
+        #[pyo3(from_py_with = super::args::num_gpu_blocks)] num_gpu_blocks: i64,
         enable_caching: bool,
-        hash_block_size: i64,
+        #[pyo3(from_py_with = super::args::hash_block_size)] hash_block_size: i64,
         enable_kv_cache_events: bool,
         _args: &Bound<'_, PyTuple>,
         _kwargs: Option<&Bound<'_, PyDict>>,
@@ -218,7 +218,11 @@ impl PyBlockPool {
     /// Allocate `n` blocks (evicting cached ones from the head of the free queue) and return
     /// their ids, int32 `[n]`, each with ref_cnt 1. Raises ValueError, changing nothing, if
     /// fewer than `n` are free or `n < 0`.
-    fn allocate_ids<'py>(&mut self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn allocate_ids<'py>(
+        &mut self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = super::args::n)] n: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         if n < 0 {
             return Err(value_err("n", format!("must be >= 0, got {n}")));
         }
@@ -261,24 +265,29 @@ impl PyBlockPool {
     }
 
     /// Drop one reference on one block (`free_ids([block_id])` without the list).
-    fn free_id(&mut self, block_id: i64) -> PyResult<()> {
+    fn free_id(&mut self, #[pyo3(from_py_with = super::args::block_id)] block_id: i64) -> PyResult<()> {
         let b = u32::try_from(block_id).map_err(|_| value_err("block_id", format!("{block_id} is not a block id")))?;
         self.inner.free_blocks(&[b], false).py_err()
     }
 
     /// Cache `block_ids[i]` under `(block_hashes[i], group_id)` for
-    /// `num_cached_blocks <= i < num_full_blocks` (`parent` is the hash before the first one,
-    /// for events). Raises, changing nothing, for bad ids, the null block, hashes of the wrong
-    /// length or too few hashes.
+    /// `num_cached_blocks <= i < num_full_blocks` (vLLM's `cache_full_blocks` on ids).
+    ///
+    /// `block_ids`: ints or a 1-D integer array (the request's block table); `block_hashes`: a
+    /// list of 16- or 32-byte bytes (at least `num_full_blocks` of them; the hash before the
+    /// first cached one is the events' parent); `block_size`: tokens per block for events
+    /// (default: the pool's `hash_block_size`). A block already cached keeps its key, as in
+    /// vLLM. Raises ValueError / TypeError, changing nothing, for bad ids, the null block,
+    /// hashes of the wrong type or length, too few hashes or negative counts.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
     fn cache_ids(
         &mut self,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        num_cached_blocks: i64,
-        num_full_blocks: i64,
-        block_size: Option<usize>,
-        group_id: u32,
+        #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: i64,
+        #[pyo3(from_py_with = super::args::num_full_blocks)] num_full_blocks: i64,
+        #[pyo3(from_py_with = super::args::opt_block_size)] block_size: Option<usize>,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<()> {
         if num_cached_blocks < 0 || num_full_blocks < 0 {
             return Err(value_err("num_cached_blocks", "block counts must be >= 0"));
@@ -305,14 +314,18 @@ impl PyBlockPool {
     }
 
     /// The longest cached prefix of `block_hashes` in group `group_id`: the hit block ids,
-    /// int32, stopping at the first miss. No reference counts change.
+    /// int32 `[k]` (k <= `max_blocks`), stopping at the first miss — the lookup of vLLM's
+    /// `find_longest_cache_hit` for one full-attention group. No reference counts change.
+    /// `block_hashes`: a list of 16- or 32-byte bytes. Raises TypeError for a non-list or a
+    /// non-bytes hash, ValueError for a hash of another length or a negative `max_blocks` /
+    /// `group_id`.
     #[pyo3(signature = (block_hashes, group_id=0, max_blocks=None))]
     fn lookup_prefix<'py>(
         &self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
-        group_id: u32,
-        max_blocks: Option<usize>,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
+        #[pyo3(from_py_with = super::args::max_blocks)] max_blocks: Option<usize>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let n = max_blocks.unwrap_or(usize::MAX).min(seq.len());
@@ -334,7 +347,7 @@ impl PyBlockPool {
         &self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
-        group_id: u32,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let mut out = Vec::with_capacity(seq.len());
@@ -345,7 +358,9 @@ impl PyBlockPool {
         Ok(PyArray1::from_vec(py, out))
     }
 
-    /// Drop the cache keys of these blocks (ref counts and queue position unchanged).
+    /// Drop the cache keys of these blocks (vLLM's `evict_blocks`): ref counts and queue
+    /// positions are unchanged; an uncached block is skipped. `ids`: ints or a 1-D integer
+    /// array. Raises ValueError, changing nothing, for an id out of range.
     fn evict_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = block_ids_of(ids, "block_ids")?;
         self.inner.evict_blocks(&ids).py_err()
@@ -359,18 +374,23 @@ impl PyBlockPool {
 
     // ---- inspection --------------------------------------------------------------------------
 
-    /// A block's reference count.
-    fn ref_cnt(&self, block_id: u32) -> PyResult<u32> {
+    /// A block's reference count (`KVCacheBlock.ref_cnt`). Raises ValueError for an id
+    /// outside `[0, num_gpu_blocks)`.
+    fn ref_cnt(&self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<u32> {
         self.inner.ref_cnt(block_id).py_err()
     }
 
     /// A block's `BlockHashWithGroupId` (hash + 4-byte big-endian group), or None.
-    fn block_hash<'py>(&self, py: Python<'py>, block_id: u32) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn block_hash<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         Ok(self.inner.block_key(block_id).py_err()?.map(|k| key_bytes(py, &k)))
     }
 
     /// True if the block is in the free queue.
-    fn is_free(&self, block_id: u32) -> PyResult<bool> {
+    fn is_free(&self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<bool> {
         self.inner.ref_cnt(block_id).py_err()?;
         Ok(self.inner.is_free(block_id))
     }
@@ -425,7 +445,7 @@ impl PyBlockPool {
 
     // ---- raw free-queue access (vLLM's FreeKVCacheBlockQueue, no ref counting) ---------------
 
-    fn _queue_popleft_n(&mut self, n: i64) -> PyResult<Vec<u32>> {
+    fn _queue_popleft_n(&mut self, #[pyo3(from_py_with = super::args::n)] n: i64) -> PyResult<Vec<u32>> {
         if n < 0 {
             return Err(value_err("n", "must be >= 0"));
         }
@@ -434,7 +454,7 @@ impl PyBlockPool {
         Ok(out)
     }
 
-    fn _queue_remove(&mut self, block_id: u32) -> PyResult<()> {
+    fn _queue_remove(&mut self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<()> {
         self.inner.queue_remove(block_id).py_err()
     }
 

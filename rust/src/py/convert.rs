@@ -88,6 +88,19 @@ macro_rules! with_token_slice {
 }
 
 fn typed<T: pyo3::buffer::Element + Copy>(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<TokenBuf<T>> {
+    // An empty buffer may have a null or unaligned pointer; a C-contiguous one whose items
+    // are not aligned (e.g. a numpy view at an odd byte offset) is copied item by item.
+    if raw.item_count() == 0 {
+        return Ok(TokenBuf::Owned(Vec::new()));
+    }
+    if raw.is_c_contiguous() && !(raw.buf_ptr() as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        let n = raw.item_count();
+        let p = raw.buf_ptr() as *const T;
+        // SAFETY: a 1-D C-contiguous buffer of `n` items of T's size (the format was matched
+        // to T by the caller), exported (alive) for the duration; read without alignment.
+        let v = (0..n).map(|i| unsafe { p.add(i).read_unaligned() }).collect();
+        return Ok(TokenBuf::Owned(v));
+    }
     let buf: PyBuffer<T> = raw.into_typed::<T>().map_err(|e| type_err(arg, e))?;
     if buf.is_c_contiguous() {
         Ok(TokenBuf::Borrowed(buf))
@@ -119,20 +132,20 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
         ElementType::UnsignedInteger { bytes: 8 } => Tokens::U64(typed::<u64>(py, raw, arg)?),
         ElementType::UnsignedInteger { bytes: 4 } => Tokens::U32(typed::<u32>(py, raw, arg)?),
         ElementType::SignedInteger { bytes: 2 } => {
-            let b: PyBuffer<i16> = raw.into_typed().map_err(|e| type_err(arg, e))?;
-            Tokens::I32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(i32::from).collect()))
+            let b = typed::<i16>(py, raw, arg)?;
+            Tokens::I32(TokenBuf::Owned(b.as_slice().iter().map(|&x| i32::from(x)).collect()))
         }
         ElementType::SignedInteger { bytes: 1 } => {
-            let b: PyBuffer<i8> = raw.into_typed().map_err(|e| type_err(arg, e))?;
-            Tokens::I32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(i32::from).collect()))
+            let b = typed::<i8>(py, raw, arg)?;
+            Tokens::I32(TokenBuf::Owned(b.as_slice().iter().map(|&x| i32::from(x)).collect()))
         }
         ElementType::UnsignedInteger { bytes: 2 } => {
-            let b: PyBuffer<u16> = raw.into_typed().map_err(|e| type_err(arg, e))?;
-            Tokens::U32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(u32::from).collect()))
+            let b = typed::<u16>(py, raw, arg)?;
+            Tokens::U32(TokenBuf::Owned(b.as_slice().iter().map(|&x| u32::from(x)).collect()))
         }
         ElementType::UnsignedInteger { bytes: 1 } => {
-            let b: PyBuffer<u8> = raw.into_typed().map_err(|e| type_err(arg, e))?;
-            Tokens::U32(TokenBuf::Owned(b.to_vec(py)?.into_iter().map(u32::from).collect()))
+            let b = typed::<u8>(py, raw, arg)?;
+            Tokens::U32(TokenBuf::Owned(b.as_slice().iter().map(|&x| u32::from(x)).collect()))
         }
         ElementType::Float { .. } => {
             return Err(type_err(arg, format!("expected integer token ids, got a float buffer (format {fmt:?})")))

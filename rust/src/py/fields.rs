@@ -105,7 +105,7 @@ impl RequestFields {
                 }
             }
         }
-        request.getattr(self.names[i].bind(request.py()))
+        request.getattr(self.names[i].bind(request.py())).map_err(|e| not_a_request(request, NAMES[i], e))
     }
 
     /// `setattr(request, field, value)`, stored straight into the slot for the exact request
@@ -140,6 +140,17 @@ impl RequestFields {
             || self.get(request, Field::CacheSalt)?.is_truthy()?
             || !self.get(request, Field::PromptEmbeds)?.is_none())
     }
+}
+
+/// A missing request attribute as a `TypeError` naming the object's type (`None` or some
+/// other object passed where a request belongs); other errors pass through.
+fn not_a_request(request: &Bound<'_, PyAny>, name: &str, e: PyErr) -> PyErr {
+    let py = request.py();
+    if !e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) {
+        return e;
+    }
+    let ty = request.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    pyo3::exceptions::PyTypeError::new_err(format!("request: expected a request with a `{name}` attribute, got {ty}"))
 }
 
 /// The byte offset of `ty.__dict__[name]` in instances, if it is an object `__slots__` member

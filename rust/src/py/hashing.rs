@@ -160,11 +160,11 @@ pub fn hash_blocks<'py>(
     py: Python<'py>,
     algo: &Bound<'py, PyAny>,
     token_ids: &Bound<'py, PyAny>,
-    block_size: i64,
+    #[pyo3(from_py_with = super::args::block_size)] block_size: i64,
     parent: &Bound<'py, PyAny>,
     extra_keys: Option<&Bound<'py, PyAny>>,
-    start: i64,
-    end: Option<i64>,
+    #[pyo3(from_py_with = super::args::start)] start: i64,
+    #[pyo3(from_py_with = super::args::end)] end: Option<i64>,
 ) -> PyResult<Bound<'py, PyList>> {
     let algo = algo_of(algo, "algo")?;
     if block_size <= 0 {
@@ -263,9 +263,9 @@ pub struct PyRequestBlockHasher {
 impl PyRequestBlockHasher {
     #[new]
     fn new(
-        block_size: i64,
+        #[pyo3(from_py_with = super::args::block_size)] block_size: i64,
         hash_fn: Bound<'_, PyHashFunction>,
-        num_hash_lookahead_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_hash_lookahead_tokens)] num_hash_lookahead_tokens: i64,
         extra_keys: Py<PyAny>,
         root: Py<PyAny>,
     ) -> PyResult<Self> {
@@ -357,7 +357,12 @@ const PARALLEL_MIN_BLOCKS: usize = 512;
 /// Bring the `block_hashes` of many requests up to date in one call (the batch form of
 /// `request.update_block_hashes()`): requests whose hasher is a `RequestBlockHasher` are
 /// hashed in Rust — on several threads, without the GIL, when there is enough work (e.g. the
-/// prompts of a step's new requests); any other hasher is called as usual.
+/// prompts of a step's new requests); any other hasher is called as usual, after them.
+///
+/// Every request is read and checked before any `block_hashes` changes: a request listed
+/// twice (ValueError), a malformed request or hash list (TypeError / ValueError) leaves all of
+/// them as they were. Only a Python hasher that raises while it runs (last) can leave the
+/// requests before it updated.
 #[pyfunction]
 pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<usize> {
     use super::convert::TokenBuf;
@@ -375,11 +380,20 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
     }
     let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
     let fields = RequestFields::of_kvblock_request(py)?;
+    let mut seen = hashbrown::HashSet::with_capacity(reqs.len());
+    for r in reqs.iter() {
+        if !seen.insert(r.as_ptr() as usize) {
+            let id = r.getattr(intern!(py, "request_id")).map(|i| i.to_string()).unwrap_or_default();
+            return Err(value_err("requests", format!("request {id:?} is listed twice")));
+        }
+    }
     let mut jobs: Vec<Job<'_>> = Vec::new();
+    // Requests hashed by their own Python hasher, after the Rust-hashed ones.
+    let mut deferred: Vec<Bound<'_, PyAny>> = Vec::new();
     for r in reqs.iter() {
         let hasher = fields.get(&r, Field::BlockHasher)?;
         let Ok(h) = hasher.cast::<PyRequestBlockHasher>() else {
-            r.call_method0(intern!(py, "update_block_hashes"))?;
+            deferred.push(r);
             continue;
         };
         let h = h.get();
@@ -414,7 +428,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             other => {
                 // rare: tokens beyond 64 bits or a buffer; hash this request on its own
                 let _ = other;
-                r.call_method0(intern!(py, "update_block_hashes"))?;
+                deferred.push(r);
                 continue;
             }
         };
@@ -458,6 +472,9 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             let la: usize = la.extract()?;
             fields.set(&j.request, Field::NextHashAt, &(next + la).into_pyobject(py)?.into_any())?;
         }
+    }
+    for r in &deferred {
+        r.call_method0(intern!(py, "update_block_hashes"))?;
     }
     Ok(total)
 }

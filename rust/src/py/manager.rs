@@ -188,12 +188,12 @@ impl PyManager {
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_pool: Bound<'_, PyBlockPool>,
-        block_size: i64,
-        max_model_len: i64,
+        #[pyo3(from_py_with = super::args::block_size)] block_size: i64,
+        #[pyo3(from_py_with = super::args::max_model_len)] max_model_len: i64,
         enable_caching: bool,
         use_eagle: bool,
-        sliding_window: Option<i64>,
-        watermark_blocks: i64,
+        #[pyo3(from_py_with = super::args::sliding_window)] sliding_window: Option<i64>,
+        #[pyo3(from_py_with = super::args::watermark_blocks)] watermark_blocks: i64,
         _args: &Bound<'_, PyTuple>,
         _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<Self> {
@@ -279,7 +279,7 @@ impl PyManager {
     fn admit_batch<'py>(
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyAny>,
-        num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
         has_scheduled_reqs: bool,
     ) -> PyResult<(usize, I32Array<'py>, I32Array<'py>, I32Array<'py>, I32Array<'py>)> {
         let py = slf.py();
@@ -383,10 +383,14 @@ impl PyManager {
 
     /// vLLM 0.33.0's `allocate_slots` for this group (spec §5.3). Returns the newly allocated
     /// blocks (`KVCacheBlocks`, the shared empty one if none), or None — with no side effect —
-    /// if the pool cannot supply them.
+    /// if the pool cannot supply them. As in vLLM, the slots asked for are capped at
+    /// `max_model_len` tokens: a `num_new_tokens` (plus lookahead) reaching past it allocates
+    /// up to `max_model_len` and is not an error.
     ///
-    /// Raises `ValueError` / `TypeError`, changing nothing, for: negative or non-int counts;
-    /// `num_new_tokens == 0` with nothing to adopt; a request longer than `max_model_len`;
+    /// Raises `ValueError` / `TypeError`, changing nothing, for: negative, bool or non-int
+    /// counts, or counts beyond int64;
+    /// `num_new_tokens == 0` with nothing to adopt; a request whose tokens already exceed
+    /// `max_model_len`;
     /// `num_new_computed_tokens` other than the hit blocks' tokens; hit blocks for a request
     /// that already holds blocks, or external tokens for one that holds blocks but has not
     /// adopted computed tokens (vLLM asserts an empty table); a malformed
@@ -396,15 +400,15 @@ impl PyManager {
     fn allocate_slots<'py>(
         mut slf: PyRefMut<'py, Self>,
         request: &Bound<'py, PyAny>,
-        num_new_tokens: i64,
-        num_new_computed_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_new_tokens)] num_new_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_new_computed_tokens)] num_new_computed_tokens: i64,
         new_computed_blocks: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: i64,
-        num_external_computed_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_external_computed_tokens)] num_external_computed_tokens: i64,
         delay_cache_blocks: bool,
-        num_encoder_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_encoder_tokens)] num_encoder_tokens: i64,
         full_sequence_must_fit: bool,
-        reserved_blocks: i64,
+        #[pyo3(from_py_with = super::args::reserved_blocks)] reserved_blocks: i64,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -460,7 +464,7 @@ impl PyManager {
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: Option<&Bound<'py, PyAny>>,
-        num_lookahead_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
     ) -> PyResult<(I32Array<'py>, I32Array<'py>)> {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
@@ -468,9 +472,7 @@ impl PyManager {
         let new_tokens: Vec<usize> = match num_new_tokens {
             None => vec![1; n],
             Some(x) if x.is_instance_of::<pyo3::types::PyInt>() => {
-                let v: i64 =
-                    x.extract().map_err(|_| value_err("num_new_tokens", "out of range (must fit in int64)"))?;
-                vec![count(v, "num_new_tokens")?; n]
+                vec![count(super::args::num_new_tokens(x)?, "num_new_tokens")?; n]
             }
             Some(x) => {
                 let v = super::convert::extract_tokens(x, "num_new_tokens", 0)?;
@@ -562,7 +564,11 @@ impl PyManager {
 
     /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to that
     /// many tokens (no-op with caching off).
-    fn cache_blocks(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>, num_computed_tokens: i64) -> PyResult<()> {
+    fn cache_blocks(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = super::args::num_computed_tokens)] num_computed_tokens: i64,
+    ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
         let mut me = slf.try_borrow_mut()?;
@@ -577,7 +583,11 @@ impl PyManager {
 
     /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
     /// sliding window (no-op for full attention).
-    fn remove_skipped_blocks(slf: &Bound<'_, Self>, request_id: &str, num_computed_tokens: i64) -> PyResult<()> {
+    fn remove_skipped_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        #[pyo3(from_py_with = super::args::num_computed_tokens)] num_computed_tokens: i64,
+    ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
         let mut me = slf.try_borrow_mut()?;

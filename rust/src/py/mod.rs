@@ -1,5 +1,6 @@
 //! The binding layer: the only module that names pyo3 or numpy.
 
+pub mod args;
 pub mod block_ids;
 pub mod block_pool;
 pub mod convert;

@@ -1,0 +1,75 @@
+//! Integer arguments of the Python API, used with `#[pyo3(from_py_with = args::name)]`.
+//!
+//! PyO3's own conversion raises `OverflowError` for an int that does not fit the parameter
+//! (with a message that names neither the argument nor the value) and accepts `True` as 1.
+//! These extractors make a bool or a non-int a `TypeError` and an int out of range a
+//! `ValueError`, each naming the argument (and the value).
+
+use super::errors::{type_err, value_err};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt};
+
+/// The value of an `int` argument (or an object with `__index__`, e.g. a numpy integer) that
+/// fits in i64.
+pub fn int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<i64> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(type_err(arg, "expected int, got bool"));
+    }
+    if let Ok(v) = obj.extract::<i64>() {
+        return Ok(v);
+    }
+    let is_int = obj.is_instance_of::<PyInt>() || obj.hasattr(pyo3::intern!(obj.py(), "__index__")).unwrap_or(false);
+    if is_int {
+        return Err(value_err(arg, format!("{obj} is out of range (must fit in a signed 64-bit integer)")));
+    }
+    let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    Err(type_err(arg, format!("expected int, got {ty}")))
+}
+
+/// [`int64`] narrowed to `[0, 2**32)`.
+pub fn uint32(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u32> {
+    let v = int64(obj, arg)?;
+    u32::try_from(v).map_err(|_| value_err(arg, format!("{v} is out of range (must be in [0, 2**32))")))
+}
+
+/// [`int64`] narrowed to `[0, usize::MAX]`, or None for `None`.
+pub fn opt_count(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<usize>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let v = int64(obj, arg)?;
+    usize::try_from(v).map(Some).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
+}
+
+/// [`int64`], or None for `None`.
+pub fn opt_int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<i64>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    int64(obj, arg).map(Some)
+}
+
+macro_rules! named {
+    ($kind:ident -> $t:ty: $($f:ident = $name:literal),* $(,)?) => {
+        $(
+            #[doc = concat!("The `", $name, "` argument (see [`", stringify!($kind), "`]).")]
+            pub fn $f(obj: &Bound<'_, PyAny>) -> PyResult<$t> {
+                $kind(obj, $name)
+            }
+        )*
+    };
+}
+
+named!(int64 -> i64:
+    n = "n", block_id = "block_id", block_size = "block_size", start = "start",
+    num_gpu_blocks = "num_gpu_blocks", hash_block_size = "hash_block_size",
+    num_cached_blocks = "num_cached_blocks", num_full_blocks = "num_full_blocks",
+    num_new_tokens = "num_new_tokens", num_new_computed_tokens = "num_new_computed_tokens",
+    num_lookahead_tokens = "num_lookahead_tokens", num_external_computed_tokens = "num_external_computed_tokens",
+    num_encoder_tokens = "num_encoder_tokens", reserved_blocks = "reserved_blocks",
+    num_computed_tokens = "num_computed_tokens", max_model_len = "max_model_len",
+    watermark_blocks = "watermark_blocks", num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
+);
+named!(uint32 -> u32: block_id_u32 = "block_id", group_id = "group_id");
+named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
+named!(opt_int64 -> Option<i64>: end = "end", sliding_window = "sliding_window");
