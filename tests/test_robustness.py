@@ -113,7 +113,7 @@ def test_admit_batch_takes_only_waiting_requests():
     running, waiting = _batch_of_three(mgr, running=True), _batch_of_three(mgr, running=False)
     waiting = [Request(f"w{i}", r.prompt_token_ids, block_hasher=mgr.request_block_hasher) for i, r in enumerate(waiting)]
     before = _snapshot(mgr)
-    with pytest.raises(ValueError, match="already running"):
+    with pytest.raises(ValueError, match="already holds blocks"):
         mgr.admit_batch([waiting[0], running[1]])
     waiting[1].num_computed_tokens = 16
     with pytest.raises(ValueError, match="not waiting"):
@@ -380,3 +380,21 @@ def test_none_where_a_request_belongs_is_a_type_error():
 def test_watermark_is_a_fraction(watermark):
     with pytest.raises(ValueError, match="watermark"):
         KVCacheManager(num_blocks=20, block_size=16, watermark=watermark)
+
+
+def test_block_id_errors_name_the_value():
+    pool = BlockPool(10, True, 16)
+    with pytest.raises(ValueError, match=r"block_ids\[0\]: 18446744073709551615 is not a block id"):
+        pool.free_ids(np.array([2**64 - 1], np.uint64))
+    with pytest.raises(ValueError, match=r"block_ids\[0\]: 18446744073709551616 is not a block id"):
+        pool.free_ids([2**64])
+    with pytest.raises(TypeError, match="block_ids: expected integers, got a float buffer"):
+        pool.free_ids(np.array([1.0]))
+    assert pool.get_num_free_blocks() == 9
+
+
+def test_admit_batch_names_an_empty_request():
+    mgr = KVCacheManager(num_blocks=20, block_size=16)
+    r = Request("empty", [], block_hasher=mgr.request_block_hasher)
+    with pytest.raises(ValueError, match='"empty" has no tokens'):
+        mgr.admit_batch([r])

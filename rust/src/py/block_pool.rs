@@ -16,12 +16,12 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 /// Block ids from a list of ints, a 1-D integer array (int32 arrays are read in place) or any
 /// sequence of ints; each must fit in u32. `f` gets them as a slice.
 pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32]) -> PyResult<R>) -> PyResult<R> {
-    let bad = |i: usize, v: i64| value_err(&format!("{arg}[{i}]"), format!("{v} is not a block id"));
+    let bad = |i: usize, v: i128| value_err(&format!("{arg}[{i}]"), format!("{v} is not a block id"));
     if let Ok(list) = obj.cast::<PyList>() {
         if let Some(v) = super::convert::list_i64(list, 0, list.len()) {
             let mut out = Vec::with_capacity(v.len());
             for (i, &x) in v.iter().enumerate() {
-                out.push(u32::try_from(x).map_err(|_| bad(i, x))?);
+                out.push(u32::try_from(x).map_err(|_| bad(i, x as i128))?);
             }
             return f(&out);
         }
@@ -30,7 +30,13 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
             if item.is_instance_of::<pyo3::types::PyBool>() {
                 return Err(type_err(&format!("{arg}[{i}]"), "block ids must be int, got bool"));
             }
-            let v: i64 = item.extract().map_err(|_| type_err(&format!("{arg}[{i}]"), "block ids must be int"))?;
+            let v: i128 = item.extract().map_err(|_| {
+                if item.is_instance_of::<pyo3::types::PyInt>() {
+                    value_err(&format!("{arg}[{i}]"), format!("{item} is not a block id"))
+                } else {
+                    type_err(&format!("{arg}[{i}]"), "block ids must be int")
+                }
+            })?;
             out.push(u32::try_from(v).map_err(|_| bad(i, v))?);
         }
         return f(&out);
@@ -40,7 +46,7 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
         Tokens::I32(b) => {
             let s = b.as_slice();
             if let Some(i) = s.iter().position(|&v| v < 0) {
-                return Err(bad(i, s[i] as i64));
+                return Err(bad(i, s[i] as i128));
             }
             // SAFETY: every value is non-negative, so the i32 and u32 bit patterns agree.
             f(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u32, s.len()) })
@@ -51,7 +57,7 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
                 .as_slice()
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v)))
+                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v as i128)))
                 .collect::<PyResult<Vec<u32>>>()?;
             f(&v)
         }
@@ -60,7 +66,7 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
                 .as_slice()
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v.min(i64::MAX as u64) as i64)))
+                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v as i128)))
                 .collect::<PyResult<Vec<u32>>>()?;
             f(&v)
         }

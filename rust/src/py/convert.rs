@@ -109,12 +109,21 @@ fn typed<T: pyo3::buffer::Element + Copy>(py: Python<'_>, raw: PyUntypedBuffer, 
     }
 }
 
+/// What the values of argument `arg` are called in messages: token ids, or (block ids,
+/// counts) integers.
+fn noun(arg: &str) -> &'static str {
+    if arg.ends_with("token_ids") {
+        "token ids"
+    } else {
+        "integers"
+    }
+}
+
 fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Tokens> {
+    let noun = noun(arg);
+    let int_noun = if noun == "integers" { noun } else { "integer token ids" };
     if raw.dimensions() != 1 {
-        return Err(value_err(
-            arg,
-            format!("expected a 1-D sequence of token ids, got a {}-D buffer", raw.dimensions()),
-        ));
+        return Err(value_err(arg, format!("expected a 1-D sequence of {noun}, got a {}-D buffer", raw.dimensions())));
     }
     let fmt = raw.format().to_string_lossy().into_owned();
     // ElementType ignores the byte-order prefix; values stored in the other byte order would
@@ -123,7 +132,7 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
     if raw.item_size() > 1 && fmt.starts_with(foreign) {
         return Err(type_err(
             arg,
-            format!("token ids in non-native byte order (format {fmt:?}); convert them first, e.g. a.astype(a.dtype.newbyteorder('='))"),
+            format!("{noun} in non-native byte order (format {fmt:?}); convert them first, e.g. a.astype(a.dtype.newbyteorder('='))"),
         ));
     }
     Ok(match ElementType::from_format(raw.format()) {
@@ -148,10 +157,10 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
             Tokens::U32(TokenBuf::Owned(b.as_slice().iter().map(|&x| u32::from(x)).collect()))
         }
         ElementType::Float { .. } => {
-            return Err(type_err(arg, format!("expected integer token ids, got a float buffer (format {fmt:?})")))
+            return Err(type_err(arg, format!("expected {int_noun}, got a float buffer (format {fmt:?})")))
         }
-        ElementType::Bool => return Err(type_err(arg, "expected integer token ids, got a bool buffer")),
-        _ => return Err(type_err(arg, format!("expected integer token ids, got buffer format {fmt:?}"))),
+        ElementType::Bool => return Err(type_err(arg, format!("expected {int_noun}, got a bool buffer"))),
+        _ => return Err(type_err(arg, format!("expected {int_noun}, got buffer format {fmt:?}"))),
     })
 }
 
@@ -314,7 +323,10 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
     }
     if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 && !obj.is_instance_of::<PyBytes>() {
         let raw = PyUntypedBuffer::get(obj).map_err(|e| {
-            value_err(arg, format!("expected a 1-D sequence of token ids, got a buffer it cannot read as one ({e})"))
+            value_err(
+                arg,
+                format!("expected a 1-D sequence of {}, got a buffer it cannot read as one ({e})", noun(arg)),
+            )
         })?;
         let toks = from_buffer(py, raw, arg)?;
         let end = check(toks.len())?;
@@ -330,11 +342,13 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
         });
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj))));
+        return Err(type_err(arg, format!("expected a sequence of int {}, got {}", noun(arg), type_name(obj))));
     }
     let seq: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
         Ok(it) => it.collect::<PyResult<_>>()?,
-        Err(_) => return Err(type_err(arg, format!("expected a sequence of int token ids, got {}", type_name(obj)))),
+        Err(_) => {
+            return Err(type_err(arg, format!("expected a sequence of int {}, got {}", noun(arg), type_name(obj))))
+        }
     };
     let end = check(seq.len())?;
     from_items(py, seq.into_iter().take(end).skip(start).map(Ok), arg, start)
@@ -418,7 +432,7 @@ fn from_items<'py>(
                 None => {
                     return Err(type_err(
                         &format!("{arg}[{}]", start + k),
-                        format!("token ids must be int, got {}", type_name(&item)),
+                        format!("{} must be int, got {}", noun(arg), type_name(&item)),
                     ))
                 }
             },

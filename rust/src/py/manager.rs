@@ -308,9 +308,12 @@ impl PyManager {
             let mut seen = hashbrown::HashSet::with_capacity(ids.len());
             for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
                 if me.inner.state(id).is_some() {
-                    return Err(value_err("requests", format!("request {id:?} is already running")));
+                    return Err(value_err("requests", format!("request {id:?} already holds blocks in this manager")));
                 }
-                if v.num_computed != 0 || v.num_tokens == 0 {
+                if v.num_tokens == 0 {
+                    return Err(value_err("requests", format!("request {id:?} has no tokens to admit")));
+                }
+                if v.num_computed != 0 {
                     let msg = format!(
                         "request {id:?} is not waiting: {} of {} tokens computed",
                         v.num_computed, v.num_tokens
