@@ -398,3 +398,9 @@ def test_admit_batch_names_an_empty_request():
     r = Request("empty", [], block_hasher=mgr.request_block_hasher)
     with pytest.raises(ValueError, match='"empty" has no tokens'):
         mgr.admit_batch([r])
+
+
+def test_two_dimensional_prompt_array_is_refused():
+    with pytest.raises(ValueError, match="1-D"):
+        Request("x", np.ones((2, 8), dtype=np.int64))
+    assert Request("y", np.arange(8)).prompt_token_ids == list(range(8))

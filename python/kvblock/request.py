@@ -168,8 +168,8 @@ class Request:
         max_tokens: overrides ``sampling_params.max_tokens``.
 
     Raises:
-        ValueError: an invalid salt or multimodal layout; TypeError: non-integer token ids
-            (raised by the hasher, before the request exists).
+        ValueError: an invalid salt or multimodal layout, or a prompt array that is not 1-D.
+        TypeError: non-integer token ids (raised by the hasher, before the request exists).
     """
 
     __slots__ = (
@@ -218,6 +218,11 @@ class Request:
                 raise ValueError("prompt_token_ids: required unless prompt_embeds is given")
             prompt_token_ids = [0] * len(prompt_embeds)
         elif hasattr(prompt_token_ids, "tolist"):
+            if getattr(prompt_token_ids, "ndim", 1) != 1:
+                raise ValueError(
+                    f"prompt_token_ids: expected a 1-D sequence of token ids, got a "
+                    f"{prompt_token_ids.ndim}-D array"
+                )
             prompt_token_ids = prompt_token_ids.tolist()
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
