@@ -314,13 +314,41 @@ impl BlockHasher {
         parent: &[u8],
         tokens: &[T],
         block_size: usize,
-        extra: impl FnMut(usize) -> Option<&'v Value>,
-        sink: impl FnMut(Digest),
+        mut extra: impl FnMut(usize) -> Option<&'v Value>,
+        mut sink: impl FnMut(Digest),
     ) -> Result<()> {
         if block_size == 0 {
             return Err(Error::value("block_size", "must be > 0"));
         }
-        self.chain_loop(parent_id, parent, tokens, block_size, extra, sink)
+        #[cfg(target_arch = "x86_64")]
+        let simd = crate::token_simd::available();
+        let mut prev: Option<Digest> = None;
+        let cbor = self.algo.uses_cbor();
+        let plain = cbor || crate::pickle::plain_block_fits(parent.len().max(32), block_size);
+        if cbor {
+            self.buf.reserve(crate::cbor::plain_block_capacity(parent.len().max(32), block_size));
+        } else if plain {
+            self.pickler.out.reserve(crate::pickle::plain_block_capacity(parent.len().max(32), block_size));
+        }
+        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
+            let e = extra(i);
+            let (pid, p) = match &prev {
+                Some(d) => (0, d.as_bytes()),
+                None => (parent_id, parent),
+            };
+            let d = match (plain, e, T::as_i64_slice(block)) {
+                // The common block (no extra keys, fixed-width ints): serialized straight into
+                // the reserved buffer.
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `simd` says the CPU has the features.
+                (true, None, Some(block)) if simd => unsafe { self.plain_block_digest_avx512(p, block) },
+                (true, None, Some(block)) => self.plain_block_digest(p, block),
+                _ => self.hash_block(pid, p, block, e)?,
+            };
+            sink(d);
+            prev = Some(d);
+        }
+        Ok(())
     }
 
     /// Digest of `(parent, tuple(tokens), None)`; the buffer has the plain-block capacity.
@@ -341,59 +369,6 @@ impl BlockHasher {
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
     unsafe fn plain_block_digest_avx512(&mut self, parent: &[u8], tokens: &[i64]) -> Digest {
         self.plain_block_digest(parent, tokens)
-    }
-
-    #[inline(always)]
-    fn chain_loop<'v, T: TokenId>(
-        &mut self,
-        parent_id: ObjId,
-        parent: &[u8],
-        tokens: &[T],
-        block_size: usize,
-        mut extra: impl FnMut(usize) -> Option<&'v Value>,
-        mut sink: impl FnMut(Digest),
-    ) -> Result<()> {
-        #[cfg(target_arch = "x86_64")]
-        let simd = crate::token_simd::available();
-        let mut prev: Option<Digest> = None;
-        let cbor = self.algo.uses_cbor();
-        let plain = cbor || crate::pickle::plain_block_fits(parent.len().max(32), block_size);
-        if cbor {
-            self.buf.reserve(crate::cbor::plain_block_capacity(parent.len().max(32), block_size));
-        } else if plain {
-            self.pickler.out.reserve(crate::pickle::plain_block_capacity(parent.len().max(32), block_size));
-        }
-        for (i, block) in tokens.chunks_exact(block_size).enumerate() {
-            let e = extra(i);
-            if let (true, None, Some(block)) = (plain, e, T::as_i64_slice(block)) {
-                // The common block (no extra keys, fixed-width ints): serialized straight into
-                // the reserved buffer.
-                let p = match &prev {
-                    Some(d) => d.as_bytes(),
-                    None => parent,
-                };
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `simd` says the CPU has the features.
-                let d = if simd {
-                    unsafe { self.plain_block_digest_avx512(p, block) }
-                } else {
-                    self.plain_block_digest(p, block)
-                };
-                #[cfg(not(target_arch = "x86_64"))]
-                let d = self.plain_block_digest(p, block);
-                sink(d);
-                prev = Some(d);
-                continue;
-            }
-            let (pid, p) = match &prev {
-                Some(d) => (0, d.as_bytes()),
-                None => (parent_id, parent),
-            };
-            let d = self.hash_block(pid, p, block, e)?;
-            sink(d);
-            prev = Some(d);
-        }
-        Ok(())
     }
 }
 
