@@ -105,6 +105,13 @@ impl RequestFields {
                 }
             }
         }
+        self.get_slow(request, i)
+    }
+
+    /// `getattr` for a field that is not a set slot of the exact request type.
+    #[cold]
+    #[inline(never)]
+    fn get_slow<'py>(&self, request: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         request.getattr(self.names[i].bind(request.py())).map_err(|e| not_a_request(request, NAMES[i], e))
     }
 
