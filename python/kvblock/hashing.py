@@ -189,11 +189,14 @@ def hash_blocks(
             size hash as vLLM hashes the Python int.
         block_size: tokens per block (> 0). A trailing partial block is not hashed.
         algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or ``"xxhash_cbor"``.
-        parent: the hash the chain continues from; ``None`` or ``b""`` means :data:`NONE_HASH`.
+        parent: the hash the chain continues from; ``None`` or ``b""`` means :data:`NONE_HASH`,
+            which is one value per process as in vLLM (set by :func:`init_none_hash`, else on
+            first use with the algorithm used then), whatever ``algo`` is.
         extra_keys: ``None``, or one entry (``None`` or a tuple) per full block.
 
     Returns:
-        ``len(token_ids) // block_size`` digests, in block order.
+        ``len(token_ids) // block_size`` digests (``bytes``: 32 for sha256*, 16 for xxhash*),
+        in block order.
 
     Raises:
         ValueError: unknown ``algo``, ``block_size <= 0``, a 2-D array, or an ``extra_keys``
@@ -201,7 +204,8 @@ def hash_blocks(
         TypeError: non-integer tokens or a float array, a ``parent`` that is not bytes, or
             malformed extra keys.
 
-    The GIL is released while hashing long inputs.
+    The GIL is released while hashing 1,024 blocks or more. Numpy integer scalars in a list
+    hash as the ints they hold.
     """
     fn = get_hash_fn_by_name(algo) if isinstance(algo, str) else algo
     if not isinstance(fn, HashFunction):
