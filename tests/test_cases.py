@@ -11,6 +11,7 @@ import pickle
 import random
 import tracemalloc
 
+import msgspec
 import pytest
 
 from apc_helpers import ids
@@ -510,6 +511,28 @@ def test_c20_events_carry_the_lora_identity(apc):
     (event,) = h.mgr.take_events()
     h0 = block_hash_to_event_int(r.block_hashes[0])
     assert event == stored([h0], None, [1, 2, 3, 4], [("x",)], lora=lora)
+
+
+def test_c20_stored_event_spans_skipped_null_blocks(apc):
+    """A cached range holding a null block (a sliding-window block outside the window): the
+    event's token ids cover the whole range while its hashes and extra keys skip the null
+    block, as vLLM's ``cache_full_blocks`` does. Found by the long lockstep run."""
+    h = apc(5, 4, enable_kv_cache_events=True)
+    lora = LoRARequest("x", 7, "/a")
+    r = h.req(rng(1, 12), lora_request=lora)
+    pool = h.pool
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(r, [pool.null_block, a, b], 0, 3, 4, 0)
+    hs = [block_hash_to_event_int(x) for x in r.block_hashes]
+    pool_event = dict(kv_cache_spec_kind=None)  # the pool's events carry no group spec
+    want = stored(hs[1:], None, rng(1, 12), [("x",), ("x",)], lora=lora)
+    assert pool.take_events() == [msgspec.structs.replace(want, **pool_event)]
+    c = pool.get_new_blocks(1)[0]
+    r2 = h.req(rng(21, 32))
+    pool.cache_full_blocks(r2, [c, pool.null_block, pool.null_block], 0, 3, 4, 0)
+    h2 = block_hash_to_event_int(r2.block_hashes[0])
+    want = stored([h2], None, rng(21, 32), [None])
+    assert pool.take_events() == [msgspec.structs.replace(want, **pool_event)]
 
 
 # -- Sliding window ------------------------------------------------------------------------------

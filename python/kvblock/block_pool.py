@@ -266,9 +266,11 @@ class BlockPool(_core.BlockPoolCore):
         for raw in self.take_raw_events():
             kind = raw[0]
             if kind == "stored":
-                _, hashes, parent, first, bs, group, req = raw
+                _, hashes, parent, first, bs, group, req, end, nulls = raw
                 self._pending_events.append(
-                    block_stored_for_request(req, hashes, parent, first, bs, group, self.medium)
+                    block_stored_for_request(
+                        req, hashes, parent, first, bs, group, self.medium, end_block=end, null_blocks=nulls
+                    )
                 )
             elif kind == "removed":
                 self._pending_events.append(block_removed(raw[1], raw[2], self.medium))

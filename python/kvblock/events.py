@@ -11,6 +11,7 @@ omitted when equal to the default. A :class:`KVEventBatch` is an array
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Union
 
 import msgspec
@@ -105,11 +106,17 @@ def block_stored_for_request(
     group_idx: int,
     medium: str | None = "GPU",
     use_int: bool | None = None,
+    end_block: int | None = None,
+    null_blocks: Sequence[int] = (),
 ) -> BlockStored:
-    """The ``BlockStored`` vLLM publishes when blocks ``first_block ..`` of ``request`` are
-    cached: token ids of those blocks, per-block untagged extra keys, the LoRA identity.
-    Without a request (blocks cached through the pool's id API) the token ids are unknown:
-    ``token_ids`` is empty and every block's extra keys are None."""
+    """The ``BlockStored`` vLLM publishes when blocks ``first_block .. end_block`` of
+    ``request`` are cached (``end_block`` defaults to ``first_block + len(block_hashes)``).
+
+    As in vLLM's ``cache_full_blocks``, ``token_ids`` covers the whole range, while
+    ``block_hashes`` and the per-block untagged ``extra_keys`` skip the range's null blocks
+    (sliding-window blocks outside the window, table indices ``null_blocks``). Also the LoRA
+    identity. Without a request (blocks cached through the pool's id API) the token ids are
+    unknown: ``token_ids`` is empty and every block's extra keys are None."""
     from .hashing import maybe_convert_block_hash
     from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window, to_event_extra_keys
 
@@ -126,19 +133,24 @@ def block_stored_for_request(
             extra_keys=[None] * n,
             group_idx=group_idx,
         )
-    start = first_block * block_size
+    if end_block is None:
+        end_block = first_block + n
+    skip = set(null_blocks)
+    indices = [i for i in range(first_block, end_block) if i not in skip]
     tokens = request.all_token_ids
     extra: list = []
-    mm_idx = get_mm_features_in_window(request.mm_features, start, start + block_size) if start > 0 else 0
-    for i in range(n):
-        s = start + i * block_size
-        keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)
-        extra.append(to_event_extra_keys(keys))
+    if indices:
+        s0 = indices[0] * block_size
+        mm_idx = get_mm_features_in_window(request.mm_features, s0, s0 + block_size) if s0 > 0 else 0
+        for i in indices:
+            s = i * block_size
+            keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)
+            extra.append(to_event_extra_keys(keys))
     lora = request.lora_request
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
         parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
-        token_ids=list(tokens[start : start + n * block_size]),
+        token_ids=list(tokens[first_block * block_size : end_block * block_size]),
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
         medium=medium,

@@ -315,8 +315,12 @@ impl BlockPool {
             }
         }
         let mut stored = Vec::new();
+        let mut null_offsets = Vec::new();
         for (i, &b) in table[first..end].iter().enumerate() {
             if b == NULL_BLOCK {
+                if self.events_enabled {
+                    null_offsets.push(i as u32);
+                }
                 continue;
             }
             self.evict(b);
@@ -331,6 +335,8 @@ impl BlockPool {
                 block_hashes: stored,
                 parent_block_hash: parent,
                 first_block: first,
+                num_blocks: end - first,
+                null_offsets,
                 block_size,
                 group,
                 tag,
@@ -344,9 +350,11 @@ impl BlockPool {
     pub fn record_stored(&mut self, hashes: Vec<Digest>, block_size: usize, group: u32, tag: u64) {
         if self.events_enabled && !hashes.is_empty() {
             self.events.push(Event::BlockStored {
+                num_blocks: hashes.len(),
                 block_hashes: hashes,
                 parent_block_hash: None,
                 first_block: 0,
+                null_offsets: Vec::new(),
                 block_size,
                 group,
                 tag,

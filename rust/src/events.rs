@@ -16,8 +16,14 @@ pub enum Event {
         block_hashes: Vec<Digest>,
         /// Hash of the block before the first one (from the request's hashes), if any.
         parent_block_hash: Option<Digest>,
-        /// Index of the first stored block in the request's table (`num_cached_blocks`).
+        /// Index of the first block of the range in the request's table (`num_cached_blocks`).
         first_block: usize,
+        /// Blocks in the range (`num_full_blocks - num_cached_blocks`); the event's token ids
+        /// cover all of them, null ones included (as vLLM's do).
+        num_blocks: usize,
+        /// Offsets in the range of the null blocks that were skipped (sliding window), in
+        /// order; `block_hashes` holds one hash per other block.
+        null_offsets: Vec<u32>,
         /// Tokens per block.
         block_size: usize,
         /// KV-cache group.

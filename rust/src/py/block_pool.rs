@@ -506,17 +506,29 @@ impl PyBlockPool {
     }
 
     /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
-    /// block_size, group, request|None)`, `("removed", hash bytes, group)`, `("cleared",)`.
+    /// block_size, group, request|None, end_block, [null block indices])`, `("removed", hash
+    /// bytes, group)`, `("cleared",)`.
     fn take_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for e in self.inner.take_events() {
             match e {
-                Event::BlockStored { block_hashes, parent_block_hash, first_block, block_size, group, tag } => {
+                Event::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    first_block,
+                    num_blocks,
+                    null_offsets,
+                    block_size,
+                    group,
+                    tag,
+                } => {
                     let hs: Vec<Bound<'py, PyBytes>> =
                         block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
                     let req = self.tags.remove(&tag);
-                    out.append(("stored", hs, parent, first_block, block_size, group, req))?;
+                    let nulls: Vec<usize> = null_offsets.iter().map(|&o| first_block + o as usize).collect();
+                    let end = first_block + num_blocks;
+                    out.append(("stored", hs, parent, first_block, block_size, group, req, end, nulls))?;
                 }
                 Event::BlockRemoved { block_hash, group } => {
                     out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;
