@@ -52,24 +52,8 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
             f(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u32, s.len()) })
         }
         Tokens::U32(b) => f(b.as_slice()),
-        Tokens::I64(b) => {
-            let v = b
-                .as_slice()
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v as i128)))
-                .collect::<PyResult<Vec<u32>>>()?;
-            f(&v)
-        }
-        Tokens::U64(b) => {
-            let v = b
-                .as_slice()
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| u32::try_from(v).map_err(|_| bad(i, v as i128)))
-                .collect::<PyResult<Vec<u32>>>()?;
-            f(&v)
-        }
+        Tokens::I64(b) => f(&narrow(b.as_slice(), &bad)?),
+        Tokens::U64(b) => f(&narrow(b.as_slice(), &bad)?),
         Tokens::Big(_) => Err(value_err(arg, "block ids must fit in 32 bits")),
     }
 }
@@ -77,6 +61,17 @@ pub fn with_block_ids<R>(obj: &Bound<'_, PyAny>, arg: &str, f: impl FnOnce(&[u32
 /// Block ids as an owned vector (see [`with_block_ids`]).
 pub fn block_ids_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
     with_block_ids(obj, arg, |s| Ok(s.to_vec()))
+}
+
+/// 64-bit ids narrowed to block ids; `bad(i, value)` names the first that does not fit.
+fn narrow<T: Copy + Into<i128>>(ids: &[T], bad: &impl Fn(usize, i128) -> PyErr) -> PyResult<Vec<u32>> {
+    ids.iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let v: i128 = v.into();
+            u32::try_from(v).map_err(|_| bad(i, v))
+        })
+        .collect()
 }
 
 /// Read `hashes[i]` from a Python list of bytes as a [`Digest`].

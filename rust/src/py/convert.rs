@@ -109,19 +109,27 @@ fn typed<T: pyo3::buffer::Element + Copy>(py: Python<'_>, raw: PyUntypedBuffer, 
     }
 }
 
-/// What the values of argument `arg` are called in messages: token ids, or (block ids,
-/// counts) integers.
-fn noun(arg: &str) -> &'static str {
+/// What the values of argument `arg` are called in messages, plain and as integers: token
+/// ids, or (block ids, counts) integers.
+fn nouns(arg: &str) -> (&'static str, &'static str) {
     if arg.ends_with("token_ids") {
-        "token ids"
+        ("token ids", "integer token ids")
     } else {
-        "integers"
+        ("integers", "integers")
     }
 }
 
+/// A buffer of small integers `T`, widened to `U`.
+fn widened<T: pyo3::buffer::Element + Copy, U: From<T>>(
+    py: Python<'_>,
+    raw: PyUntypedBuffer,
+    arg: &str,
+) -> PyResult<TokenBuf<U>> {
+    Ok(TokenBuf::Owned(typed::<T>(py, raw, arg)?.as_slice().iter().map(|&x| U::from(x)).collect()))
+}
+
 fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Tokens> {
-    let noun = noun(arg);
-    let int_noun = if noun == "integers" { noun } else { "integer token ids" };
+    let (noun, int_noun) = nouns(arg);
     if raw.dimensions() != 1 {
         return Err(value_err(arg, format!("expected a 1-D sequence of {noun}, got a {}-D buffer", raw.dimensions())));
     }
@@ -140,22 +148,10 @@ fn from_buffer(py: Python<'_>, raw: PyUntypedBuffer, arg: &str) -> PyResult<Toke
         ElementType::SignedInteger { bytes: 4 } => Tokens::I32(typed::<i32>(py, raw, arg)?),
         ElementType::UnsignedInteger { bytes: 8 } => Tokens::U64(typed::<u64>(py, raw, arg)?),
         ElementType::UnsignedInteger { bytes: 4 } => Tokens::U32(typed::<u32>(py, raw, arg)?),
-        ElementType::SignedInteger { bytes: 2 } => {
-            let b = typed::<i16>(py, raw, arg)?;
-            Tokens::I32(TokenBuf::Owned(b.as_slice().iter().map(|&x| i32::from(x)).collect()))
-        }
-        ElementType::SignedInteger { bytes: 1 } => {
-            let b = typed::<i8>(py, raw, arg)?;
-            Tokens::I32(TokenBuf::Owned(b.as_slice().iter().map(|&x| i32::from(x)).collect()))
-        }
-        ElementType::UnsignedInteger { bytes: 2 } => {
-            let b = typed::<u16>(py, raw, arg)?;
-            Tokens::U32(TokenBuf::Owned(b.as_slice().iter().map(|&x| u32::from(x)).collect()))
-        }
-        ElementType::UnsignedInteger { bytes: 1 } => {
-            let b = typed::<u8>(py, raw, arg)?;
-            Tokens::U32(TokenBuf::Owned(b.as_slice().iter().map(|&x| u32::from(x)).collect()))
-        }
+        ElementType::SignedInteger { bytes: 2 } => Tokens::I32(widened::<i16, i32>(py, raw, arg)?),
+        ElementType::SignedInteger { bytes: 1 } => Tokens::I32(widened::<i8, i32>(py, raw, arg)?),
+        ElementType::UnsignedInteger { bytes: 2 } => Tokens::U32(widened::<u16, u32>(py, raw, arg)?),
+        ElementType::UnsignedInteger { bytes: 1 } => Tokens::U32(widened::<u8, u32>(py, raw, arg)?),
         ElementType::Float { .. } => {
             return Err(type_err(arg, format!("expected {int_noun}, got a float buffer (format {fmt:?})")))
         }
@@ -325,7 +321,7 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
         let raw = PyUntypedBuffer::get(obj).map_err(|e| {
             value_err(
                 arg,
-                format!("expected a 1-D sequence of {}, got a buffer it cannot read as one ({e})", noun(arg)),
+                format!("expected a 1-D sequence of {}, got a buffer it cannot read as one ({e})", nouns(arg).0),
             )
         })?;
         let toks = from_buffer(py, raw, arg)?;
@@ -342,12 +338,12 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
         });
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(type_err(arg, format!("expected a sequence of int {}, got {}", noun(arg), type_name(obj))));
+        return Err(type_err(arg, format!("expected a sequence of int {}, got {}", nouns(arg).0, type_name(obj))));
     }
     let seq: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
         Ok(it) => it.collect::<PyResult<_>>()?,
         Err(_) => {
-            return Err(type_err(arg, format!("expected a sequence of int {}, got {}", noun(arg), type_name(obj))))
+            return Err(type_err(arg, format!("expected a sequence of int {}, got {}", nouns(arg).0, type_name(obj))))
         }
     };
     let end = check(seq.len())?;
@@ -432,7 +428,7 @@ fn from_items<'py>(
                 None => {
                     return Err(type_err(
                         &format!("{arg}[{}]", start + k),
-                        format!("{} must be int, got {}", noun(arg), type_name(&item)),
+                        format!("{} must be int, got {}", nouns(arg).0, type_name(&item)),
                     ))
                 }
             },

@@ -135,9 +135,7 @@ impl RequestFields {
         }
         request.setattr(self.names[i].bind(request.py()), value)
     }
-}
 
-impl RequestFields {
     /// True if `request` has anything that adds extra keys to its block hashes: a LoRA
     /// adapter, multimodal items, a cache salt or prompt embeddings (vLLM's test in
     /// `generate_block_hash_extra_keys`).
