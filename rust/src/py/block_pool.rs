@@ -4,6 +4,7 @@
 
 use super::convert::{extract_tokens, Tokens};
 use super::errors::{type_err, value_err, IntoPy};
+use super::gil_cell::GilCell;
 use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::cache_map::Key;
 use crate::events::Event;
@@ -121,15 +122,20 @@ pub fn ids_array<'py>(py: Python<'py>, ids: Vec<u32>) -> Bound<'py, PyArray1<i32
 ///
 /// Args: `num_gpu_blocks` (> 0; block 0 is the null block), `enable_caching`,
 /// `hash_block_size` (> 0, tokens per hashed block), `enable_kv_cache_events`.
-#[pyclass(module = "kvblock._core", name = "BlockPoolCore", subclass)]
+#[pyclass(module = "kvblock._core", name = "BlockPoolCore", subclass, frozen)]
 pub struct PyBlockPool {
+    pub state: GilCell<PoolState>,
+}
+
+/// The mutable state behind a `BlockPoolCore`.
+pub struct PoolState {
     pub inner: BlockPool,
     /// Requests behind pending `BlockStored` events, by event tag.
     tags: HashMap<u64, Py<PyAny>>,
     next_tag: u64,
 }
 
-impl PyBlockPool {
+impl PoolState {
     /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
     /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
     /// is dropped again unless `f` buffered an event, whether `f` succeeded or not.
@@ -174,38 +180,44 @@ impl PyBlockPool {
         let inner =
             BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events)
                 .py_err()?;
-        Ok(PyBlockPool { inner, tags: HashMap::new(), next_tag: 0 })
+        Ok(PyBlockPool { state: GilCell::new(PoolState { inner, tags: HashMap::new(), next_tag: 0 }, "BlockPoolCore") })
     }
 
     /// Total blocks, the null block included.
     #[getter]
-    fn num_gpu_blocks(&self) -> usize {
-        self.inner.num_blocks()
+    fn num_gpu_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.num_blocks())
     }
 
     #[getter]
-    fn enable_caching(&self) -> bool {
-        self.inner.enable_caching()
+    fn enable_caching(&self, py: Python<'_>) -> PyResult<bool> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.enable_caching())
     }
 
     #[getter]
-    fn hash_block_size(&self) -> usize {
-        self.inner.hash_block_size()
+    fn hash_block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.hash_block_size())
     }
 
     #[getter]
-    fn enable_kv_cache_events(&self) -> bool {
-        self.inner.events_enabled()
+    fn enable_kv_cache_events(&self, py: Python<'_>) -> PyResult<bool> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.events_enabled())
     }
 
     /// Free blocks, cached-but-free ones included (vLLM `get_num_free_blocks`).
-    fn get_num_free_blocks(&self) -> usize {
-        self.inner.num_free_blocks()
+    fn get_num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.num_free_blocks())
     }
 
     /// `1 - free / (num_gpu_blocks - 1)` (vLLM `get_usage`).
-    fn get_usage(&self) -> f64 {
-        self.inner.usage()
+    fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.usage())
     }
 
     /// Bytes of per-block metadata (arena + free queue; the hash map excluded).
@@ -220,16 +232,17 @@ impl PyBlockPool {
     /// their ids, int32 `[n]`, each with ref_cnt 1. Raises ValueError, changing nothing, if
     /// fewer than `n` are free or `n < 0`.
     fn allocate_ids<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         #[pyo3(from_py_with = super::args::n)] n: i64,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let mut me = self.state.borrow_mut(py)?;
         if n < 0 {
             return Err(value_err("n", format!("must be >= 0, got {n}")));
         }
         let n = usize::try_from(n).unwrap_or(usize::MAX);
         let mut out = Vec::new();
-        self.inner.get_new_blocks(n, &mut out).py_err()?;
+        me.inner.get_new_blocks(n, &mut out).py_err()?;
         Ok(ids_array(py, out))
     }
 
@@ -239,8 +252,9 @@ impl PyBlockPool {
     /// free.
     /// With `reverse=True` the ids are freed last to first (pass a request's table as is).
     #[pyo3(signature = (ids, reverse=false))]
-    fn free_ids(&mut self, ids: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
-        let inner = &mut self.inner;
+    fn free_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        let inner = &mut me.inner;
         with_block_ids(ids, "block_ids", |s| {
             if reverse {
                 let r: Vec<u32> = s.iter().rev().copied().collect();
@@ -253,22 +267,25 @@ impl PyBlockPool {
 
     /// Take one reference per block; free (cached) blocks leave the free queue. Raises for
     /// the null block or an id out of range, changing nothing.
-    fn touch_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let inner = &mut self.inner;
+    fn touch_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        let inner = &mut me.inner;
         with_block_ids(ids, "block_ids", |s| inner.touch(s, false).py_err())
     }
 
     /// Allocate one block and return its id (`allocate_ids(1)` without the array).
-    fn allocate_id(&mut self) -> PyResult<u32> {
+    fn allocate_id(&self, py: Python<'_>) -> PyResult<u32> {
+        let mut me = self.state.borrow_mut(py)?;
         let mut out = Vec::with_capacity(1);
-        self.inner.get_new_blocks(1, &mut out).py_err()?;
+        me.inner.get_new_blocks(1, &mut out).py_err()?;
         Ok(out[0])
     }
 
     /// Drop one reference on one block (`free_ids([block_id])` without the list).
-    fn free_id(&mut self, #[pyo3(from_py_with = super::args::block_id)] block_id: i64) -> PyResult<()> {
+    fn free_id(&self, py: Python<'_>, #[pyo3(from_py_with = super::args::block_id)] block_id: i64) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
         let b = u32::try_from(block_id).map_err(|_| value_err("block_id", format!("{block_id} is not a block id")))?;
-        self.inner.free_blocks(&[b], false).py_err()
+        me.inner.free_blocks(&[b], false).py_err()
     }
 
     /// Cache `block_ids[i]` under `(block_hashes[i], group_id)` for
@@ -282,7 +299,8 @@ impl PyBlockPool {
     /// hashes of the wrong type or length, too few hashes or negative counts.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
     fn cache_ids(
-        &mut self,
+        &self,
+        py: Python<'_>,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: i64,
@@ -290,6 +308,7 @@ impl PyBlockPool {
         #[pyo3(from_py_with = super::args::opt_block_size)] block_size: Option<usize>,
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
         if num_cached_blocks < 0 || num_full_blocks < 0 {
             return Err(value_err("num_cached_blocks", "block counts must be >= 0"));
         }
@@ -310,8 +329,8 @@ impl PyBlockPool {
             hs.push(list_digest(hashes, i, "block_hashes").py_err()?);
         }
         let parent = if first > 0 { Some(list_digest(hashes, first - 1, "block_hashes").py_err()?) } else { None };
-        let bs = block_size.unwrap_or(self.inner.hash_block_size());
-        self.inner.cache_blocks(&ids, first, &hs, parent, bs, group_id, false, 0).py_err()
+        let bs = block_size.unwrap_or(me.inner.hash_block_size());
+        me.inner.cache_blocks(&ids, first, &hs, parent, bs, group_id, false, 0).py_err()
     }
 
     /// The longest cached prefix of `block_hashes` in group `group_id`: the hit block ids,
@@ -328,12 +347,13 @@ impl PyBlockPool {
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
         #[pyo3(from_py_with = super::args::max_blocks)] max_blocks: Option<usize>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let me = self.state.borrow(py)?;
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let n = max_blocks.unwrap_or(usize::MAX).min(seq.len());
         let mut out = Vec::new();
         for i in 0..n {
             let h = list_hash_bytes(seq, i, "block_hashes").py_err()?;
-            match self.inner.lookup_bytes(h, group_id) {
+            match me.inner.lookup_bytes(h, group_id) {
                 Some(b) => out.push(b),
                 None => break,
             }
@@ -350,11 +370,12 @@ impl PyBlockPool {
         block_hashes: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let me = self.state.borrow(py)?;
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let mut out = Vec::with_capacity(seq.len());
         for i in 0..seq.len() {
             let h = list_hash_bytes(seq, i, "block_hashes").py_err()?;
-            out.push(self.inner.lookup_bytes(h, group_id).map(|b| b as i32).unwrap_or(-1));
+            out.push(me.inner.lookup_bytes(h, group_id).map(|b| b as i32).unwrap_or(-1));
         }
         Ok(PyArray1::from_vec(py, out))
     }
@@ -362,23 +383,30 @@ impl PyBlockPool {
     /// Drop the cache keys of these blocks (vLLM's `evict_blocks`): ref counts and queue
     /// positions are unchanged; an uncached block is skipped. `ids`: ints or a 1-D integer
     /// array. Raises ValueError, changing nothing, for an id out of range.
-    fn evict_ids(&mut self, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn evict_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
         let ids = block_ids_of(ids, "block_ids")?;
-        self.inner.evict_blocks(&ids).py_err()
+        me.inner.evict_blocks(&ids).py_err()
     }
 
     /// Clear every cache key if no block is in use (vLLM `reset_prefix_cache`); False, with no
     /// change, while any non-null block is allocated.
-    fn reset_prefix_cache(&mut self) -> bool {
-        self.inner.reset_prefix_cache()
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut me = self.state.borrow_mut(py)?;
+        Ok(me.inner.reset_prefix_cache())
     }
 
     // ---- inspection --------------------------------------------------------------------------
 
     /// A block's reference count (`KVCacheBlock.ref_cnt`). Raises ValueError for an id
     /// outside `[0, num_gpu_blocks)`.
-    fn ref_cnt(&self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<u32> {
-        self.inner.ref_cnt(block_id).py_err()
+    fn ref_cnt(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<u32> {
+        let me = self.state.borrow(py)?;
+        me.inner.ref_cnt(block_id).py_err()
     }
 
     /// A block's `BlockHashWithGroupId` (hash + 4-byte big-endian group), or None.
@@ -387,36 +415,46 @@ impl PyBlockPool {
         py: Python<'py>,
         #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        Ok(self.inner.block_key(block_id).py_err()?.map(|k| key_bytes(py, &k)))
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.block_key(block_id).py_err()?.map(|k| key_bytes(py, &k)))
     }
 
     /// True if the block is in the free queue.
-    fn is_free(&self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<bool> {
-        self.inner.ref_cnt(block_id).py_err()?;
-        Ok(self.inner.is_free(block_id))
+    fn is_free(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<bool> {
+        let me = self.state.borrow(py)?;
+        me.inner.ref_cnt(block_id).py_err()?;
+        Ok(me.inner.is_free(block_id))
     }
 
     /// The free queue's block ids, head (next to allocate) first.
-    fn free_queue_ids(&self) -> Vec<u32> {
-        self.inner.free_queue().collect()
+    fn free_queue_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.free_queue().collect())
     }
 
     /// Number of keys in the hash -> block map.
-    fn num_cached_keys(&self) -> usize {
-        self.inner.cache_map().len()
+    fn num_cached_keys(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.cache_map().len())
     }
 
     /// The hash -> block map as `{BlockHashWithGroupId: [block ids in insertion order]}`.
     fn cached_items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let me = self.state.borrow(py)?;
         let d = PyDict::new(py);
-        for (k, blocks) in self.inner.cache_map().iter() {
+        for (k, blocks) in me.inner.cache_map().iter() {
             d.set_item(key_bytes(py, &k), blocks)?;
         }
         Ok(d)
     }
 
     /// The first block cached under a `BlockHashWithGroupId` key, or None.
-    fn lookup_key(&self, key: &Bound<'_, PyBytes>) -> PyResult<Option<u32>> {
+    fn lookup_key(&self, py: Python<'_>, key: &Bound<'_, PyBytes>) -> PyResult<Option<u32>> {
+        let me = self.state.borrow(py)?;
         let b = key.as_bytes();
         if b.len() < 5 {
             return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
@@ -424,11 +462,12 @@ impl PyBlockPool {
         let (h, g) = b.split_at(b.len() - 4);
         let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
         let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
-        Ok(self.inner.lookup(&hash, group))
+        Ok(me.inner.lookup(&hash, group))
     }
 
     /// Every block cached under a `BlockHashWithGroupId` key, in insertion order.
-    fn lookup_key_all(&self, key: &Bound<'_, PyBytes>) -> PyResult<Vec<u32>> {
+    fn lookup_key_all(&self, py: Python<'_>, key: &Bound<'_, PyBytes>) -> PyResult<Vec<u32>> {
+        let me = self.state.borrow(py)?;
         let b = key.as_bytes();
         if b.len() < 5 {
             return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
@@ -436,39 +475,48 @@ impl PyBlockPool {
         let (h, g) = b.split_at(b.len() - 4);
         let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
         let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
-        Ok(self.inner.cache_map().get_all(&Key { hash, group }))
+        Ok(me.inner.cache_map().get_all(&Key { hash, group }))
     }
 
     /// Check internal invariants; raises RuntimeError on a violation (for tests).
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().py_err()
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        let me = self.state.borrow(py)?;
+        me.inner.check_invariants().py_err()
     }
 
     // ---- raw free-queue access (vLLM's FreeKVCacheBlockQueue, no ref counting) ---------------
 
-    fn _queue_popleft_n(&mut self, #[pyo3(from_py_with = super::args::n)] n: i64) -> PyResult<Vec<u32>> {
+    fn _queue_popleft_n(&self, py: Python<'_>, #[pyo3(from_py_with = super::args::n)] n: i64) -> PyResult<Vec<u32>> {
+        let mut me = self.state.borrow_mut(py)?;
         if n < 0 {
             return Err(value_err("n", "must be >= 0"));
         }
         let mut out = Vec::new();
-        self.inner.queue_popleft_n(n as usize, &mut out).py_err()?;
+        me.inner.queue_popleft_n(n as usize, &mut out).py_err()?;
         Ok(out)
     }
 
-    fn _queue_remove(&mut self, #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32) -> PyResult<()> {
-        self.inner.queue_remove(block_id).py_err()
+    fn _queue_remove(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        me.inner.queue_remove(block_id).py_err()
     }
 
-    fn _queue_insert(&mut self, ids: &Bound<'_, PyAny>, at_head: bool) -> PyResult<()> {
+    fn _queue_insert(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, at_head: bool) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
         let ids = block_ids_of(ids, "blocks")?;
-        self.inner.queue_insert(&ids, at_head).py_err()
+        me.inner.queue_insert(&ids, at_head).py_err()
     }
 
     /// Cache blocks for a request (the facade's `cache_full_blocks`): ids of the request's
     /// table, its hash list, and the request for event enrichment.
     #[allow(clippy::too_many_arguments)] // the facade's cache_full_blocks arguments
     fn _cache_for_request(
-        &mut self,
+        &self,
+        py: Python<'_>,
         request: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
@@ -477,6 +525,7 @@ impl PyBlockPool {
         block_size: usize,
         group_id: u32,
     ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
         if num_cached_blocks >= num_full_blocks {
             return Ok(());
         }
@@ -494,7 +543,7 @@ impl PyBlockPool {
         } else {
             None
         };
-        self.tagged(request, |pool, tag| {
+        me.tagged(request, |pool, tag| {
             pool.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag)
         })
         .py_err()
@@ -503,9 +552,10 @@ impl PyBlockPool {
     /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
     /// block_size, group, request|None, end_block, [null block indices])`, `("removed", hash
     /// bytes, group)`, `("cleared",)`.
-    fn take_raw_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    fn take_raw_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut me = self.state.borrow_mut(py)?;
         let out = PyList::empty(py);
-        for e in self.inner.take_events() {
+        for e in me.inner.take_events() {
             match e {
                 Event::BlockStored {
                     block_hashes,
@@ -520,7 +570,7 @@ impl PyBlockPool {
                     let hs: Vec<Bound<'py, PyBytes>> =
                         block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
-                    let req = self.tags.remove(&tag);
+                    let req = me.tags.remove(&tag);
                     let nulls: Vec<usize> = null_offsets.iter().map(|&o| first_block + o as usize).collect();
                     let end = first_block + num_blocks;
                     out.append(("stored", hs, parent, first_block, block_size, group, req, end, nulls))?;
@@ -532,7 +582,7 @@ impl PyBlockPool {
             }
         }
         // No event is pending any more, so no tag can be referred to.
-        self.tags.clear();
+        me.tags.clear();
         Ok(out)
     }
 

@@ -6,6 +6,7 @@ use super::block_ids::PyBlockIds;
 use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
 use super::fields::{Field, RequestFields, SlotFactory};
+use super::gil_cell::GilCell;
 use crate::manager::{AllocArgs, HashSource, Manager};
 use numpy::PyArray1;
 use pyo3::intern;
@@ -59,8 +60,13 @@ fn count(v: i64, arg: &str) -> PyResult<usize> {
 }
 
 /// The KV cache manager core for one KV-cache group (see `kvblock.KVCacheManager`).
-#[pyclass(module = "kvblock._core", name = "KVCacheManagerCore", subclass)]
+#[pyclass(module = "kvblock._core", name = "KVCacheManagerCore", subclass, frozen)]
 pub struct PyManager {
+    state: GilCell<ManagerState>,
+}
+
+/// The mutable state behind a `KVCacheManagerCore`.
+struct ManagerState {
     pool: Py<PyBlockPool>,
     inner: Manager,
     enable_caching: bool,
@@ -74,7 +80,7 @@ pub struct PyManager {
     fields: RequestFields,
 }
 
-impl PyManager {
+impl ManagerState {
     fn view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<ReqView<'py>> {
         let py = request.py();
         let f = &self.fields;
@@ -132,16 +138,16 @@ impl PyManager {
         let pool = self.pool.bind(py).clone();
         let hashes = hashes_of(&self.fields, request)?;
         let hit = {
-            let p = pool.try_borrow()?;
+            let p = pool.get().state.borrow(py)?;
             self.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
         };
-        if !hit.is_empty() && pool.try_borrow()?.inner.events_enabled() {
+        if !hit.is_empty() && pool.get().state.borrow(py)?.inner.events_enabled() {
             let mode = self.fields.get(request, Field::KvCacheReportMode).ok();
             if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
                 let hashes =
                     (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
                 let bs = self.inner.block_size();
-                pool.try_borrow_mut()?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
+                pool.get().state.borrow_mut(py)?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
             }
         }
         Ok(hit)
@@ -203,7 +209,7 @@ impl PyManager {
         if max_model_len <= 0 {
             return Err(value_err("max_model_len", format!("must be > 0, got {max_model_len}")));
         }
-        if block_pool.try_borrow()?.inner.hash_block_size() != block_size as usize {
+        if block_pool.get().state.borrow(block_pool.py())?.inner.hash_block_size() != block_size as usize {
             return Err(value_err("block_size", "must equal the pool's hash_block_size (one KV-cache group)"));
         }
         let sliding_window = match sliding_window {
@@ -220,7 +226,7 @@ impl PyManager {
         )
         .py_err()?;
         let fields = RequestFields::generic(block_pool.py());
-        Ok(PyManager {
+        let state = ManagerState {
             pool: block_pool.unbind(),
             inner,
             enable_caching,
@@ -229,23 +235,26 @@ impl PyManager {
             make_blocks: None,
             waiting_states: None,
             fields,
-        })
+        };
+        Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })
     }
 
     /// Install the Python helpers: the shared empty `KVCacheBlocks`, its factory, and the
     /// request states the watermark applies to.
     fn _init_python(
-        &mut self,
+        &self,
+        py: Python<'_>,
         empty: Py<PyAny>,
         blocks_type: &Bound<'_, PyType>,
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
         request_type: &Bound<'_, PyType>,
     ) -> PyResult<()> {
-        self.empty = Some(empty);
-        self.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);
-        self.waiting_states = Some((waiting, preempted));
-        self.fields = RequestFields::for_type(request_type)?;
+        let mut me = self.state.borrow_mut(py)?;
+        me.empty = Some(empty);
+        me.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);
+        me.waiting_states = Some((waiting, preempted));
+        me.fields = RequestFields::for_type(request_type)?;
         Ok(())
     }
 
@@ -257,7 +266,7 @@ impl PyManager {
         request: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
-        let me = slf.try_borrow()?;
+        let me = slf.get().state.borrow(py)?;
         let hit = me.lookup(request)?;
         let n = hit.len() * me.inner.block_size();
         Ok((me.blocks_of(py, hit)?, n, 0))
@@ -290,7 +299,7 @@ impl PyManager {
         // block hashes a lookup or this admission can read (a hit only narrows them).
         let mut checked = Vec::with_capacity(reqs.len());
         {
-            let me = slf.try_borrow()?;
+            let me = slf.get().state.borrow(py)?;
             for r in reqs.iter() {
                 let v = me.view(&r)?;
                 if me.enable_caching {
@@ -303,8 +312,8 @@ impl PyManager {
         }
         let ids: Vec<&str> = checked.iter().map(|x| x.1.id.to_str()).collect::<PyResult<_>>()?;
         {
-            let me = slf.try_borrow()?;
-            let p = me.pool.bind(py).try_borrow()?;
+            let me = slf.get().state.borrow(py)?;
+            let p = me.pool.get().state.borrow(py)?;
             let mut seen = hashbrown::HashSet::with_capacity(ids.len());
             for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
                 if me.inner.state(id).is_some() {
@@ -342,11 +351,11 @@ impl PyManager {
         for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
             let (r, num_tokens, apply_watermark, num_in_flight_tokens) =
                 (r, v.num_tokens, *apply_watermark, *num_in_flight_tokens);
-            let hit = slf.try_borrow()?.lookup(r)?;
-            let mut me = slf.try_borrow_mut()?;
+            let hit = slf.get().state.borrow(py)?.lookup(r)?;
+            let mut me = slf.get().state.borrow_mut(py)?;
             let n = hit.len() * me.inner.block_size();
             let pool = me.pool.bind(py).clone();
-            let mut p = pool.try_borrow_mut()?;
+            let mut p = pool.get().state.borrow_mut(py)?;
             let mut args = AllocArgs {
                 num_tokens,
                 num_new_tokens: num_tokens - n,
@@ -401,7 +410,7 @@ impl PyManager {
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
-        mut slf: PyRefMut<'py, Self>,
+        slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
         #[pyo3(from_py_with = super::args::num_new_tokens)] num_new_tokens: i64,
         #[pyo3(from_py_with = super::args::num_new_computed_tokens)] num_new_computed_tokens: i64,
@@ -417,6 +426,7 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let _ = (skip_zeroing_group_ids, count(num_encoder_tokens, "num_encoder_tokens")?);
+        let mut slf = slf.get().state.borrow_mut(py)?;
         let (hits, has_new) = match new_computed_blocks {
             Some(b) if !b.is_none() && !slf.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
             _ => (Vec::new(), false),
@@ -425,7 +435,7 @@ impl PyManager {
         let apply_watermark = slf.watermark_applies(request, has_scheduled_reqs)?;
         let num_in_flight_tokens = if slf.inner.is_sliding_window() { slf.in_flight(request)? } else { 0 };
         let me = &mut *slf;
-        let mut p = me.pool.bind(py).try_borrow_mut()?;
+        let mut p = me.pool.get().state.borrow_mut(py)?;
         let mut args = AllocArgs {
             num_computed_tokens: v.num_computed,
             num_tokens: v.num_tokens,
@@ -496,9 +506,9 @@ impl PyManager {
             }
         };
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = slf.get().state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.try_borrow_mut()?;
+        let mut p = pool.get().state.borrow_mut(py)?;
         let args_of = |i: usize, v: &ReqView<'_>, wm: bool, infl: usize, tag: u64| AllocArgs {
             num_computed_tokens: v.num_computed,
             num_tokens: v.num_tokens,
@@ -549,7 +559,7 @@ impl PyManager {
     /// requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = slf.try_borrow()?.fields.get(request, Field::RequestId)?;
+        let id = slf.get().state.borrow(py)?.fields.get(request, Field::RequestId)?;
         let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
         let _ = py;
         Self::free_request_id(slf, id.to_str()?)
@@ -558,9 +568,9 @@ impl PyManager {
     /// `free` by request id.
     fn free_request_id(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
         let py = slf.py();
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = slf.get().state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.try_borrow_mut()?;
+        let mut p = pool.get().state.borrow_mut(py)?;
         me.inner.free(&mut p.inner, request_id).py_err()?;
         Ok(())
     }
@@ -574,10 +584,10 @@ impl PyManager {
     ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = slf.get().state.borrow_mut(py)?;
         let v = me.view(request)?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.try_borrow_mut()?;
+        let mut p = pool.get().state.borrow_mut(py)?;
         let hashes = hashes_of(&me.fields, request)?;
         let id = v.id.to_str()?;
         let inner = &mut me.inner;
@@ -593,40 +603,46 @@ impl PyManager {
     ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.try_borrow_mut()?;
+        let mut me = slf.get().state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
-        let mut p = pool.try_borrow_mut()?;
+        let mut p = pool.get().state.borrow_mut(py)?;
         me.inner.remove_skipped_blocks(&mut p.inner, request_id, n).py_err()
     }
 
     /// The request's block ids, in table order (empty if unknown).
-    fn _block_ids(&self, request_id: &str) -> Vec<u32> {
-        self.inner.block_ids(request_id).to_vec()
+    fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.block_ids(request_id).to_vec())
     }
 
     /// Number of blocks already cached for the request, or None if it is not running.
-    fn _num_cached_blocks(&self, request_id: &str) -> Option<usize> {
-        self.inner.state(request_id).and_then(|s| s.num_cached)
+    fn _num_cached_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<Option<usize>> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.state(request_id).and_then(|s| s.num_cached))
     }
 
     /// Number of requests holding blocks.
     #[getter]
-    fn num_requests(&self) -> usize {
-        self.inner.num_requests()
+    fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.num_requests())
     }
 
     #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.block_size()
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.block_size())
     }
 
     #[getter]
-    fn max_model_len(&self) -> usize {
-        self.inner.max_model_len()
+    fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.inner.max_model_len())
     }
 
     #[getter]
-    fn watermark_blocks(&self) -> usize {
-        self.watermark_blocks
+    fn watermark_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        Ok(me.watermark_blocks)
     }
 }

@@ -6,14 +6,25 @@ pub mod block_pool;
 pub mod convert;
 pub mod errors;
 pub mod fields;
+pub mod gil_cell;
 pub mod hashing;
 pub mod manager;
 
 use pyo3::prelude::*;
 
 /// The compiled core of kvblock.
-#[pymodule]
+///
+/// It needs the GIL (`gil_cell.rs`): a free-threaded interpreter turns its GIL back on when
+/// it imports a module that declares so, and the import fails where the GIL was forced off.
+#[pymodule(gil_used = true)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    if let Ok(is_gil_enabled) = m.py().import("sys")?.getattr("_is_gil_enabled") {
+        if !is_gil_enabled.call0()?.is_truthy()? {
+            return Err(pyo3::exceptions::PyImportError::new_err(
+                "kvblock._core needs the GIL; run without PYTHON_GIL=0 / -X gil=0",
+            ));
+        }
+    }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
