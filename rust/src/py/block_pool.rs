@@ -298,6 +298,7 @@ impl PyBlockPool {
     /// vLLM. Raises ValueError / TypeError, changing nothing, for bad ids, the null block,
     /// hashes of the wrong type or length, too few hashes or negative counts.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
+    #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the GIL token
     fn cache_ids(
         &self,
         py: Python<'_>,
