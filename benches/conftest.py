@@ -78,3 +78,13 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(
             f"{group:58s} {kmin * 1e9:12.0f}ns {rmin * 1e9:12.0f}ns {rmin / kmin:9.1f}x {rmed / kmed:12.1f}x"
         )
+    vllm_groups = [g for g in sorted(_RESULTS) if "vllm" in _RESULTS[g] and "kvblock" in _RESULTS[g]]
+    if vllm_groups:
+        # test_bench_vllm.py ran vLLM itself (when installed) on the same workload
+        tr.section("kvblock vs vLLM 0.33.0 itself (ratio = vLLM / kvblock)")
+        tr.write_line(f"{'group':58s} {'kvblock min':>14s} {'vLLM min':>14s} {'ratio(min)':>10s} {'ratio(median)':>13s}")
+        for group in vllm_groups:
+            (kmin, kmed, _), (vmin, vmed, _) = _RESULTS[group]["kvblock"], _RESULTS[group]["vllm"]
+            tr.write_line(
+                f"{group:58s} {kmin * 1e9:12.0f}ns {vmin * 1e9:12.0f}ns {vmin / kmin:9.1f}x {vmed / kmed:12.1f}x"
+            )
