@@ -98,11 +98,7 @@ def run_vllm_e2e() -> VllmRun:
             running.append((req, outputs))
             req.num_computed_tokens = n_hit
             scheduled.append((req, outputs, req.num_tokens - n_hit))
-        for req, outputs, k in scheduled:
-            req.num_computed_tokens += k
-            token = outputs[len(req._output_token_ids)]
-            req._output_token_ids.append(token)
-            req._all_token_ids.append(token)
+        W.commit_and_sample(scheduled)
         t0 = clock()
         for req, _, _ in scheduled:
             req.update_block_hashes()

@@ -28,6 +28,7 @@ __all__ = [
     "NAME",
     "NUM_REQUESTS",
     "PYTHONHASHSEED",
+    "commit_and_sample",
     "e2e_request_tokens",
     "hashing_prompt",
     "run_e2e",
@@ -150,6 +151,18 @@ class E2EResult:
     def hit_rate(self) -> float:
         """``hits / queries``."""
         return self.hits / self.queries if self.queries else 0.0
+
+
+def commit_and_sample(scheduled: list[tuple[Any, list[int], int]]) -> None:
+    """The model step of README §3 before hashing: for each ``(request, outputs, k)`` in
+    order, ``num_computed_tokens += k`` and the request's next output token is appended to
+    its output and all-token lists (vLLM's and kvblock's ``Request`` alike); the caller then
+    times ``update_block_hashes``."""
+    for req, outputs, k in scheduled:
+        req.num_computed_tokens += k
+        token = outputs[len(req._output_token_ids)]
+        req._output_token_ids.append(token)
+        req._all_token_ids.append(token)
 
 
 def _default_hashing_module(manager: Any) -> Any:
@@ -344,11 +357,7 @@ def _run_loop(
 
         # (3) Model step: commit the computed tokens, append one sampled token each, then
         # bring the block hashes up to date (the hashing append_output_token_ids triggers).
-        for req, outputs, k in scheduled:
-            req.num_computed_tokens += k
-            token = outputs[len(req._output_token_ids)]
-            req._output_token_ids.append(token)
-            req._all_token_ids.append(token)
+        commit_and_sample(scheduled)
         if scheduled:
             t0 = clock()
             if batch:
