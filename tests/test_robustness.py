@@ -404,3 +404,39 @@ def test_two_dimensional_prompt_array_is_refused():
     with pytest.raises(ValueError, match="1-D"):
         Request("x", np.ones((2, 8), dtype=np.int64))
     assert Request("y", np.arange(8)).prompt_token_ids == list(range(8))
+
+
+def test_block_queued_while_in_use_is_refused_not_queued_twice():
+    # vLLM's raw free-queue API can append a block that is still allocated; freeing it or
+    # handing it out again must then fail cleanly (it used to corrupt the queue and panic)
+    p = BlockPool(4, True, 2)
+    b = p.get_new_blocks(1)[0]
+    p.free_block_queue.append(b)
+    before = (p.get_num_free_blocks(), p.free_queue_ids(), b.ref_cnt)
+    with pytest.raises(RuntimeError, match="already in the free queue"):
+        p.free_blocks([b])
+    assert (p.get_num_free_blocks(), p.free_queue_ids(), b.ref_cnt) == before
+    with pytest.raises(RuntimeError, match="in use"):
+        p.get_new_blocks(3)  # the in-use block is among the three at the head
+    assert (p.get_num_free_blocks(), p.free_queue_ids(), b.ref_cnt) == before
+    assert [x.block_id for x in p.get_new_blocks(2)] == before[1][:2]  # the ones before it still work
+
+
+def test_errors_reading_optional_request_fields_are_not_swallowed():
+    mgr = KVCacheManager(num_blocks=20, block_size=4)
+
+    class Interrupting:
+        request_id = "x"
+        num_computed_tokens = 0
+        num_tokens = 8
+        block_hashes: list = []
+        skip_reading_prefix_cache = False
+
+        @property
+        def _all_token_ids(self):
+            raise KeyboardInterrupt
+
+    free = mgr.block_pool.get_num_free_blocks()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.allocate_slots(Interrupting(), 8)
+    assert mgr.block_pool.get_num_free_blocks() == free and mgr.num_requests == 0

@@ -199,6 +199,15 @@ impl BlockPool {
         }
         let start = out.len();
         self.queue.popleft_n(n, out)?;
+        if let Some(&b) = out[start..].iter().find(|&&b| self.ref_cnt[b as usize] != 0) {
+            // a block in use was put in the queue by a raw free-queue call: handing it out
+            // would give it two owners; put the popped blocks back where they were
+            self.queue.prepend_n(&out[start..]);
+            out.truncate(start);
+            return Err(Error::State(format!(
+                "block {b} is in the free queue but in use (put there by a raw free-queue call)"
+            )));
+        }
         for &b in &out[start..] {
             if self.enable_caching {
                 self.evict(b);
@@ -264,6 +273,19 @@ impl BlockPool {
             }
             *rc -= 1;
             if *rc == 0 {
+                if self.queue.contains(b) {
+                    // queued while in use (a raw free-queue call): queuing it again would
+                    // corrupt the queue
+                    for &r in &ids[..=i] {
+                        if r != NULL_BLOCK {
+                            self.ref_cnt[r as usize] += 1;
+                        }
+                    }
+                    self.scratch = reached;
+                    return Err(Error::State(format!(
+                        "block {b} is already in the free queue although it was in use (put there by a raw free-queue call)"
+                    )));
+                }
                 reached.push(b);
             }
         }

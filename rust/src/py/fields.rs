@@ -89,6 +89,30 @@ impl RequestFields {
     /// `getattr(request, field)`, read straight from the slot for the exact request type.
     #[inline]
     pub fn get<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> PyResult<Bound<'py, PyAny>> {
+        match self.get_fast(request, field) {
+            Some(v) => Ok(v),
+            None => self.get_slow(request, field as usize),
+        }
+    }
+
+    /// The field, or None when the request has no such attribute (an optional field); any
+    /// other error raised while reading it passes through.
+    #[inline]
+    pub fn get_opt<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if let Some(v) = self.get_fast(request, field) {
+            return Ok(Some(v));
+        }
+        match request.getattr(self.names[field as usize].bind(request.py())) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(request.py()) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The field read from its object slot (a request of the registered type whose slot is
+    /// set), else None.
+    #[inline(always)]
+    fn get_fast<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> Option<Bound<'py, PyAny>> {
         let i = field as usize;
         let off = self.offsets[i];
         if off >= 0 {
@@ -99,13 +123,13 @@ impl RequestFields {
                     if ffi::Py_TYPE(request.as_ptr()) == ty.as_ptr() as *mut ffi::PyTypeObject {
                         let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
                         if !p.is_null() {
-                            return Ok(Bound::from_borrowed_ptr(request.py(), p));
+                            return Some(Bound::from_borrowed_ptr(request.py(), p));
                         }
                     }
                 }
             }
         }
-        self.get_slow(request, i)
+        None
     }
 
     /// `getattr` for a field that is not a set slot of the exact request type.

@@ -89,9 +89,9 @@ impl ManagerState {
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
         let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
-        let num_tokens = match f.get(request, Field::AllTokenIds) {
-            Ok(t) => t.len()?,
-            Err(_) => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
+            Some(t) => t.len()?,
+            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
         };
         Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
     }
@@ -142,8 +142,8 @@ impl ManagerState {
             self.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
         };
         if !hit.is_empty() && pool.get().state.borrow(py)?.inner.events_enabled() {
-            let mode = self.fields.get(request, Field::KvCacheReportMode).ok();
-            if mode.is_some_and(|m| m.eq("full").unwrap_or(false)) {
+            let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
+            if mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false) {
                 let hashes =
                     (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
                 let bs = self.inner.block_size();
@@ -154,9 +154,9 @@ impl ManagerState {
     }
 
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
-        match self.fields.get(request, Field::NumInFlightTokens) {
-            Ok(v) => count(v.extract()?, "request.num_in_flight_tokens"),
-            Err(_) => Ok(0),
+        match self.fields.get_opt(request, Field::NumInFlightTokens)? {
+            Some(v) => count(v.extract()?, "request.num_in_flight_tokens"),
+            None => Ok(0),
         }
     }
 }
