@@ -795,3 +795,24 @@ def test_manager_rejects_bad_input_without_changes(seed_env):
         args = {"num_blocks": 10, "block_size": 4, **kwargs}
         with pytest.raises(exc):
             KVCacheManager(args.pop("num_blocks"), args.pop("block_size"), **args)
+
+
+def test_sliding_window_adoption_after_a_failed_allocation(impl):
+    """Found by the manager lockstep; the values are vLLM 0.33.0's own (checked by running
+    its KVCacheManager). A sliding-window request keeps num_computed_tokens = 16 after it is
+    freed; allocate_slots(r, 1) then raises (the window estimate and the allocation disagree,
+    as in vLLM), and a later adoption of the 16-token hit still succeeds: the failed call
+    left the request holding no blocks."""
+    mgr = impl.KVCacheManager(17, 1, enable_caching=True, sliding_window=3)
+    r = Request("r0", [1, 2, 3, 4, 5, 6, 7, 8, 9] + [0] * 7, block_hasher=mgr.request_block_hasher)
+    hit, n, _ = mgr.get_computed_blocks(r)
+    assert ids(mgr.allocate_slots(r, r.num_tokens - n, n, hit)) == list(range(1, 17))
+    r.num_computed_tokens = r.num_tokens
+    r.append_output_token_ids(2)
+    mgr.free(r)
+    with pytest.raises(ValueError, match="Cannot get 17 free blocks"):
+        mgr.allocate_slots(r, 1)
+    hit, n, _ = mgr.get_computed_blocks(r)
+    assert (ids(hit), n) == ([0] * 14 + [15, 16], 16)
+    assert ids(mgr.allocate_slots(r, 0, n, hit)) == [16, 15]
+    assert mgr.get_block_ids("r0") == ([0] * 30 + [16, 15],)

@@ -427,7 +427,9 @@ class KVCacheManager:
         if len(new_computed_blocks.blocks) != 1:
             raise ValueError("new_computed_blocks: expected exactly one KV-cache group")
         blocks = new_computed_blocks.blocks[0]
-        if blocks and request_id in self.req_to_blocks:
+        # vLLM: a running request (in num_cached_block) adopts no hits; any other must have an
+        # empty table (an allocation that raised may have left an empty one behind)
+        if blocks and (request_id in self.num_cached_block or self.req_to_blocks.get(request_id)):
             raise ValueError(
                 f"request {request_id} already holds blocks and cannot adopt new computed blocks"
             )
