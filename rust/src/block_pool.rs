@@ -199,6 +199,16 @@ impl BlockPool {
         }
         let start = out.len();
         self.queue.popleft_n(n, out)?;
+        if self.enable_caching && n > 1 {
+            // The LRU blocks handed out are rarely in cache: start loading all their key
+            // entries before evicting them one by one.
+            for &b in &out[start..] {
+                let s = self.key_slot[b as usize];
+                if s != NO_KEY {
+                    self.map.prefetch_slot(s);
+                }
+            }
+        }
         if let Some(&b) = out[start..].iter().find(|&&b| self.ref_cnt[b as usize] != 0) {
             // a block in use was put in the queue by a raw free-queue call: handing it out
             // would give it two owners; put the popped blocks back where they were

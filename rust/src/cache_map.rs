@@ -1,11 +1,13 @@
 //! vLLM's `BlockHashToBlockMap`: `BlockHashWithGroupId -> block(s)`, duplicates allowed.
 //!
 //! Several blocks may hold the same key (a request that computed a block without hitting it
-//! caches its own copy); lookups return the first one inserted (spec §2). The lookup table
-//! holds each key with its first block inline (a hit reads one bucket); a slab holds each key
-//! with the ends of its list of blocks, linked through per-block arrays; each cached block
-//! remembers its key's slot. Insert, lookup and remove are O(1) however many duplicates a
-//! key has.
+//! caches its own copy); lookups return the first one inserted (spec §2). A slab holds each
+//! key with the ends of its list of blocks, linked through per-block arrays; each cached block
+//! remembers its key's slot. The lookup table holds only slot numbers (4 bytes a bucket, so
+//! it stays in cache at a million keys' worth of blocks), and compares keys in the slab.
+//! Evicting a block therefore touches its slab entry, which the pool prefetches for a whole
+//! allocation at once, and a cache-resident bucket. Insert, lookup and remove are O(1)
+//! however many duplicates a key has.
 
 use crate::hashing::Digest;
 use hashbrown::HashTable;
@@ -51,17 +53,11 @@ struct Entry {
 }
 
 /// What a lookup touches: the key and its first block inline, so a hit reads one bucket.
-#[derive(Clone, Copy, Debug)]
-struct Bucket {
-    key: Key,
-    first: u32,
-    slot: u32,
-}
-
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
-    table: HashTable<Bucket>,
+    /// Slot numbers, hashed by their entry's key.
+    table: HashTable<u32>,
     slots: Vec<Entry>,
     free_slots: Vec<u32>,
     /// Links between blocks cached under the same key (`NONE` at the ends).
@@ -117,15 +113,17 @@ impl CacheMap {
         self.table.is_empty()
     }
 
+    /// The slot of `key`.
     #[inline]
-    fn find(&self, key: &Key) -> Option<&Bucket> {
-        self.table.find(self.hash_of(key), |b| b.key == *key)
+    fn find(&self, key: &Key) -> Option<u32> {
+        let slots = &self.slots;
+        self.table.find(self.hash_of(key), |&s| slots[s as usize].key == *key).copied()
     }
 
     /// The first block cached under `key` (`get_one_block`).
     #[inline]
     pub fn get_one(&self, key: &Key) -> Option<u32> {
-        self.find(key).map(|b| b.first)
+        self.find(key).map(|s| self.slots[s as usize].head)
     }
 
     fn blocks_from(&self, head: u32) -> Vec<u32> {
@@ -142,13 +140,19 @@ impl CacheMap {
     #[inline]
     pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
         let h = Self::mix(&self.seed, Digest::prefix_u64(hash), group);
-        self.table.find(h, |b| b.key.group == group && b.key.hash.eq_bytes(hash)).map(|b| b.first)
+        let slots = &self.slots;
+        self.table
+            .find(h, |&s| {
+                let k = &slots[s as usize].key;
+                k.group == group && k.hash.eq_bytes(hash)
+            })
+            .map(|&s| slots[s as usize].head)
     }
 
     /// Every block cached under `key`, in insertion order.
     pub fn get_all(&self, key: &Key) -> Vec<u32> {
         match self.find(key) {
-            Some(b) => self.blocks_from(b.first),
+            Some(s) => self.blocks_from(self.slots[s as usize].head),
             None => Vec::new(),
         }
     }
@@ -162,8 +166,7 @@ impl CacheMap {
     /// the key's slot (to be remembered by the block). O(1).
     pub fn insert(&mut self, key: Key, block: u32) -> u32 {
         debug_assert!(self.dup_prev[block as usize] == NONE && self.dup_next[block as usize] == NONE);
-        if let Some(b) = self.find(&key) {
-            let s = b.slot;
+        if let Some(s) = self.find(&key) {
             let e = &mut self.slots[s as usize];
             self.dup_next[e.tail as usize] = block;
             self.dup_prev[block as usize] = e.tail;
@@ -182,8 +185,8 @@ impl CacheMap {
             }
         };
         let h = self.hash_of(&key);
-        let seed = &self.seed;
-        self.table.insert_unique(h, Bucket { key, first: block, slot }, |b| Self::hash_with(seed, &b.key));
+        let (seed, slots) = (&self.seed, &self.slots);
+        self.table.insert_unique(h, slot, |&s| Self::hash_with(seed, &slots[s as usize].key));
         slot
     }
 
@@ -191,6 +194,26 @@ impl CacheMap {
     #[inline]
     pub fn key_of(&self, slot: u32) -> Key {
         self.slots[slot as usize].key
+    }
+
+    /// Start loading the slab entry of `slot` (what [`CacheMap::remove`] reads first) without
+    /// waiting for it: the pool calls this for every block of an allocation before it evicts
+    /// them one by one, so that their cache misses overlap.
+    #[inline(always)]
+    pub fn prefetch_slot(&self, slot: u32) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(e) = self.slots.get(slot as usize) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let p = e as *const Entry as *const i8;
+            // SAFETY: a prefetch is only a hint; both addresses lie within (or at the last
+            // line of) the entry, and a prefetch never faults.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(p);
+                _mm_prefetch::<_MM_HINT_T0>(p.add(std::mem::size_of::<Entry>() - 1));
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = slot;
     }
 
     /// Remove `block` from `slot`'s key (`pop(key, block_id)`); the key goes when its last block
@@ -214,16 +237,12 @@ impl CacheMap {
             e.tail = p;
         }
         let (key, head) = (e.key, e.head);
-        if p == NONE {
-            // the first block changed: update (or drop) the lookup bucket
+        if head == NONE {
+            // the key's last block went: drop the key
             let h = self.hash_of(&key);
-            if let Ok(occ) = self.table.find_entry(h, |b| b.slot == slot) {
-                if head == NONE {
-                    occ.remove();
-                    self.free_slots.push(slot);
-                } else {
-                    occ.into_mut().first = head;
-                }
+            if let Ok(occ) = self.table.find_entry(h, |&s| s == slot) {
+                occ.remove();
+                self.free_slots.push(slot);
             }
         }
         Some(key)
@@ -240,6 +259,9 @@ impl CacheMap {
 
     /// Every `(key, blocks)` pair (unordered).
     pub fn iter(&self) -> impl Iterator<Item = (Key, Vec<u32>)> + '_ {
-        self.table.iter().map(move |b| (b.key, self.blocks_from(b.first)))
+        self.table.iter().map(move |&s| {
+            let e = &self.slots[s as usize];
+            (e.key, self.blocks_from(e.head))
+        })
     }
 }
