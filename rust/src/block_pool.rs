@@ -126,6 +126,7 @@ impl BlockPool {
     }
 
     /// Check that every id is a block of this pool.
+    #[inline]
     pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
         ids.iter().try_for_each(|&b| self.check_id(b))
     }

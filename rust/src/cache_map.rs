@@ -166,28 +166,36 @@ impl CacheMap {
     /// the key's slot (to be remembered by the block). O(1).
     pub fn insert(&mut self, key: Key, block: u32) -> u32 {
         debug_assert!(self.dup_prev[block as usize] == NONE && self.dup_next[block as usize] == NONE);
-        if let Some(s) = self.find(&key) {
-            let e = &mut self.slots[s as usize];
-            self.dup_next[e.tail as usize] = block;
-            self.dup_prev[block as usize] = e.tail;
-            e.tail = block;
-            return s;
-        }
-        let entry = Entry { key, head: block, tail: block };
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.slots[s as usize] = entry;
+        let h = self.hash_of(&key);
+        let CacheMap { table, slots, free_slots, dup_prev, dup_next, seed } = self;
+        // one probe finds the key or the bucket it goes in
+        let entry =
+            table.entry(h, |&s| slots[s as usize].key == key, |&s| Self::hash_with(seed, &slots[s as usize].key));
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(o) => {
+                let s = *o.get();
+                let e = &mut slots[s as usize];
+                dup_next[e.tail as usize] = block;
+                dup_prev[block as usize] = e.tail;
+                e.tail = block;
                 s
             }
-            None => {
-                self.slots.push(entry);
-                (self.slots.len() - 1) as u32
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                let entry = Entry { key, head: block, tail: block };
+                let slot = match free_slots.pop() {
+                    Some(s) => {
+                        slots[s as usize] = entry;
+                        s
+                    }
+                    None => {
+                        slots.push(entry);
+                        (slots.len() - 1) as u32
+                    }
+                };
+                v.insert(slot);
+                slot
             }
-        };
-        let h = self.hash_of(&key);
-        let (seed, slots) = (&self.seed, &self.slots);
-        self.table.insert_unique(h, slot, |&s| Self::hash_with(seed, &slots[s as usize].key));
-        slot
+        }
     }
 
     /// The key stored in `slot`.

@@ -51,12 +51,33 @@ fn hashes_for<'py>(
     fields: &RequestFields,
     request: &Bound<'py, PyAny>,
 ) -> PyResult<impl FnOnce() -> crate::error::Result<PyHashes<'py>>> {
-    let hashes = if enable_caching { Some(hashes_of(fields, request)?) } else { None };
-    Ok(move || hashes.ok_or_else(|| crate::error::Error::State("block hashes are not read with caching off".into())))
+    // The attribute is read now (a getattr error surfaces before anything changes); the list
+    // itself is only touched when the call caches blocks, which it decides before changing
+    // anything (most decode steps cache nothing and skip that cache miss).
+    let hashes = if enable_caching { Some(fields.get(request, Field::BlockHashes)?) } else { None };
+    Ok(move || match hashes {
+        Some(h) => h
+            .cast_into::<PyList>()
+            .map(PyHashes)
+            .map_err(|_| crate::error::Error::type_("request.block_hashes", "must be a list of bytes")),
+        None => Err(crate::error::Error::State("block hashes are not read with caching off".into())),
+    })
 }
 
+/// A count argument as usize; `ValueError` naming it if negative.
+#[inline(always)]
 fn count(v: i64, arg: &str) -> PyResult<usize> {
-    usize::try_from(v).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
+    if v >= 0 {
+        Ok(v as usize)
+    } else {
+        Err(negative_count(v, arg))
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn negative_count(v: i64, arg: &str) -> PyErr {
+    value_err(arg, format!("must be >= 0, got {v}"))
 }
 
 /// The KV cache manager core for one KV-cache group (see `kvblock.KVCacheManager`).
