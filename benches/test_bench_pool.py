@@ -140,3 +140,30 @@ def test_bytes_per_block():
     """Pool metadata per block (arena + free-queue links; the hash map excluded): <= 32 bytes."""
     assert BlockPool.bytes_per_block() <= 32
     print(f"\nbytes per block of pool metadata: {BlockPool.bytes_per_block()}")
+
+
+# Keys that are not uniform digests: 16,384 hashes written as big-endian integers share their
+# first 24 bytes (the id API takes any 16- or 32-byte hash). The map must not degrade.
+_INT_KEYS = [i.to_bytes(32, "big") for i in range(16384)]
+
+
+def test_cache_int_keys_kvblock(record):
+    pool = BlockPool(len(_INT_KEYS) + 1, True, 16)
+    ids = pool.allocate_ids(len(_INT_KEYS))
+
+    def cache():
+        pool.evict_ids(ids)
+        pool.cache_ids(ids, _INT_KEYS, 0, len(_INT_KEYS))
+    record("evict + cache 16384 big-endian integer keys (ns/block)", "kvblock", cache, per=len(_INT_KEYS), rounds=20)
+
+
+def test_cache_int_keys_reference(record):
+    pool = RefBlockPool(len(_INT_KEYS) + 1, True, 16)
+    blocks = pool.get_new_blocks(len(_INT_KEYS))
+    ids = [b.block_id for b in blocks]
+    req = _Req(_INT_KEYS)
+
+    def cache():
+        pool.evict_blocks(ids)
+        pool.cache_full_blocks(req, blocks, 0, len(_INT_KEYS), 16, 0)
+    record("evict + cache 16384 big-endian integer keys (ns/block)", "reference", cache, per=len(_INT_KEYS), rounds=5)

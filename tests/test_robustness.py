@@ -440,3 +440,80 @@ def test_errors_reading_optional_request_fields_are_not_swallowed():
     with pytest.raises(KeyboardInterrupt):
         mgr.allocate_slots(Interrupting(), 8)
     assert mgr.block_pool.get_num_free_blocks() == free and mgr.num_requests == 0
+
+
+class _DuckRequest:
+    """A duck-typed waiting request whose ``block_hashes`` property runs ``on_read`` first."""
+
+    def __init__(self, request_id, tokens, on_read):
+        self.request_id, self._all_token_ids, self._on_read = request_id, list(tokens), on_read
+        self.num_computed_tokens = 0
+        self.skip_reading_prefix_cache = False
+        self.num_in_flight_tokens = 0
+        self._hashes = kvblock.hash_blocks(self._all_token_ids, 4)
+
+    @property
+    def block_hashes(self):
+        self._on_read()
+        return self._hashes
+
+
+def test_admit_batch_reads_every_request_before_admitting_any():
+    # a request whose property reads the pool is admitted with the rest (phase 2 reads no
+    # request attribute); one whose property changes the manager stops the whole batch
+    mgr = KVCacheManager(num_blocks=32, block_size=4, max_model_len=256)
+    first = Request("first", list(range(40, 60)), block_hasher=mgr.request_block_hasher)
+    reads = []
+    reader = _DuckRequest("reader", range(100, 110), lambda: reads.append(mgr.block_pool.get_num_free_blocks()))
+    n, *_ = mgr.admit_batch([first, reader])
+    assert n == 2 and reads and mgr.get_block_ids("reader")[0]
+
+    mgr2 = KVCacheManager(num_blocks=32, block_size=4, max_model_len=256)
+    keep = Request("keep", list(range(40, 44)), block_hasher=mgr2.request_block_hasher)
+    mgr2.allocate_slots(keep, 4)
+    first2 = Request("first", list(range(40, 60)), block_hasher=mgr2.request_block_hasher)
+    writer = _DuckRequest("writer", range(100, 110), lambda: mgr2.free(keep))
+    before = _snapshot(mgr2)
+    with pytest.raises(RuntimeError, match="already borrowed"):
+        mgr2.admit_batch([first2, writer])
+    assert _snapshot(mgr2) == before and mgr2.get_block_ids("first") == ([],)
+
+
+def test_uninitialised_core_refuses_before_allocating():
+    from kvblock import _core
+
+    core = _core.KVCacheManagerCore(_core.BlockPoolCore(10, True, 4), 4, 100)
+    pool = core.block_pool
+    free = pool.get_num_free_blocks()
+    with pytest.raises(RuntimeError, match="not initialised"):
+        core.allocate_slots(Request("z", [1, 2, 3, 4, 5]), 5)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        core.get_computed_blocks(Request("z", [1, 2, 3, 4, 5]))
+    assert core._block_ids("z") == [] and pool.get_num_free_blocks() == free
+
+
+def test_block_pool_cannot_be_replaced():
+    mgr = KVCacheManager(num_blocks=16, block_size=4)
+    pool = mgr.block_pool
+    with pytest.raises(AttributeError):
+        mgr.block_pool = BlockPool(16, True, 4)
+    assert mgr.block_pool is pool
+
+
+def test_negative_block_counts_are_value_errors_naming_the_argument():
+    pool = BlockPool(8, True, 4)
+    blocks = pool.get_new_blocks(2)
+    ids = [b.block_id for b in blocks]
+    hashes = [bytes([i]) * 32 for i in range(2)]
+
+    class Req:
+        block_hashes = hashes
+
+    before = pool.free_queue_ids()
+    with pytest.raises(ValueError, match="num_full_blocks"):
+        pool.cache_ids(ids, hashes, 0, -1)
+    with pytest.raises(ValueError, match="num_cached_blocks"):
+        pool.cache_full_blocks(Req(), blocks, -1, 2, 4, 0)
+    with pytest.raises(ValueError, match="num_full_blocks"):
+        pool.cache_full_blocks(Req(), blocks, 0, -2, 4, 0)
+    assert pool.free_queue_ids() == before and pool.num_cached_keys() == 0

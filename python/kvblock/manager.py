@@ -138,7 +138,6 @@ class KVCacheManager(_core.KVCacheManagerCore):
             sliding_window,
             int(watermark * num_blocks),
         )
-        self.block_pool = pool
         self.hash_fn = hash_fn
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events

@@ -13,15 +13,32 @@ use crate::hashing::Digest;
 use hashbrown::HashTable;
 use std::hash::{BuildHasher, Hasher};
 
-/// Two secret 64-bit seeds, different in every map (from the standard library's randomly
+/// Four secret 64-bit seeds, different in every map (from the standard library's randomly
 /// keyed SipHash state).
-fn random_seed() -> [u64; 2] {
+fn random_seed() -> [u64; 4] {
     let s = std::collections::hash_map::RandomState::new();
-    let mut a = s.build_hasher();
-    a.write_u64(0x5eed_0001);
-    let mut b = s.build_hasher();
-    b.write_u64(0x5eed_0002);
-    [a.finish(), b.finish() | 1]
+    [1u64, 2, 3, 4].map(|i| {
+        let mut h = s.build_hasher();
+        h.write_u64(0x5eed_0000 + i);
+        h.finish()
+    })
+}
+
+/// The full 128-bit product of `a` and `b`, its halves xor-ed.
+#[inline(always)]
+fn folded_multiply(a: u64, b: u64) -> u64 {
+    let x = a as u128 * b as u128;
+    (x as u64) ^ ((x >> 64) as u64)
+}
+
+/// Little-endian word `i` (of 8 bytes) of `bytes`, zero-padded past the end.
+#[inline(always)]
+fn word(bytes: &[u8], i: usize) -> u64 {
+    let mut w = [0u8; 8];
+    let start = (8 * i).min(bytes.len());
+    let chunk = &bytes[start..(start + 8).min(bytes.len())];
+    w[..chunk.len()].copy_from_slice(chunk);
+    u64::from_le_bytes(w)
 }
 
 /// `BlockHashWithGroupId`: a block hash and its KV-cache group.
@@ -63,7 +80,7 @@ pub struct CacheMap {
     /// Links between blocks cached under the same key (`NONE` at the ends).
     dup_prev: Vec<u32>,
     dup_next: Vec<u32>,
-    seed: [u64; 2],
+    seed: [u64; 4],
 }
 
 impl CacheMap {
@@ -84,18 +101,24 @@ impl CacheMap {
         2 * std::mem::size_of::<u32>()
     }
 
-    /// Table hash of a key: digests are already uniform, so 8 digest bytes and the group,
-    /// mixed with this map's secret random seed by a folded multiply (so inputs crafted to
-    /// collide cannot flood the table), are enough.
+    /// Table hash of a key's hash bytes and group: every byte counts (keys given through the
+    /// id API need not be uniform digests: small integers written big-endian share their
+    /// first bytes), mixed 16 bytes at a time with this map's secret random seeds by folded
+    /// multiplies, so keys crafted to collide would have to know the seeds.
     #[inline(always)]
-    fn mix(seed: &[u64; 2], lo: u64, group: u32) -> u64 {
-        let x = (lo ^ seed[0]) as u128 * ((group as u64) ^ seed[1]) as u128;
-        (x as u64) ^ ((x >> 64) as u64)
+    fn mix(seed: &[u64; 4], bytes: &[u8], group: u32) -> u64 {
+        let mut acc = seed[0] ^ ((bytes.len() as u64) << 32) ^ group as u64;
+        let mut i = 0;
+        while 8 * i < bytes.len() {
+            acc = folded_multiply(word(bytes, i) ^ seed[1] ^ acc, word(bytes, i + 1) ^ seed[2]);
+            i += 2;
+        }
+        folded_multiply(acc ^ seed[3], (group as u64) ^ seed[1] ^ 0x9e37_79b9_7f4a_7c15)
     }
 
     #[inline(always)]
-    fn hash_with(seed: &[u64; 2], key: &Key) -> u64 {
-        Self::mix(seed, Digest::prefix_u64(key.hash.as_bytes()), key.group)
+    fn hash_with(seed: &[u64; 4], key: &Key) -> u64 {
+        Self::mix(seed, key.hash.as_bytes(), key.group)
     }
 
     #[inline(always)]
@@ -139,7 +162,7 @@ impl CacheMap {
     /// [`CacheMap::get_one`] for raw digest bytes (no key copy).
     #[inline]
     pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
-        let h = Self::mix(&self.seed, Digest::prefix_u64(hash), group);
+        let h = Self::mix(&self.seed, hash, group);
         let slots = &self.slots;
         self.table
             .find(h, |&s| {

@@ -176,17 +176,6 @@ impl Digest {
         }
     }
 
-    /// The first 8 digest bytes as an integer (the map's hash input: digests are uniform).
-    #[inline(always)]
-    pub fn prefix_u64(b: &[u8]) -> u64 {
-        if b.len() >= 8 {
-            // SAFETY: at least 8 bytes; unaligned read.
-            unsafe { (b.as_ptr() as *const u64).read_unaligned() }
-        } else {
-            b.iter().rev().fold(0, |acc, &x| (acc << 8) | x as u64)
-        }
-    }
-
     /// vLLM's KV-event integer form: the last 8 bytes, big-endian, as u64.
     pub fn event_int(&self) -> u64 {
         let b = self.as_bytes();

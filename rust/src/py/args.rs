@@ -32,6 +32,12 @@ pub fn uint32(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| value_err(arg, format!("{v} is out of range (must be in [0, 2**32))")))
 }
 
+/// [`int64`] narrowed to `[0, usize::MAX]`: a negative value is a `ValueError`.
+pub fn count(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<usize> {
+    let v = int64(obj, arg)?;
+    usize::try_from(v).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
+}
+
 /// [`int64`] narrowed to `[0, usize::MAX]`, or None for `None`.
 pub fn opt_count(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<usize>> {
     if obj.is_none() {
@@ -63,7 +69,6 @@ macro_rules! named {
 named!(int64 -> i64:
     n = "n", block_id = "block_id", block_size = "block_size", start = "start",
     num_gpu_blocks = "num_gpu_blocks", hash_block_size = "hash_block_size",
-    num_cached_blocks = "num_cached_blocks", num_full_blocks = "num_full_blocks",
     num_new_tokens = "num_new_tokens", num_new_computed_tokens = "num_new_computed_tokens",
     num_lookahead_tokens = "num_lookahead_tokens", num_external_computed_tokens = "num_external_computed_tokens",
     num_encoder_tokens = "num_encoder_tokens", reserved_blocks = "reserved_blocks",
@@ -71,5 +76,9 @@ named!(int64 -> i64:
     watermark_blocks = "watermark_blocks", num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
 );
 named!(uint32 -> u32: block_id_u32 = "block_id", group_id = "group_id");
+named!(count -> usize:
+    num_cached_blocks = "num_cached_blocks", num_full_blocks = "num_full_blocks",
+    block_size_count = "block_size",
+);
 named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
 named!(opt_int64 -> Option<i64>: end = "end", sliding_window = "sliding_window");

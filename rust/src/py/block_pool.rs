@@ -304,19 +304,16 @@ impl PyBlockPool {
         py: Python<'_>,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: i64,
-        #[pyo3(from_py_with = super::args::num_full_blocks)] num_full_blocks: i64,
+        #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: usize,
+        #[pyo3(from_py_with = super::args::num_full_blocks)] num_full_blocks: usize,
         #[pyo3(from_py_with = super::args::opt_block_size)] block_size: Option<usize>,
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
-        if num_cached_blocks < 0 || num_full_blocks < 0 {
-            return Err(value_err("num_cached_blocks", "block counts must be >= 0"));
-        }
         if block_size == Some(0) {
             return Err(value_err("block_size", "must be > 0"));
         }
-        let (first, end) = (num_cached_blocks as usize, num_full_blocks as usize);
+        let (first, end) = (num_cached_blocks, num_full_blocks);
         if first >= end {
             return Ok(());
         }
@@ -521,10 +518,10 @@ impl PyBlockPool {
         request: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
-        num_cached_blocks: usize,
-        num_full_blocks: usize,
-        block_size: usize,
-        group_id: u32,
+        #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: usize,
+        #[pyo3(from_py_with = super::args::num_full_blocks)] num_full_blocks: usize,
+        #[pyo3(from_py_with = super::args::block_size_count)] block_size: usize,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         if num_cached_blocks >= num_full_blocks {

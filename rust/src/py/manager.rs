@@ -20,6 +20,23 @@ struct ReqView<'py> {
     num_tokens: usize,
 }
 
+/// A request id as `&str`. An ASCII id (vLLM's are) is read in place, without a call into
+/// the interpreter; any other goes through `PyUnicode_AsUTF8AndSize`.
+#[inline(always)]
+fn request_id_str<'a>(id: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
+    // SAFETY: `id` is a str; a compact ASCII str keeps its length and its characters (ASCII,
+    // hence UTF-8) in the object itself, alive as long as the borrow of `id`.
+    unsafe {
+        let p = id.as_ptr();
+        if pyo3::ffi::PyUnicode_IS_COMPACT_ASCII(p) != 0 {
+            let data = pyo3::ffi::PyUnicode_DATA(p) as *const u8;
+            let len = pyo3::ffi::PyUnicode_GET_LENGTH(p) as usize;
+            return Ok(std::str::from_utf8_unchecked(std::slice::from_raw_parts(data, len)));
+        }
+    }
+    id.to_str()
+}
+
 /// A 1-D int32 numpy array (batch results).
 type I32Array<'py> = Bound<'py, PyArray1<i32>>;
 
@@ -55,13 +72,33 @@ fn hashes_for<'py>(
     // itself is only touched when the call caches blocks, which it decides before changing
     // anything (most decode steps cache nothing and skip that cache miss).
     let hashes = if enable_caching { Some(fields.get(request, Field::BlockHashes)?) } else { None };
-    Ok(move || match hashes {
+    Ok(hashes_from(hashes))
+}
+
+/// The hash source over an already read `request.block_hashes` (None with caching off).
+fn hashes_from<'py>(hashes: Option<Bound<'py, PyAny>>) -> impl FnOnce() -> crate::error::Result<PyHashes<'py>> {
+    move || match hashes {
         Some(h) => h
             .cast_into::<PyList>()
             .map(PyHashes)
             .map_err(|_| crate::error::Error::type_("request.block_hashes", "must be a list of bytes")),
         None => Err(crate::error::Error::State("block hashes are not read with caching off".into())),
-    })
+    }
+}
+
+/// What a prefix lookup reads from a request, read once (a batch reads every request's before
+/// it admits any). `hashes` is None when the lookup is skipped (caching off, or the request
+/// does not read the prefix cache).
+struct LookupInput<'py> {
+    hashes: Option<PyHashes<'py>>,
+    /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
+    report_hits: bool,
+}
+
+fn not_initialised() -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(
+        "KVCacheManagerCore is not initialised (use kvblock.KVCacheManager, which calls _init_python)",
+    )
 }
 
 /// A count argument as usize; `ValueError` naming it if negative.
@@ -121,10 +158,7 @@ impl ManagerState {
         if ids.is_empty() {
             return self.empty(py);
         }
-        let make = self
-            .make_blocks
-            .as_ref()
-            .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised"))?;
+        let make = self.make_blocks.as_ref().ok_or_else(not_initialised)?;
         let ids = pyo3::types::PyTuple::new(py, [Bound::new(py, PyBlockIds { ids })?])?;
         make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
@@ -132,7 +166,7 @@ impl ManagerState {
     fn empty<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         match &self.empty {
             Some(e) => Ok(e.bind(py).clone()),
-            None => Err(pyo3::exceptions::PyRuntimeError::new_err("KVCacheManagerCore is not initialised")),
+            None => Err(not_initialised()),
         }
     }
 
@@ -150,26 +184,47 @@ impl ManagerState {
     /// `get_computed_blocks` without the result object: the hit block ids (and the
     /// `BlockStored` of a "full" report-mode request when events are on).
     fn lookup(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let py = request.py();
-        if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
+        let input = self.lookup_input(request)?;
+        if input.hashes.is_none() {
             return Ok(Vec::new());
         }
         let v = self.view(request)?;
-        let max_len = v.num_tokens.saturating_sub(1);
-        let pool = self.pool.bind(py).clone();
+        self.lookup_with(request, &input, v.num_tokens)
+    }
+
+    /// Read what [`ManagerState::lookup`] needs from the request.
+    fn lookup_input<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<LookupInput<'py>> {
+        if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
+            return Ok(LookupInput { hashes: None, report_hits: false });
+        }
         let hashes = hashes_of(&self.fields, request)?;
-        let hit = {
-            let p = pool.get().state.borrow(py)?;
-            self.inner.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()?
-        };
-        if !hit.is_empty() && pool.get().state.borrow(py)?.inner.events_enabled() {
+        let events_enabled = self.pool.get().state.borrow(request.py())?.inner.events_enabled();
+        let report_hits = events_enabled && {
             let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
-            if mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false) {
-                let hashes =
-                    (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
-                let bs = self.inner.block_size();
-                pool.get().state.borrow_mut(py)?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
-            }
+            mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false)
+        };
+        Ok(LookupInput { hashes: Some(hashes), report_hits })
+    }
+
+    /// The lookup on inputs already read (no request attribute is read here).
+    fn lookup_with(
+        &self,
+        request: &Bound<'_, PyAny>,
+        input: &LookupInput<'_>,
+        num_tokens: usize,
+    ) -> PyResult<Vec<u32>> {
+        let py = request.py();
+        let Some(hashes) = &input.hashes else { return Ok(Vec::new()) };
+        let max_len = num_tokens.saturating_sub(1);
+        let pool = self.pool.get();
+        let hit = {
+            let p = pool.state.borrow(py)?;
+            self.inner.find_longest_cache_hit(&p.inner, hashes, max_len).py_err()?
+        };
+        if !hit.is_empty() && input.report_hits {
+            let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
+            let bs = self.inner.block_size();
+            pool.state.borrow_mut(py)?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
         }
         Ok(hit)
     }
@@ -288,6 +343,9 @@ impl PyManager {
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
         let me = slf.get().state.borrow(py)?;
+        if me.make_blocks.is_none() {
+            return Err(not_initialised()); // before a "full" report-mode hit publishes events
+        }
         let hit = me.lookup(request)?;
         let n = hit.len() * me.inner.block_size();
         Ok((me.blocks_of(py, hit)?, n, 0))
@@ -315,28 +373,29 @@ impl PyManager {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        // Phase 1: check every request; nothing changes until all pass. Each must be waiting
-        // and listed once, and `allocate_slots` without a hit must accept it: that reads the
-        // block hashes a lookup or this admission can read (a hit only narrows them).
+        // Phase 1: read and check every request; nothing changes until all pass. Each must be
+        // waiting and listed once, and `allocate_slots` without a hit must accept it: that
+        // reads the block hashes a lookup or this admission can read (a hit only narrows
+        // them). Everything phase 2 needs from a request is read here, so no request code
+        // (a property) runs once admissions have begun.
         let mut checked = Vec::with_capacity(reqs.len());
         {
             let me = slf.get().state.borrow(py)?;
             for r in reqs.iter() {
                 let v = me.view(&r)?;
-                if me.enable_caching {
-                    me.fields.get(&r, Field::SkipReadingPrefixCache)?.is_truthy()?;
-                }
+                let input = me.lookup_input(&r)?;
+                let block_hashes = if me.enable_caching { Some(me.fields.get(&r, Field::BlockHashes)?) } else { None };
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
                 let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-                checked.push((r, v, apply_watermark, num_in_flight_tokens));
+                checked.push((r, v, apply_watermark, num_in_flight_tokens, input, block_hashes));
             }
         }
-        let ids: Vec<&str> = checked.iter().map(|x| x.1.id.to_str()).collect::<PyResult<_>>()?;
+        let ids: Vec<&str> = checked.iter().map(|x| request_id_str(&x.1.id)).collect::<PyResult<_>>()?;
         {
             let me = slf.get().state.borrow(py)?;
             let p = me.pool.get().state.borrow(py)?;
             let mut seen = hashbrown::HashSet::with_capacity(ids.len());
-            for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
+            for (&id, (_, v, apply_watermark, num_in_flight_tokens, _, block_hashes)) in ids.iter().zip(&checked) {
                 if me.inner.state(id).is_some() {
                     return Err(value_err("requests", format!("request {id:?} already holds blocks in this manager")));
                 }
@@ -361,18 +420,17 @@ impl PyManager {
                     num_in_flight_tokens: *num_in_flight_tokens,
                     ..Default::default()
                 };
-                let hashes = hashes_for(me.enable_caching, &me.fields, r)?;
-                me.inner.prepare_allocate(&p.inner, id, &args, hashes, 0).py_err()?;
+                me.inner.prepare_allocate(&p.inner, id, &args, hashes_from(block_hashes.clone()), 0).py_err()?;
             }
         }
         // Phase 2: admit in order.
         let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
-        for (&id, (r, v, apply_watermark, num_in_flight_tokens)) in ids.iter().zip(&checked) {
+        for (&id, (r, v, apply_watermark, num_in_flight_tokens, input, block_hashes)) in ids.iter().zip(&checked) {
             let (r, num_tokens, apply_watermark, num_in_flight_tokens) =
                 (r, v.num_tokens, *apply_watermark, *num_in_flight_tokens);
-            let hit = slf.get().state.borrow(py)?.lookup(r)?;
+            let hit = slf.get().state.borrow(py)?.lookup_with(r, input, num_tokens)?;
             let mut me = slf.get().state.borrow_mut(py)?;
             let n = hit.len() * me.inner.block_size();
             let pool = me.pool.bind(py).clone();
@@ -389,7 +447,7 @@ impl PyManager {
                 ..Default::default()
             };
             let m = &mut *me;
-            let hashes = hashes_for(m.enable_caching, &m.fields, r)?;
+            let hashes = hashes_from(block_hashes.clone());
             let res = p.tagged(r, |pool, tag| {
                 args.event_tag = tag;
                 m.inner.allocate_slots(pool, id, &args, hashes)
@@ -448,6 +506,10 @@ impl PyManager {
         let py = slf.py();
         let _ = (skip_zeroing_group_ids, count(num_encoder_tokens, "num_encoder_tokens")?);
         let mut slf = slf.get().state.borrow_mut(py)?;
+        if slf.make_blocks.is_none() {
+            // checked first: the result could not be built after the allocation
+            return Err(not_initialised());
+        }
         let (hits, has_new) = match new_computed_blocks {
             Some(b) if !b.is_none() && !slf.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
             _ => (Vec::new(), false),
@@ -473,7 +535,7 @@ impl PyManager {
             num_in_flight_tokens,
             event_tag: 0,
         };
-        let id = v.id.to_str()?;
+        let id = request_id_str(&v.id)?;
         let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
         let inner = &mut me.inner;
         let res = p.tagged(request, |pool, tag| {
@@ -551,7 +613,7 @@ impl PyManager {
             let wm = me.watermark_applies(&r, true)?;
             let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
             let hashes = hashes_for(me.enable_caching, &me.fields, &r)?;
-            let id = v.id.to_str()?;
+            let id = request_id_str(&v.id)?;
             let prep = me.inner.prepare_allocate(&p.inner, id, &args_of(i, &v, wm, infl, 0), hashes, mark).py_err()?;
             if prep.is_new() && !new_ids.insert(id.to_owned()) {
                 return Err(value_err("requests", format!("request {id:?} is listed twice")));
@@ -562,7 +624,7 @@ impl PyManager {
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
         for (i, (r, v, wm, infl, prep)) in prepared.into_iter().enumerate() {
-            let id = v.id.to_str()?;
+            let id = request_id_str(&v.id)?;
             let inner = &mut me.inner;
             let res = p.tagged(&r, |pool, tag| inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep));
             match res.py_err()? {
@@ -583,7 +645,7 @@ impl PyManager {
         let id = slf.get().state.borrow(py)?.fields.get(request, Field::RequestId)?;
         let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
         let _ = py;
-        Self::free_request_id(slf, id.to_str()?)
+        Self::free_request_id(slf, request_id_str(id)?)
     }
 
     /// `free` by request id.
@@ -610,7 +672,7 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let hashes = hashes_of(&me.fields, request)?;
-        let id = v.id.to_str()?;
+        let id = request_id_str(&v.id)?;
         let inner = &mut me.inner;
         p.tagged(request, |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
     }
@@ -659,6 +721,13 @@ impl PyManager {
     fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
         let me = self.state.borrow(py)?;
         Ok(me.inner.max_model_len())
+    }
+
+    /// The manager's block pool (the `BlockPool` it was built with; read-only: the manager
+    /// allocates from this pool only).
+    #[getter]
+    fn block_pool(&self, py: Python<'_>) -> PyResult<Py<PyBlockPool>> {
+        Ok(self.state.borrow(py)?.pool.clone_ref(py))
     }
 
     #[getter]
