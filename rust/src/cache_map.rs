@@ -31,14 +31,10 @@ fn folded_multiply(a: u64, b: u64) -> u64 {
     (x as u64) ^ ((x >> 64) as u64)
 }
 
-/// Little-endian word `i` (of 8 bytes) of `bytes`, zero-padded past the end.
+/// Little-endian word `i` (of 4) of a 32-byte buffer.
 #[inline(always)]
-fn word(bytes: &[u8], i: usize) -> u64 {
-    let mut w = [0u8; 8];
-    let start = (8 * i).min(bytes.len());
-    let chunk = &bytes[start..(start + 8).min(bytes.len())];
-    w[..chunk.len()].copy_from_slice(chunk);
-    u64::from_le_bytes(w)
+fn word(b: &[u8; 32], i: usize) -> u64 {
+    u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]))
 }
 
 /// `BlockHashWithGroupId`: a block hash and its KV-cache group.
@@ -105,20 +101,17 @@ impl CacheMap {
     /// id API need not be uniform digests: small integers written big-endian share their
     /// first bytes), mixed 16 bytes at a time with this map's secret random seeds by folded
     /// multiplies, so keys crafted to collide would have to know the seeds.
+    /// `padded`: the hash bytes zero-padded to 32, `len` their number (16 or 32).
     #[inline(always)]
-    fn mix(seed: &[u64; 4], bytes: &[u8], group: u32) -> u64 {
-        let mut acc = seed[0] ^ ((bytes.len() as u64) << 32) ^ group as u64;
-        let mut i = 0;
-        while 8 * i < bytes.len() {
-            acc = folded_multiply(word(bytes, i) ^ seed[1] ^ acc, word(bytes, i + 1) ^ seed[2]);
-            i += 2;
-        }
-        folded_multiply(acc ^ seed[3], (group as u64) ^ seed[1] ^ 0x9e37_79b9_7f4a_7c15)
+    fn mix(seed: &[u64; 4], padded: &[u8; 32], len: usize, group: u32) -> u64 {
+        let a = folded_multiply(word(padded, 0) ^ seed[0], word(padded, 1) ^ seed[1]);
+        let b = folded_multiply(word(padded, 2) ^ seed[2], word(padded, 3) ^ seed[3] ^ len as u64);
+        folded_multiply(a ^ seed[2] ^ ((group as u64) << 32), b ^ seed[1])
     }
 
     #[inline(always)]
     fn hash_with(seed: &[u64; 4], key: &Key) -> u64 {
-        Self::mix(seed, key.hash.as_bytes(), key.group)
+        Self::mix(seed, key.hash.padded(), key.hash.as_bytes().len(), key.group)
     }
 
     #[inline(always)]
@@ -162,7 +155,8 @@ impl CacheMap {
     /// [`CacheMap::get_one`] for raw digest bytes (no key copy).
     #[inline]
     pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
-        let h = Self::mix(&self.seed, hash, group);
+        let d = Digest::from_slice(hash)?; // no key has another length
+        let h = Self::mix(&self.seed, d.padded(), hash.len(), group);
         let slots = &self.slots;
         self.table
             .find(h, |&s| {

@@ -158,6 +158,12 @@ impl Digest {
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
     }
+
+    /// The digest bytes zero-padded to 32 (a 16-byte digest's upper half is zero).
+    #[inline(always)]
+    pub fn padded(&self) -> &[u8; 32] {
+        &self.bytes
+    }
     /// True if `b` holds the same digest bytes (fixed-size compares, no call).
     #[inline(always)]
     pub fn eq_bytes(&self, b: &[u8]) -> bool {
