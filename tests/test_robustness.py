@@ -517,3 +517,28 @@ def test_negative_block_counts_are_value_errors_naming_the_argument():
     with pytest.raises(ValueError, match="num_full_blocks"):
         pool.cache_full_blocks(Req(), blocks, 0, -2, 4, 0)
     assert pool.free_queue_ids() == before and pool.num_cached_keys() == 0
+
+
+@pytest.mark.parametrize("api", ["pool", "manager"])
+def test_block_stored_reports_the_tokens_of_caching_time(api):
+    # vLLM builds BlockStored when it caches the blocks; a request changed before the events
+    # are taken must not change what they report (as the reference does)
+    from kvblock.reference.block_pool import BlockPool as RefPool
+
+    def run(pool_cls):
+        if api == "manager":
+            mgr = KVCacheManager(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+            r = Request("r", list(range(8)), block_hasher=mgr.request_block_hasher)
+            mgr.allocate_slots(r, 8)
+            r._all_token_ids[:] = [-1] * 8
+            return mgr.take_events()[0].token_ids
+        r = Request("r", list(range(8)), block_hasher=KVCacheManager(num_blocks=8, block_size=4).request_block_hasher)
+        pool = pool_cls(8, True, 4, True)
+        blocks = pool.get_new_blocks(2)
+        pool.cache_full_blocks(r, blocks, 0, 2, 4, 0)
+        r._all_token_ids[:] = [-1] * 8
+        return pool.take_events()[0].token_ids
+
+    assert run(BlockPool) == list(range(8))
+    if api == "pool":
+        assert run(RefPool) == list(range(8))

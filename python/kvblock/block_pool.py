@@ -266,10 +266,11 @@ class BlockPool(_core.BlockPoolCore):
         for raw in self.take_raw_events():
             kind = raw[0]
             if kind == "stored":
-                _, hashes, parent, first, bs, group, req, end, nulls = raw
+                _, hashes, parent, first, bs, group, req, end, nulls, tokens = raw
                 self._pending_events.append(
                     block_stored_for_request(
-                        req, hashes, parent, first, bs, group, self.medium, end_block=end, null_blocks=nulls
+                        req, hashes, parent, first, bs, group, self.medium, end_block=end, null_blocks=nulls,
+                        token_ids=tokens,
                     )
                 )
             elif kind == "removed":

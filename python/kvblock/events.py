@@ -108,6 +108,7 @@ def block_stored_for_request(
     use_int: bool | None = None,
     end_block: int | None = None,
     null_blocks: Sequence[int] = (),
+    token_ids: Sequence[int] | None = None,
 ) -> BlockStored:
     """The ``BlockStored`` vLLM publishes when blocks ``first_block .. end_block`` of
     ``request`` are cached (``end_block`` defaults to ``first_block + len(block_hashes)``).
@@ -115,8 +116,11 @@ def block_stored_for_request(
     As in vLLM's ``cache_full_blocks``, ``token_ids`` covers the whole range, while
     ``block_hashes`` and the per-block untagged ``extra_keys`` skip the range's null blocks
     (sliding-window blocks outside the window, table indices ``null_blocks``). Also the LoRA
-    identity. Without a request (blocks cached through the pool's id API) the token ids are
-    unknown: ``token_ids`` is empty and every block's extra keys are None."""
+    identity. ``token_ids``, when given, are the range's token ids as they were when the
+    blocks were cached (kvblock's pool copies them then, as vLLM builds the event then);
+    otherwise they are read from ``request.all_token_ids`` now. Without a request (blocks
+    cached through the pool's id API) the token ids are unknown: ``token_ids`` is empty and
+    every block's extra keys are None."""
     from .hashing import maybe_convert_block_hash
     from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window, to_event_extra_keys
 
@@ -150,7 +154,7 @@ def block_stored_for_request(
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
         parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
-        token_ids=list(tokens[first_block * block_size : end_block * block_size]),
+        token_ids=list(token_ids if token_ids is not None else tokens[first_block * block_size : end_block * block_size]),
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
         medium=medium,

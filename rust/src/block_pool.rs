@@ -454,6 +454,11 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
+    /// The buffered events, oldest first.
+    pub fn pending_events(&self) -> &[Event] {
+        &self.events
+    }
+
     /// Number of buffered events.
     pub fn num_pending_events(&self) -> usize {
         self.events.len()

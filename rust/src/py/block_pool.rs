@@ -130,27 +130,43 @@ pub struct PyBlockPool {
 /// The mutable state behind a `BlockPoolCore`.
 pub struct PoolState {
     pub inner: BlockPool,
-    /// Requests behind pending `BlockStored` events, by event tag.
-    tags: HashMap<u64, Py<PyAny>>,
+    /// Requests behind pending `BlockStored` events, by event tag, with the token ids the
+    /// event reports, copied when the blocks were cached (vLLM builds the event then).
+    tags: HashMap<u64, (Py<PyAny>, Option<Py<PyList>>)>,
     next_tag: u64,
 }
 
 impl PoolState {
     /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
     /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
-    /// is dropped again unless `f` buffered an event, whether `f` succeeded or not.
+    /// is dropped again unless `f` buffered an event, whether `f` succeeded or not. `tokens`
+    /// (the request's token list, read by the caller before anything changed) is sliced
+    /// right after `f` for the event's token ids; without it they are read when the events
+    /// are taken.
     #[inline(always)]
-    pub fn tagged<R>(&mut self, request: &Bound<'_, PyAny>, f: impl FnOnce(&mut BlockPool, u64) -> R) -> R {
+    pub fn tagged<R>(
+        &mut self,
+        request: &Bound<'_, PyAny>,
+        tokens: Option<&Bound<'_, PyList>>,
+        f: impl FnOnce(&mut BlockPool, u64) -> R,
+    ) -> R {
         if !self.inner.events_enabled() {
             return f(&mut self.inner, 0);
         }
         self.next_tag += 1;
         let tag = self.next_tag;
-        self.tags.insert(tag, request.clone().unbind());
         let pending = self.inner.num_pending_events();
         let res = f(&mut self.inner, tag);
-        if self.inner.num_pending_events() == pending {
-            self.tags.remove(&tag);
+        let stored = self.inner.pending_events()[pending..].iter().find_map(|e| match e {
+            Event::BlockStored { first_block, num_blocks, block_size, tag: t, .. } if *t == tag => {
+                Some((first_block * block_size, (first_block + num_blocks) * block_size))
+            }
+            _ => None,
+        });
+        if let Some((start, end)) = stored {
+            // a list slice: no Python code runs
+            let snapshot = tokens.map(|t| t.get_slice(start.min(t.len()), end.min(t.len())).unbind());
+            self.tags.insert(tag, (request.clone().unbind(), snapshot));
         }
         res
     }
@@ -541,15 +557,26 @@ impl PyBlockPool {
         } else {
             None
         };
-        me.tagged(request, |pool, tag| {
+        // the request's token list, for the BlockStored event (read before anything changes)
+        let tokens = if me.inner.events_enabled() && !request.is_none() {
+            match request.getattr(pyo3::intern!(py, "all_token_ids")) {
+                Ok(t) => t.cast_into::<PyList>().ok(),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => None,
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        me.tagged(request, tokens.as_ref(), |pool, tag| {
             pool.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag)
         })
         .py_err()
     }
 
     /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
-    /// block_size, group, request|None, end_block, [null block indices])`, `("removed", hash
-    /// bytes, group)`, `("cleared",)`.
+    /// block_size, group, request|None, end_block, [null block indices], token ids|None)` (the
+    /// token ids of the range as they were when cached, when the request's list was known),
+    /// `("removed", hash bytes, group)`, `("cleared",)`.
     fn take_raw_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut me = self.state.borrow_mut(py)?;
         let out = PyList::empty(py);
@@ -568,10 +595,13 @@ impl PyBlockPool {
                     let hs: Vec<Bound<'py, PyBytes>> =
                         block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
-                    let req = me.tags.remove(&tag);
+                    let (req, tokens) = match me.tags.remove(&tag) {
+                        Some((r, t)) => (Some(r), t),
+                        None => (None, None),
+                    };
                     let nulls: Vec<usize> = null_offsets.iter().map(|&o| first_block + o as usize).collect();
                     let end = first_block + num_blocks;
-                    out.append(("stored", hs, parent, first_block, block_size, group, req, end, nulls))?;
+                    out.append(("stored", hs, parent, first_block, block_size, group, req, end, nulls, tokens))?;
                 }
                 Event::BlockRemoved { block_hash, group } => {
                     out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;

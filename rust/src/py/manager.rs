@@ -18,6 +18,8 @@ struct ReqView<'py> {
     id: Bound<'py, PyString>,
     num_computed: usize,
     num_tokens: usize,
+    /// `request._all_token_ids` when it is a list (a `BlockStored` takes its tokens from it).
+    tokens: Option<Bound<'py, PyList>>,
 }
 
 /// A request id as `&str`. An ASCII id (vLLM's are) is read in place, without a call into
@@ -91,6 +93,8 @@ fn hashes_from<'py>(hashes: Option<Bound<'py, PyAny>>) -> impl FnOnce() -> crate
 /// does not read the prefix cache).
 struct LookupInput<'py> {
     hashes: Option<PyHashes<'py>>,
+    /// The request's token list, for a `BlockStored` a hit publishes.
+    tokens: Option<Bound<'py, PyList>>,
     /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
     report_hits: bool,
 }
@@ -147,11 +151,11 @@ impl ManagerState {
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
         let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
-        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
-            Some(t) => t.len()?,
-            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+        let (num_tokens, tokens) = match f.get_opt(request, Field::AllTokenIds)? {
+            Some(t) => (t.len()?, t.cast_into::<PyList>().ok()),
+            None => (request.getattr(intern!(py, "num_tokens"))?.extract()?, None),
         };
-        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
+        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens, tokens })
     }
 
     fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
@@ -195,7 +199,7 @@ impl ManagerState {
     /// Read what [`ManagerState::lookup`] needs from the request.
     fn lookup_input<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<LookupInput<'py>> {
         if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
-            return Ok(LookupInput { hashes: None, report_hits: false });
+            return Ok(LookupInput { hashes: None, tokens: None, report_hits: false });
         }
         let hashes = hashes_of(&self.fields, request)?;
         let events_enabled = self.pool.get().state.borrow(request.py())?.inner.events_enabled();
@@ -203,7 +207,12 @@ impl ManagerState {
             let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
             mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false)
         };
-        Ok(LookupInput { hashes: Some(hashes), report_hits })
+        let tokens = if report_hits {
+            self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok())
+        } else {
+            None
+        };
+        Ok(LookupInput { hashes: Some(hashes), tokens, report_hits })
     }
 
     /// The lookup on inputs already read (no request attribute is read here).
@@ -224,7 +233,9 @@ impl ManagerState {
         if !hit.is_empty() && input.report_hits {
             let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
             let bs = self.inner.block_size();
-            pool.state.borrow_mut(py)?.tagged(request, |pool, tag| pool.record_stored(hashes, bs, 0, tag));
+            pool.state
+                .borrow_mut(py)?
+                .tagged(request, input.tokens.as_ref(), |pool, tag| pool.record_stored(hashes, bs, 0, tag));
         }
         Ok(hit)
     }
@@ -448,7 +459,7 @@ impl PyManager {
             };
             let m = &mut *me;
             let hashes = hashes_from(block_hashes.clone());
-            let res = p.tagged(r, |pool, tag| {
+            let res = p.tagged(r, v.tokens.as_ref(), |pool, tag| {
                 args.event_tag = tag;
                 m.inner.allocate_slots(pool, id, &args, hashes)
             });
@@ -538,7 +549,7 @@ impl PyManager {
         let id = request_id_str(&v.id)?;
         let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
         let inner = &mut me.inner;
-        let res = p.tagged(request, |pool, tag| {
+        let res = p.tagged(request, v.tokens.as_ref(), |pool, tag| {
             args.event_tag = tag;
             inner.allocate_slots(pool, id, &args, hashes)
         });
@@ -626,7 +637,9 @@ impl PyManager {
         for (i, (r, v, wm, infl, prep)) in prepared.into_iter().enumerate() {
             let id = request_id_str(&v.id)?;
             let inner = &mut me.inner;
-            let res = p.tagged(&r, |pool, tag| inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep));
+            let res = p.tagged(&r, v.tokens.as_ref(), |pool, tag| {
+                inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep)
+            });
             match res.py_err()? {
                 None => counts.push(-1),
                 Some(new) => {
@@ -674,7 +687,7 @@ impl PyManager {
         let hashes = hashes_of(&me.fields, request)?;
         let id = request_id_str(&v.id)?;
         let inner = &mut me.inner;
-        p.tagged(request, |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
+        p.tagged(request, v.tokens.as_ref(), |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
     }
 
     /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
