@@ -542,3 +542,33 @@ def test_block_stored_reports_the_tokens_of_caching_time(api):
     assert run(BlockPool) == list(range(8))
     if api == "pool":
         assert run(RefPool) == list(range(8))
+
+
+def test_block_stored_tokens_from_a_read_only_sequence():
+    # vLLM's Request.all_token_ids is a ConstantList (a Sequence, not a list)
+    from collections.abc import Sequence
+
+    class ConstantList(Sequence):
+        def __init__(self, x):
+            self._x = x
+
+        def __getitem__(self, i):
+            return self._x[i]
+
+        def __len__(self):
+            return len(self._x)
+
+    class Req:
+        def __init__(self, tokens, hashes):
+            self._all_token_ids, self.block_hashes = tokens, hashes
+            self.lora_request = self.cache_salt = self.mm_features = self.prompt_embeds = None
+
+        @property
+        def all_token_ids(self):
+            return ConstantList(self._all_token_ids)
+
+    r = Req(list(range(8)), [bytes([1]) * 32, bytes([2]) * 32])
+    pool = BlockPool(8, True, 4, True)
+    pool.cache_full_blocks(r, pool.get_new_blocks(2), 0, 2, 4, 0)
+    r._all_token_ids[:] = [-1] * 8
+    assert pool.take_events()[0].token_ids == list(range(8))

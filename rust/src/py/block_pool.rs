@@ -560,7 +560,16 @@ impl PyBlockPool {
         // the request's token list, for the BlockStored event (read before anything changes)
         let tokens = if me.inner.events_enabled() && !request.is_none() {
             match request.getattr(pyo3::intern!(py, "all_token_ids")) {
-                Ok(t) => t.cast_into::<PyList>().ok(),
+                // a list is sliced after caching; any other sequence (vLLM's `ConstantList`)
+                // is copied now, while nothing has changed yet
+                Ok(t) => match t.cast_into::<PyList>() {
+                    Ok(list) => Some(list),
+                    Err(e) => Some(
+                        <PyList as pyo3::PyTypeInfo>::type_object(py)
+                            .call1((e.into_inner(),))?
+                            .cast_into::<PyList>()?,
+                    ),
+                },
                 Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => None,
                 Err(e) => return Err(e),
             }
