@@ -202,38 +202,32 @@ impl PyBlockPool {
     /// Total blocks, the null block included.
     #[getter]
     fn num_gpu_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.num_blocks())
+        self.state.with(py, |me| me.inner.num_blocks())
     }
 
     #[getter]
     fn enable_caching(&self, py: Python<'_>) -> PyResult<bool> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.enable_caching())
+        self.state.with(py, |me| me.inner.enable_caching())
     }
 
     #[getter]
     fn hash_block_size(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.hash_block_size())
+        self.state.with(py, |me| me.inner.hash_block_size())
     }
 
     #[getter]
     fn enable_kv_cache_events(&self, py: Python<'_>) -> PyResult<bool> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.events_enabled())
+        self.state.with(py, |me| me.inner.events_enabled())
     }
 
     /// Free blocks, cached-but-free ones included (vLLM `get_num_free_blocks`).
     fn get_num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.num_free_blocks())
+        self.state.with(py, |me| me.inner.num_free_blocks())
     }
 
     /// `1 - free / (num_gpu_blocks - 1)` (vLLM `get_usage`).
     fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.usage())
+        self.state.with(py, |me| me.inner.usage())
     }
 
     /// Bytes of per-block metadata (arena + free queue; the hash map excluded).
@@ -429,8 +423,8 @@ impl PyBlockPool {
         py: Python<'py>,
         #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.block_key(block_id).py_err()?.map(|k| key_bytes(py, &k)))
+        let key = self.state.with(py, |me| me.inner.block_key(block_id))?.py_err()?;
+        Ok(key.map(|k| key_bytes(py, &k)))
     }
 
     /// True if the block is in the free queue.
@@ -446,14 +440,12 @@ impl PyBlockPool {
 
     /// The free queue's block ids, head (next to allocate) first.
     fn free_queue_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.free_queue().collect())
+        self.state.with(py, |me| me.inner.free_queue().collect())
     }
 
     /// Number of keys in the hash -> block map.
     fn num_cached_keys(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.cache_map().len())
+        self.state.with(py, |me| me.inner.cache_map().len())
     }
 
     /// The hash -> block map as `{BlockHashWithGroupId: [block ids in insertion order]}`.

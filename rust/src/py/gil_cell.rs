@@ -50,6 +50,12 @@ impl<T> GilCell<T> {
         Ok(GilRef { cell: self, _not_send: PhantomData })
     }
 
+    /// `f` on a shared borrow (the getters' one-liner).
+    #[inline(always)]
+    pub fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&T) -> R) -> PyResult<R> {
+        Ok(f(&*self.borrow(py)?))
+    }
+
     /// A mutable borrow; `RuntimeError` while it is borrowed at all.
     #[inline(always)]
     pub fn borrow_mut<'a>(&'a self, _py: Python<'_>) -> PyResult<GilRefMut<'a, T>> {

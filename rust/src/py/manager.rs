@@ -707,33 +707,28 @@ impl PyManager {
 
     /// The request's block ids, in table order (empty if unknown).
     fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.block_ids(request_id).to_vec())
+        self.state.with(py, |me| me.inner.block_ids(request_id).to_vec())
     }
 
     /// Number of blocks already cached for the request, or None if it is not running.
     fn _num_cached_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<Option<usize>> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.state(request_id).and_then(|s| s.num_cached))
+        self.state.with(py, |me| me.inner.state(request_id).and_then(|s| s.num_cached))
     }
 
     /// Number of requests holding blocks.
     #[getter]
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.num_requests())
+        self.state.with(py, |me| me.inner.num_requests())
     }
 
     #[getter]
     fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.block_size())
+        self.state.with(py, |me| me.inner.block_size())
     }
 
     #[getter]
     fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.inner.max_model_len())
+        self.state.with(py, |me| me.inner.max_model_len())
     }
 
     /// The manager's block pool (the `BlockPool` it was built with; read-only: the manager
@@ -745,7 +740,6 @@ impl PyManager {
 
     #[getter]
     fn watermark_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        let me = self.state.borrow(py)?;
-        Ok(me.watermark_blocks)
+        self.state.with(py, |me| me.watermark_blocks)
     }
 }
