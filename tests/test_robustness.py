@@ -572,3 +572,22 @@ def test_block_stored_tokens_from_a_read_only_sequence():
     pool.cache_full_blocks(r, pool.get_new_blocks(2), 0, 2, 4, 0)
     r._all_token_ids[:] = [-1] * 8
     assert pool.take_events()[0].token_ids == list(range(8))
+
+
+def test_block_stored_reports_the_request_fields_of_caching_time():
+    # LoRA, salt and multimodal items as they were when the blocks were cached (vLLM builds
+    # the event then), on kvblock and the reference alike
+    from kvblock import LoRARequest
+    from kvblock.reference.manager import KVCacheManager as RefManager
+
+    def run(cls):
+        m = cls(num_blocks=8, block_size=4, enable_kv_cache_events=True)
+        r = Request("r", list(range(8)), lora_request=LoRARequest("a", 1), cache_salt="s",
+                    mm_features=[("img-0", 4, 4)], block_hasher=m.request_block_hasher)
+        m.allocate_slots(r, 8)
+        r.lora_request = r.cache_salt = r.mm_features = None
+        (e,) = m.take_events()
+        return e.lora_id, e.lora_name, e.extra_keys, e.token_ids
+
+    expected = (1, "a", [("a", "s"), ("a", ("img-0", 0))], list(range(8)))
+    assert run(KVCacheManager) == run(RefManager) == expected

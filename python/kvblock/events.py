@@ -141,7 +141,6 @@ def block_stored_for_request(
         end_block = first_block + n
     skip = set(null_blocks)
     indices = [i for i in range(first_block, end_block) if i not in skip]
-    tokens = request.all_token_ids
     extra: list = []
     if indices:
         s0 = indices[0] * block_size
@@ -154,7 +153,9 @@ def block_stored_for_request(
     return BlockStored(
         block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
         parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
-        token_ids=list(token_ids if token_ids is not None else tokens[first_block * block_size : end_block * block_size]),
+        token_ids=list(
+            token_ids if token_ids is not None else request.all_token_ids[first_block * block_size : end_block * block_size]
+        ),
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
         medium=medium,

@@ -4,6 +4,7 @@
 
 use super::convert::{extract_tokens, Tokens};
 use super::errors::{type_err, value_err, IntoPy};
+use super::fields::{Field, RequestFields};
 use super::gil_cell::GilCell;
 use crate::block_pool::{BlockPool, NULL_BLOCK};
 use crate::cache_map::Key;
@@ -127,27 +128,111 @@ pub struct PyBlockPool {
     pub state: GilCell<PoolState>,
 }
 
+/// What a `BlockStored` event reports about its request, read before the caching call
+/// changes anything: vLLM builds the event when it caches the blocks, so later changes to the
+/// request must not show in it.
+pub struct EventInputs<'py> {
+    /// The request's token list (a copy when its token sequence is not a list).
+    tokens: Option<Bound<'py, PyList>>,
+    /// `lora_request`, `mm_features`, `cache_salt`, `prompt_embeds`,
+    /// `_prompt_embeds_per_block_hashes` (None where the request has no such attribute).
+    fields: [Option<Bound<'py, PyAny>>; 5],
+}
+
+const EVENT_FIELDS: [(Field, &str); 5] = [
+    (Field::LoraRequest, "lora_request"),
+    (Field::MmFeatures, "mm_features"),
+    (Field::CacheSalt, "cache_salt"),
+    (Field::PromptEmbeds, "prompt_embeds"),
+    (Field::PromptEmbedsBlockHashes, "_prompt_embeds_per_block_hashes"),
+];
+
+impl<'py> EventInputs<'py> {
+    /// Read them from `request`; `tokens` is its token list when the caller has it (else
+    /// `request.all_token_ids` is read, and copied unless it is a list). Errors other than
+    /// a missing attribute propagate.
+    pub fn read(
+        fields: &RequestFields,
+        request: &Bound<'py, PyAny>,
+        tokens: Option<&Bound<'py, PyList>>,
+    ) -> PyResult<Self> {
+        let py = request.py();
+        let tokens = match tokens {
+            Some(t) => Some(t.clone()),
+            None => match request.getattr(pyo3::intern!(py, "all_token_ids")) {
+                // any other sequence (vLLM's `ConstantList`) is copied now
+                Ok(t) => match t.cast_into::<PyList>() {
+                    Ok(list) => Some(list),
+                    Err(e) => Some(
+                        <PyList as pyo3::PyTypeInfo>::type_object(py)
+                            .call1((e.into_inner(),))?
+                            .cast_into::<PyList>()?,
+                    ),
+                },
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => None,
+                Err(e) => return Err(e),
+            },
+        };
+        let mut out = [None, None, None, None, None];
+        for (slot, (field, _)) in out.iter_mut().zip(EVENT_FIELDS) {
+            *slot = fields.get_opt(request, field)?;
+        }
+        namespace_type(py)?; // fetched now, not after the change
+        Ok(EventInputs { tokens, fields: out })
+    }
+
+    /// The token ids of `[start, end)` and a `types.SimpleNamespace` of the fields read (a
+    /// list field copied): what a `BlockStored` over that range is built from. Runs no
+    /// Python code.
+    fn snapshot(&self, py: Python<'py>, start: usize, end: usize) -> PyResult<(Option<Py<PyList>>, Py<PyAny>)> {
+        let kwargs = PyDict::new(py);
+        for ((_, name), value) in EVENT_FIELDS.iter().zip(&self.fields) {
+            let value = match value {
+                Some(v) => match v.cast::<PyList>() {
+                    Ok(l) => l.get_slice(0, l.len()).into_any(),
+                    Err(_) => v.clone(),
+                },
+                None => py.None().into_bound(py),
+            };
+            kwargs.set_item(*name, value)?;
+        }
+        let tokens = self.tokens.as_ref().map(|t| t.get_slice(start.min(t.len()), end.min(t.len())).unbind());
+        let ns = namespace_type(py)?.bind(py).call((), Some(&kwargs))?;
+        Ok((tokens, ns.unbind()))
+    }
+}
+
+/// `types.SimpleNamespace`.
+fn namespace_type(py: Python<'_>) -> PyResult<&Py<PyAny>> {
+    static NS: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    NS.get_or_try_init(py, || Ok::<_, PyErr>(py.import("types")?.getattr("SimpleNamespace")?.unbind()))
+}
+
+/// The request behind a pending `BlockStored`: the request, and the token ids and field
+/// snapshot taken when its blocks were cached (None when they could not be).
+type StoredRequest = (Py<PyAny>, Option<Py<PyList>>, Option<Py<PyAny>>);
+
 /// The mutable state behind a `BlockPoolCore`.
 pub struct PoolState {
     pub inner: BlockPool,
     /// Requests behind pending `BlockStored` events, by event tag, with the token ids the
     /// event reports, copied when the blocks were cached (vLLM builds the event then).
-    tags: HashMap<u64, (Py<PyAny>, Option<Py<PyList>>)>,
+    tags: HashMap<u64, StoredRequest>,
     next_tag: u64,
 }
 
 impl PoolState {
     /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
     /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
-    /// is dropped again unless `f` buffered an event, whether `f` succeeded or not. `tokens`
-    /// (the request's token list, read by the caller before anything changed) is sliced
-    /// right after `f` for the event's token ids; without it they are read when the events
-    /// are taken.
+    /// is dropped again unless `f` buffered an event, whether `f` succeeded or not. `inputs`
+    /// (read by the caller before anything changed) give the event its token ids and request
+    /// fields as they are now, as vLLM builds the event when it caches; without them they
+    /// are read when the events are taken.
     #[inline(always)]
-    pub fn tagged<R>(
+    pub fn tagged<'py, R>(
         &mut self,
-        request: &Bound<'_, PyAny>,
-        tokens: Option<&Bound<'_, PyList>>,
+        request: &Bound<'py, PyAny>,
+        inputs: Option<&EventInputs<'py>>,
         f: impl FnOnce(&mut BlockPool, u64) -> R,
     ) -> R {
         if !self.inner.events_enabled() {
@@ -164,9 +249,13 @@ impl PoolState {
             _ => None,
         });
         if let Some((start, end)) = stored {
-            // a list slice: no Python code runs
-            let snapshot = tokens.map(|t| t.get_slice(start.min(t.len()), end.min(t.len())).unbind());
-            self.tags.insert(tag, (request.clone().unbind(), snapshot));
+            // list slices and a SimpleNamespace: no Python code runs; they can only fail for
+            // lack of memory, and then the event reads the request when taken
+            let (tokens, fields) = match inputs.map(|i| i.snapshot(request.py(), start, end)) {
+                Some(Ok((Some(t), ns))) => (Some(t), Some(ns)),
+                _ => (None, None), // no token list known: the event reads the request
+            };
+            self.tags.insert(tag, (request.clone().unbind(), tokens, fields));
         }
         res
     }
@@ -549,26 +638,13 @@ impl PyBlockPool {
         } else {
             None
         };
-        // the request's token list, for the BlockStored event (read before anything changes)
-        let tokens = if me.inner.events_enabled() && !request.is_none() {
-            match request.getattr(pyo3::intern!(py, "all_token_ids")) {
-                // a list is sliced after caching; any other sequence (vLLM's `ConstantList`)
-                // is copied now, while nothing has changed yet
-                Ok(t) => match t.cast_into::<PyList>() {
-                    Ok(list) => Some(list),
-                    Err(e) => Some(
-                        <PyList as pyo3::PyTypeInfo>::type_object(py)
-                            .call1((e.into_inner(),))?
-                            .cast_into::<PyList>()?,
-                    ),
-                },
-                Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => None,
-                Err(e) => return Err(e),
-            }
+        // what the BlockStored event reports, read before anything changes
+        let inputs = if me.inner.events_enabled() && !request.is_none() {
+            Some(EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?)
         } else {
             None
         };
-        me.tagged(request, tokens.as_ref(), |pool, tag| {
+        me.tagged(request, inputs.as_ref(), |pool, tag| {
             pool.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag)
         })
         .py_err()
@@ -597,7 +673,8 @@ impl PyBlockPool {
                         block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
                     let (req, tokens) = match me.tags.remove(&tag) {
-                        Some((r, t)) => (Some(r), t),
+                        // the snapshot stands for the request (the event reads only those)
+                        Some((r, t, ns)) => (Some(ns.unwrap_or(r)), t),
                         None => (None, None),
                     };
                     let nulls: Vec<usize> = null_offsets.iter().map(|&o| first_block + o as usize).collect();

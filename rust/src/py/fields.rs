@@ -27,9 +27,10 @@ pub enum Field {
     PromptEmbeds,
     HashLookahead,
     NextHashAt,
+    PromptEmbedsBlockHashes,
 }
 
-const N: usize = 15;
+const N: usize = 16;
 
 const NAMES: [&str; N] = [
     "request_id",
@@ -47,6 +48,7 @@ const NAMES: [&str; N] = [
     "prompt_embeds",
     "_hash_lookahead",
     "_next_hash_at",
+    "_prompt_embeds_per_block_hashes",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.

@@ -3,7 +3,7 @@
 //! call. `kvblock.KVCacheManager` subclasses it in Python (stats, events, facades).
 
 use super::block_ids::PyBlockIds;
-use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
+use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, EventInputs, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
@@ -93,8 +93,8 @@ fn hashes_from<'py>(hashes: Option<Bound<'py, PyAny>>) -> impl FnOnce() -> crate
 /// does not read the prefix cache).
 struct LookupInput<'py> {
     hashes: Option<PyHashes<'py>>,
-    /// The request's token list, for a `BlockStored` a hit publishes.
-    tokens: Option<Bound<'py, PyList>>,
+    /// What a `BlockStored` a hit publishes reports (with `report_hits`).
+    events: Option<EventInputs<'py>>,
     /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
     report_hits: bool,
 }
@@ -199,7 +199,7 @@ impl ManagerState {
     /// Read what [`ManagerState::lookup`] needs from the request.
     fn lookup_input<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<LookupInput<'py>> {
         if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
-            return Ok(LookupInput { hashes: None, tokens: None, report_hits: false });
+            return Ok(LookupInput { hashes: None, events: None, report_hits: false });
         }
         let hashes = hashes_of(&self.fields, request)?;
         let events_enabled = self.pool.get().state.borrow(request.py())?.inner.events_enabled();
@@ -207,12 +207,13 @@ impl ManagerState {
             let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
             mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false)
         };
-        let tokens = if report_hits {
-            self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok())
+        let events = if report_hits {
+            let tokens = self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok());
+            Some(EventInputs::read(&self.fields, request, tokens.as_ref())?)
         } else {
             None
         };
-        Ok(LookupInput { hashes: Some(hashes), tokens, report_hits })
+        Ok(LookupInput { hashes: Some(hashes), events, report_hits })
     }
 
     /// The lookup on inputs already read (no request attribute is read here).
@@ -235,9 +236,23 @@ impl ManagerState {
             let bs = self.inner.block_size();
             pool.state
                 .borrow_mut(py)?
-                .tagged(request, input.tokens.as_ref(), |pool, tag| pool.record_stored(hashes, bs, 0, tag));
+                .tagged(request, input.events.as_ref(), |pool, tag| pool.record_stored(hashes, bs, 0, tag));
         }
         Ok(hit)
+    }
+
+    /// What a `BlockStored` from caching this request's blocks reports, read now (None with
+    /// events off).
+    fn event_inputs<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        v: &ReqView<'py>,
+        events_enabled: bool,
+    ) -> PyResult<Option<EventInputs<'py>>> {
+        if !events_enabled {
+            return Ok(None);
+        }
+        EventInputs::read(&self.fields, request, v.tokens.as_ref()).map(Some)
     }
 
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -390,10 +405,13 @@ impl PyManager {
         // them). Everything phase 2 needs from a request is read here, so no request code
         // (a property) runs once admissions have begun.
         let mut checked = Vec::with_capacity(reqs.len());
+        let mut events = Vec::with_capacity(reqs.len());
         {
             let me = slf.get().state.borrow(py)?;
+            let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
             for r in reqs.iter() {
                 let v = me.view(&r)?;
+                events.push(me.event_inputs(&r, &v, events_enabled)?);
                 let input = me.lookup_input(&r)?;
                 let block_hashes = if me.enable_caching { Some(me.fields.get(&r, Field::BlockHashes)?) } else { None };
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
@@ -438,7 +456,9 @@ impl PyManager {
         let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
-        for (&id, (r, v, apply_watermark, num_in_flight_tokens, input, block_hashes)) in ids.iter().zip(&checked) {
+        for ((&id, (r, v, apply_watermark, num_in_flight_tokens, input, block_hashes)), ev) in
+            ids.iter().zip(&checked).zip(&events)
+        {
             let (r, num_tokens, apply_watermark, num_in_flight_tokens) =
                 (r, v.num_tokens, *apply_watermark, *num_in_flight_tokens);
             let hit = slf.get().state.borrow(py)?.lookup_with(r, input, num_tokens)?;
@@ -459,7 +479,7 @@ impl PyManager {
             };
             let m = &mut *me;
             let hashes = hashes_from(block_hashes.clone());
-            let res = p.tagged(r, v.tokens.as_ref(), |pool, tag| {
+            let res = p.tagged(r, ev.as_ref(), |pool, tag| {
                 args.event_tag = tag;
                 m.inner.allocate_slots(pool, id, &args, hashes)
             });
@@ -548,8 +568,9 @@ impl PyManager {
         };
         let id = request_id_str(&v.id)?;
         let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
+        let events = me.event_inputs(request, &v, p.inner.events_enabled())?;
         let inner = &mut me.inner;
-        let res = p.tagged(request, v.tokens.as_ref(), |pool, tag| {
+        let res = p.tagged(request, events.as_ref(), |pool, tag| {
             args.event_tag = tag;
             inner.allocate_slots(pool, id, &args, hashes)
         });
@@ -624,20 +645,21 @@ impl PyManager {
             let wm = me.watermark_applies(&r, true)?;
             let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
             let hashes = hashes_for(me.enable_caching, &me.fields, &r)?;
+            let events = me.event_inputs(&r, &v, p.inner.events_enabled())?;
             let id = request_id_str(&v.id)?;
             let prep = me.inner.prepare_allocate(&p.inner, id, &args_of(i, &v, wm, infl, 0), hashes, mark).py_err()?;
             if prep.is_new() && !new_ids.insert(id.to_owned()) {
                 return Err(value_err("requests", format!("request {id:?} is listed twice")));
             }
-            prepared.push((r, v, wm, infl, prep));
+            prepared.push((r, v, wm, infl, prep, events));
         }
         // Phase 2: allocate in order.
         let mut counts = Vec::with_capacity(n);
         let mut all = Vec::new();
-        for (i, (r, v, wm, infl, prep)) in prepared.into_iter().enumerate() {
+        for (i, (r, v, wm, infl, prep, events)) in prepared.into_iter().enumerate() {
             let id = request_id_str(&v.id)?;
             let inner = &mut me.inner;
-            let res = p.tagged(&r, v.tokens.as_ref(), |pool, tag| {
+            let res = p.tagged(&r, events.as_ref(), |pool, tag| {
                 inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep)
             });
             match res.py_err()? {
@@ -685,9 +707,10 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let hashes = hashes_of(&me.fields, request)?;
+        let events = me.event_inputs(request, &v, p.inner.events_enabled())?;
         let id = request_id_str(&v.id)?;
         let inner = &mut me.inner;
-        p.tagged(request, v.tokens.as_ref(), |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
+        p.tagged(request, events.as_ref(), |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
     }
 
     /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
