@@ -18,8 +18,6 @@ struct ReqView<'py> {
     id: Bound<'py, PyString>,
     num_computed: usize,
     num_tokens: usize,
-    /// `request._all_token_ids` when it is a list (a `BlockStored` takes its tokens from it).
-    tokens: Option<Bound<'py, PyList>>,
 }
 
 /// A request id as `&str`. An ASCII id (vLLM's are) is read in place, without a call into
@@ -151,11 +149,11 @@ impl ManagerState {
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
         let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
-        let (num_tokens, tokens) = match f.get_opt(request, Field::AllTokenIds)? {
-            Some(t) => (t.len()?, t.cast_into::<PyList>().ok()),
-            None => (request.getattr(intern!(py, "num_tokens"))?.extract()?, None),
+        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
+            Some(t) => t.len()?,
+            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
         };
-        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens, tokens })
+        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
     }
 
     fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
@@ -207,12 +205,7 @@ impl ManagerState {
             let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
             mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false)
         };
-        let events = if report_hits {
-            let tokens = self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok());
-            Some(EventInputs::read(&self.fields, request, tokens.as_ref())?)
-        } else {
-            None
-        };
+        let events = self.event_inputs(request, report_hits)?;
         Ok(LookupInput { hashes: Some(hashes), events, report_hits })
     }
 
@@ -243,16 +236,17 @@ impl ManagerState {
 
     /// What a `BlockStored` from caching this request's blocks reports, read now (None with
     /// events off).
+    #[inline(always)]
     fn event_inputs<'py>(
         &self,
         request: &Bound<'py, PyAny>,
-        v: &ReqView<'py>,
         events_enabled: bool,
     ) -> PyResult<Option<EventInputs<'py>>> {
         if !events_enabled {
             return Ok(None);
         }
-        EventInputs::read(&self.fields, request, v.tokens.as_ref()).map(Some)
+        let tokens = self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok());
+        EventInputs::read(&self.fields, request, tokens.as_ref()).map(Some)
     }
 
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -411,7 +405,7 @@ impl PyManager {
             let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
             for r in reqs.iter() {
                 let v = me.view(&r)?;
-                events.push(me.event_inputs(&r, &v, events_enabled)?);
+                events.push(me.event_inputs(&r, events_enabled)?);
                 let input = me.lookup_input(&r)?;
                 let block_hashes = if me.enable_caching { Some(me.fields.get(&r, Field::BlockHashes)?) } else { None };
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
@@ -568,7 +562,7 @@ impl PyManager {
         };
         let id = request_id_str(&v.id)?;
         let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
-        let events = me.event_inputs(request, &v, p.inner.events_enabled())?;
+        let events = me.event_inputs(request, p.inner.events_enabled())?;
         let inner = &mut me.inner;
         let res = p.tagged(request, events.as_ref(), |pool, tag| {
             args.event_tag = tag;
@@ -645,7 +639,7 @@ impl PyManager {
             let wm = me.watermark_applies(&r, true)?;
             let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
             let hashes = hashes_for(me.enable_caching, &me.fields, &r)?;
-            let events = me.event_inputs(&r, &v, p.inner.events_enabled())?;
+            let events = me.event_inputs(&r, p.inner.events_enabled())?;
             let id = request_id_str(&v.id)?;
             let prep = me.inner.prepare_allocate(&p.inner, id, &args_of(i, &v, wm, infl, 0), hashes, mark).py_err()?;
             if prep.is_new() && !new_ids.insert(id.to_owned()) {
@@ -707,7 +701,7 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let hashes = hashes_of(&me.fields, request)?;
-        let events = me.event_inputs(request, &v, p.inner.events_enabled())?;
+        let events = me.event_inputs(request, p.inner.events_enabled())?;
         let id = request_id_str(&v.id)?;
         let inner = &mut me.inner;
         p.tagged(request, events.as_ref(), |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
