@@ -253,6 +253,15 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Give back the references `free_blocks` took from `ids` before it failed.
+    fn undo_decrements(&mut self, ids: &[u32]) {
+        for &r in ids {
+            if r != NULL_BLOCK {
+                self.ref_cnt[r as usize] += 1;
+            }
+        }
+    }
+
     /// `free_blocks(ordered_blocks)`: drop one reference per listed block (null skipped when
     /// `skip_null`). Blocks reaching 0 are queued: unhashed ones (or all, with caching off)
     /// prepended to the head in the given order, hashed ones appended to the tail in the given
@@ -274,11 +283,7 @@ impl BlockPool {
             }
             let rc = &mut self.ref_cnt[b as usize];
             if *rc == 0 {
-                for &r in &ids[..i] {
-                    if r != NULL_BLOCK {
-                        self.ref_cnt[r as usize] += 1;
-                    }
-                }
+                self.undo_decrements(&ids[..i]);
                 self.scratch = reached;
                 return Err(Error::Value(format!("block_ids: block {b} is already free (ref_cnt 0): double free")));
             }
@@ -287,11 +292,7 @@ impl BlockPool {
                 if self.queue.contains(b) {
                     // queued while in use (a raw free-queue call): queuing it again would
                     // corrupt the queue
-                    for &r in &ids[..=i] {
-                        if r != NULL_BLOCK {
-                            self.ref_cnt[r as usize] += 1;
-                        }
-                    }
+                    self.undo_decrements(&ids[..=i]);
                     self.scratch = reached;
                     return Err(Error::State(format!(
                         "block {b} is already in the free queue although it was in use (put there by a raw free-queue call)"

@@ -65,7 +65,6 @@ struct Entry {
     tail: u32,
 }
 
-/// What a lookup touches: the key and its first block inline, so a hit reads one bucket.
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {

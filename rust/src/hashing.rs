@@ -164,6 +164,7 @@ impl Digest {
     pub fn padded(&self) -> &[u8; 32] {
         &self.bytes
     }
+
     /// True if `b` holds the same digest bytes (fixed-size compares, no call).
     #[inline(always)]
     pub fn eq_bytes(&self, b: &[u8]) -> bool {

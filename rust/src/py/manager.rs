@@ -3,8 +3,9 @@
 //! call. `kvblock.KVCacheManager` subclasses it in Python (stats, events, facades).
 
 use super::block_ids::PyBlockIds;
-use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, EventInputs, PyBlockPool};
+use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
+use super::events::EventInputs;
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
 use crate::manager::{AllocArgs, HashSource, Manager};
@@ -95,6 +96,18 @@ struct LookupInput<'py> {
     events: Option<EventInputs<'py>>,
     /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
     report_hits: bool,
+}
+
+/// Everything `admit_batch` reads from one request, read before it admits any.
+struct Admission<'py> {
+    request: Bound<'py, PyAny>,
+    view: ReqView<'py>,
+    apply_watermark: bool,
+    num_in_flight_tokens: usize,
+    lookup: LookupInput<'py>,
+    /// `request.block_hashes` (None with caching off).
+    block_hashes: Option<Bound<'py, PyAny>>,
+    events: Option<EventInputs<'py>>,
 }
 
 fn not_initialised() -> PyErr {
@@ -399,26 +412,34 @@ impl PyManager {
         // them). Everything phase 2 needs from a request is read here, so no request code
         // (a property) runs once admissions have begun.
         let mut checked = Vec::with_capacity(reqs.len());
-        let mut events = Vec::with_capacity(reqs.len());
         {
             let me = slf.get().state.borrow(py)?;
             let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
             for r in reqs.iter() {
-                let v = me.view(&r)?;
-                events.push(me.event_inputs(&r, events_enabled)?);
-                let input = me.lookup_input(&r)?;
+                let view = me.view(&r)?;
+                let events = me.event_inputs(&r, events_enabled)?;
+                let lookup = me.lookup_input(&r)?;
                 let block_hashes = if me.enable_caching { Some(me.fields.get(&r, Field::BlockHashes)?) } else { None };
                 let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
                 let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-                checked.push((r, v, apply_watermark, num_in_flight_tokens, input, block_hashes));
+                checked.push(Admission {
+                    request: r,
+                    view,
+                    apply_watermark,
+                    num_in_flight_tokens,
+                    lookup,
+                    block_hashes,
+                    events,
+                });
             }
         }
-        let ids: Vec<&str> = checked.iter().map(|x| request_id_str(&x.1.id)).collect::<PyResult<_>>()?;
+        let ids: Vec<&str> = checked.iter().map(|a| request_id_str(&a.view.id)).collect::<PyResult<_>>()?;
         {
             let me = slf.get().state.borrow(py)?;
             let p = me.pool.get().state.borrow(py)?;
             let mut seen = hashbrown::HashSet::with_capacity(ids.len());
-            for (&id, (_, v, apply_watermark, num_in_flight_tokens, _, block_hashes)) in ids.iter().zip(&checked) {
+            for (&id, a) in ids.iter().zip(&checked) {
+                let v = &a.view;
                 if me.inner.state(id).is_some() {
                     return Err(value_err("requests", format!("request {id:?} already holds blocks in this manager")));
                 }
@@ -439,23 +460,20 @@ impl PyManager {
                     num_tokens: v.num_tokens,
                     num_new_tokens: v.num_tokens,
                     num_lookahead_tokens: lookahead,
-                    apply_watermark: *apply_watermark,
-                    num_in_flight_tokens: *num_in_flight_tokens,
+                    apply_watermark: a.apply_watermark,
+                    num_in_flight_tokens: a.num_in_flight_tokens,
                     ..Default::default()
                 };
-                me.inner.prepare_allocate(&p.inner, id, &args, hashes_from(block_hashes.clone()), 0).py_err()?;
+                me.inner.prepare_allocate(&p.inner, id, &args, hashes_from(a.block_hashes.clone()), 0).py_err()?;
             }
         }
         // Phase 2: admit in order.
         let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
-        for ((&id, (r, v, apply_watermark, num_in_flight_tokens, input, block_hashes)), ev) in
-            ids.iter().zip(&checked).zip(&events)
-        {
-            let (r, num_tokens, apply_watermark, num_in_flight_tokens) =
-                (r, v.num_tokens, *apply_watermark, *num_in_flight_tokens);
-            let hit = slf.get().state.borrow(py)?.lookup_with(r, input, num_tokens)?;
+        for (&id, a) in ids.iter().zip(&checked) {
+            let (r, num_tokens) = (&a.request, a.view.num_tokens);
+            let hit = slf.get().state.borrow(py)?.lookup_with(r, &a.lookup, num_tokens)?;
             let mut me = slf.get().state.borrow_mut(py)?;
             let n = hit.len() * me.inner.block_size();
             let pool = me.pool.bind(py).clone();
@@ -467,13 +485,13 @@ impl PyManager {
                 new_computed: &hit,
                 has_new_computed: !hit.is_empty(),
                 num_lookahead_tokens: lookahead,
-                apply_watermark,
-                num_in_flight_tokens,
+                apply_watermark: a.apply_watermark,
+                num_in_flight_tokens: a.num_in_flight_tokens,
                 ..Default::default()
             };
             let m = &mut *me;
-            let hashes = hashes_from(block_hashes.clone());
-            let res = p.tagged(r, ev.as_ref(), |pool, tag| {
+            let hashes = hashes_from(a.block_hashes.clone());
+            let res = p.tagged(r, a.events.as_ref(), |pool, tag| {
                 args.event_tag = tag;
                 m.inner.allocate_slots(pool, id, &args, hashes)
             });

@@ -5,6 +5,7 @@ pub mod block_ids;
 pub mod block_pool;
 pub mod convert;
 pub mod errors;
+pub mod events;
 pub mod fields;
 pub mod gil_cell;
 pub mod hashing;
