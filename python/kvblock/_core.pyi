@@ -42,6 +42,7 @@ class RequestBlockHasher:
         num_hash_lookahead_tokens: int,
         extra_keys: Callable[[Any, int, int, int, int], list[Any]],
         root: Callable[[], bytes],
+        digest_memo_blocks: int = 0,
     ) -> RequestBlockHasher: ...
     @property
     def block_size(self) -> int: ...
@@ -49,6 +50,12 @@ class RequestBlockHasher:
     def num_hash_lookahead_tokens(self) -> int: ...
     @property
     def hash_fn(self) -> HashFunction: ...
+    @property
+    def digest_memo_blocks(self) -> int:
+        """Digest-memo slots (0: off; else a power of two)."""
+    def digest_memo_info(self) -> tuple[int, int, int]:
+        """``(hits, stores, held)``: blocks served from the memo, digests stored, entries held."""
+    def clear_digest_memo(self) -> None: ...
     def __call__(self, request: Any) -> list[bytes]: ...
 
 def hash_block_tokens(

@@ -23,6 +23,7 @@ __all__ = [
     "BlockHash",
     "BlockHashWithGroupId",
     "BlockHashListWithBlockSize",
+    "DEFAULT_DIGEST_MEMO_BLOCKS",
     "DEFAULT_NONE_HASH_SEED",
     "HashFunction",
     "NONE_HASH",
@@ -63,6 +64,9 @@ _BY_NAME = {f.name: f for f in (sha256, sha256_cbor, xxhash, xxhash_cbor)}
 
 #: The seed string of the root hash when ``PYTHONHASHSEED`` is unset (sha256, sha256_cbor).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+#: Digest-memo slots of a request block hasher (see :func:`get_request_block_hasher`).
+DEFAULT_DIGEST_MEMO_BLOCKS = 16384
 
 #: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
 NONE_HASH: BlockHash | None = None
@@ -223,6 +227,8 @@ def get_request_block_hasher(
     block_size: int,
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
+    *,
+    digest_memo_blocks: int = DEFAULT_DIGEST_MEMO_BLOCKS,
 ) -> Callable[[Any], list[BlockHash]]:
     """vLLM's ``get_request_block_hasher``: a closure that hashes a request's new full blocks.
 
@@ -238,6 +244,21 @@ def get_request_block_hasher(
     With ``num_hash_lookahead_tokens = L > 0`` (EAGLE), a block is hashed only once ``L``
     tokens past its end exist, its extra keys cover ``[start, end + L)``, and the value hashed
     as extra keys is ``(E, t_end, ..., t_end+L-1)``.
+
+    Digest memo (kvblock hash functions only; not in vLLM, same results): the Rust hasher
+    remembers the digests of the last ``digest_memo_blocks`` distinct blocks it hashed
+    without extra keys, keyed by their exact input (parent digest and token ids, compared in
+    full), so a prefix that many requests share (a system prompt) is hashed once, not once
+    per request. The new blocks of a call that start with memoized ones are served from the
+    memo — the same ``bytes`` objects — and the rest are hashed and memoized. It holds about
+    ``8 * block_size + 48`` bytes per slot (2.8 MiB for 16384 slots at block size 16); the
+    slot count is rounded up to a power of two, and 0 turns it off. Blocks with extra keys
+    (LoRA, multimodal, cache_salt, prompt embeds, lookahead) are always hashed. The hasher's
+    ``digest_memo_info()`` gives ``(hits, stores, held)``; ``clear_digest_memo()`` empties it.
+
+    Raises:
+        ValueError: ``block_size <= 0``, ``num_hash_lookahead_tokens < 0``, or
+            ``digest_memo_blocks`` outside ``[0, 2**24]``.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
@@ -246,7 +267,8 @@ def get_request_block_hasher(
     lookahead = num_hash_lookahead_tokens
     if isinstance(caching_hash_fn, HashFunction):
         return _core.RequestBlockHasher(
-            block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn)
+            block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn),
+            digest_memo_blocks,
         )
 
     def request_block_hasher(request: Any) -> list[BlockHash]:

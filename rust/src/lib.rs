@@ -6,6 +6,7 @@
 pub mod block_pool;
 pub mod cache_map;
 pub mod cbor;
+pub mod digest_memo;
 pub mod error;
 pub mod events;
 pub mod free_queue;

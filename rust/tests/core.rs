@@ -291,3 +291,118 @@ mod plain_blocks {
         }
     }
 }
+
+mod digest_memo {
+    use _core::digest_memo::DigestMemo;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn exact_hits_only() {
+        let mut m: DigestMemo<u32> = DigestMemo::new(8, 4);
+        assert_eq!(m.capacity(), 8);
+        let parent = [7u8; 32];
+        assert_eq!(m.get(&parent, &[1, 2, 3, 4]), None);
+        assert_eq!(m.insert(&parent, &[1, 2, 3, 4], 10), None);
+        assert_eq!(m.get(&parent, &[1, 2, 3, 4]), Some(&10));
+        // one token, one parent byte or the parent's length differs: a miss
+        assert_eq!(m.get(&parent, &[1, 2, 3, 5]), None);
+        let mut other = parent;
+        other[31] ^= 1;
+        assert_eq!(m.get(&other, &[1, 2, 3, 4]), None);
+        assert_eq!(m.get(&parent[..16], &[1, 2, 3, 4]), None);
+        // negative token ids are keyed by value too
+        assert_eq!(m.insert(&parent, &[-1, 0, 1, i64::MIN], 11), None);
+        assert_eq!(m.get(&parent, &[-1, 0, 1, i64::MIN]), Some(&11));
+        assert_eq!(m.hits(), 2);
+        assert_eq!(m.stores(), 2);
+    }
+
+    #[test]
+    fn what_it_cannot_key_is_handed_back() {
+        let mut m: DigestMemo<u32> = DigestMemo::new(4, 2);
+        assert_eq!(m.insert(&[1u8; 33], &[1, 2], 5), Some(5)); // parent over 32 bytes
+        assert_eq!(m.insert(&[1u8; 32], &[1, 2, 3], 6), Some(6)); // not one block
+        let mut off: DigestMemo<u32> = DigestMemo::new(0, 2);
+        assert_eq!(off.capacity(), 0);
+        assert_eq!(off.insert(&[1u8; 32], &[1, 2], 7), Some(7));
+        assert_eq!(off.get(&[1u8; 32], &[1, 2]), None);
+        assert!(m.is_empty() && off.is_empty());
+    }
+
+    #[test]
+    fn a_set_keeps_its_most_recently_used_entries() {
+        // 4 slots = one set of 4 ways: every key lands in it
+        let mut m: DigestMemo<u64> = DigestMemo::new(1, 1);
+        assert_eq!(m.capacity(), 4);
+        for t in 0..4 {
+            assert_eq!(m.insert(&[1u8; 16], &[t], t as u64), None);
+        }
+        assert_eq!(m.get(&[1u8; 16], &[0]), Some(&0)); // 0 is now the most recently used
+        assert_eq!(m.insert(&[1u8; 16], &[4], 4), Some(1)); // 1 was the least
+        assert_eq!(m.get(&[1u8; 16], &[1]), None);
+        assert_eq!(m.insert(&[1u8; 16], &[0], 10), Some(0)); // same key: replaced in place
+        assert_eq!(m.get(&[1u8; 16], &[0]), Some(&10));
+        assert_eq!(m.len(), 4);
+        let mut held = m.clear();
+        held.sort();
+        assert_eq!(held, vec![2, 3, 4, 10]);
+        assert_eq!(m.get(&[1u8; 16], &[2]), None);
+        assert!(m.is_empty());
+    }
+
+    #[test]
+    fn a_long_chain_stays_whole() {
+        // 128 blocks of one prompt in 16384 slots: every one is still there afterwards
+        let mut m: DigestMemo<usize> = DigestMemo::new(16384, 16);
+        let blocks: Vec<Vec<i64>> = (0..128).map(|b| (0..16).map(|t| (b * 16 + t) * 7919 % 128000).collect()).collect();
+        for (i, b) in blocks.iter().enumerate() {
+            m.insert(&[i as u8; 32], b, i);
+        }
+        for (i, b) in blocks.iter().enumerate() {
+            assert_eq!(m.get(&[i as u8; 32], b), Some(&i));
+        }
+    }
+
+    proptest! {
+        /// Against a map of everything ever stored: a hit always returns the last value stored
+        /// under exactly that key.
+        #[test]
+        fn hits_are_what_was_stored(ops in prop::collection::vec(
+            (0u8..3, 0u8..4, prop::collection::vec(-2i64..3, 3), any::<u32>()), 1..200)) {
+            let mut m: DigestMemo<u32> = DigestMemo::new(4, 3);
+            let mut model: HashMap<(u8, Vec<i64>), u32> = HashMap::new();
+            for (op, p, toks, v) in ops {
+                let parent = [p; 32];
+                if op == 0 {
+                    m.insert(&parent, &toks, v);
+                    model.insert((p, toks), v);
+                } else if let Some(got) = m.get(&parent, &toks) {
+                    prop_assert_eq!(Some(got), model.get(&(p, toks)));
+                }
+            }
+        }
+    }
+}
+
+mod digest_memo_admission {
+    use _core::digest_memo::DigestMemo;
+
+    #[test]
+    fn a_block_is_kept_on_its_second_offer() {
+        let mut m: DigestMemo<u32> = DigestMemo::new(64, 2);
+        let parent = [3u8; 32];
+        assert_eq!(m.offer(&parent, &[1, 2], 7), Some(7)); // first sighting: handed back
+        assert_eq!(m.get(&parent, &[1, 2]), None);
+        assert_eq!(m.offer(&parent, &[1, 2], 8), None); // second: kept
+        assert_eq!(m.get(&parent, &[1, 2]), Some(&8));
+        assert_eq!(m.offer(&parent, &[1, 2], 9), Some(9)); // held: a first offer again
+        assert_eq!(m.offer(&parent, &[1, 2], 10), Some(8)); // and then replaced in place
+        assert_eq!(m.get(&parent, &[1, 2]), Some(&10));
+        assert_eq!(m.stores(), 2);
+        // a cleared memo forgets the sightings too
+        m.clear();
+        assert_eq!(m.offer(&parent, &[1, 2], 1), Some(1));
+        assert_eq!(m.offer(&[4u8; 32], &[1, 2], 2), Some(2)); // another parent: another key
+    }
+}

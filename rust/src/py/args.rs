@@ -74,6 +74,7 @@ named!(int64 -> i64:
     num_encoder_tokens = "num_encoder_tokens", reserved_blocks = "reserved_blocks",
     num_computed_tokens = "num_computed_tokens", max_model_len = "max_model_len",
     watermark_blocks = "watermark_blocks", num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
+    digest_memo_blocks = "digest_memo_blocks",
 );
 named!(uint32 -> u32: block_id_u32 = "block_id", group_id = "group_id");
 named!(count -> usize:

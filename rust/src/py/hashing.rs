@@ -1,9 +1,8 @@
 //! Bindings of chained block hashing: `HashFunction` (vLLM's `sha256(obj)` & co),
-//! `hash_block_tokens` and the batch `hash_blocks`.
+//! `hash_block_tokens` and the batch `hash_blocks` (the request hasher: `request_hasher.rs`).
 
 use super::convert::{extract_token_range, extract_tokens, to_value};
 use super::errors::{type_err, value_err, IntoPy};
-use super::fields::{Field, RequestFields};
 use crate::hashing::{BlockHasher, HashAlgo};
 use crate::value::Value;
 use crate::with_token_slice;
@@ -11,13 +10,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::cell::RefCell;
 
-/// Blocks at or above which `hash_requests` releases the GIL (and may use several threads).
-const DETACH_MIN_BLOCKS: usize = 32;
-
 /// Blocks at or above which `hash_blocks` releases the GIL: 1024 blocks take about 0.1-0.2 ms
 /// (SHA-256); below that, holding the GIL costs other threads less than giving it up and
 /// lets the digests' bytes objects be built while the chain hashes.
-const HASH_BLOCKS_DETACH_MIN_BLOCKS: usize = 1024;
+pub const HASH_BLOCKS_DETACH_MIN_BLOCKS: usize = 1024;
 
 thread_local! {
     static HASHERS: RefCell<[Option<BlockHasher>; 4]> = const { RefCell::new([None, None, None, None]) };
@@ -118,7 +114,7 @@ fn parent_bytes<'a>(parent: &'a Bound<'_, PyAny>) -> PyResult<&'a [u8]> {
     }
 }
 
-fn extra_of(extra: Option<&Bound<'_, PyAny>>, arg: &str) -> PyResult<Option<Value>> {
+pub fn extra_of(extra: Option<&Bound<'_, PyAny>>, arg: &str) -> PyResult<Option<Value>> {
     match extra {
         None => Ok(None),
         Some(e) if e.is_none() => Ok(None),
@@ -239,242 +235,4 @@ pub fn hash_blocks<'py>(
         return Err(e); // a bytes allocation failed
     }
     Ok(list)
-}
-
-/// vLLM's request block hasher in one Rust call: `hasher(request)` hashes the request's newly
-/// completed full blocks (from `len(request.block_hashes) * block_size`), chained from
-/// `request.block_hashes[-1]` (or NONE_HASH), with per-block extra keys assembled in Python
-/// only when the request has LoRA, multimodal items, a salt or prompt embeds. It does not
-/// mutate the request. `block_size` and `num_hash_lookahead_tokens` are exposed so a request
-/// can skip calls that cannot complete a block.
-#[pyclass(module = "kvblock._core", name = "RequestBlockHasher", frozen)]
-pub struct PyRequestBlockHasher {
-    hash_fn: Py<PyHashFunction>,
-    algo: HashAlgo,
-    block_size: usize,
-    lookahead: usize,
-    /// `extra_keys(request, start, num_blocks, block_size, lookahead) -> list`
-    extra_keys: Py<PyAny>,
-    /// `root() -> bytes`: the current NONE_HASH (initialised on first use).
-    root: Py<PyAny>,
-}
-
-#[pymethods]
-impl PyRequestBlockHasher {
-    #[new]
-    fn new(
-        #[pyo3(from_py_with = super::args::block_size)] block_size: i64,
-        hash_fn: Bound<'_, PyHashFunction>,
-        #[pyo3(from_py_with = super::args::num_hash_lookahead_tokens)] num_hash_lookahead_tokens: i64,
-        extra_keys: Py<PyAny>,
-        root: Py<PyAny>,
-    ) -> PyResult<Self> {
-        if block_size <= 0 {
-            return Err(value_err("block_size", format!("must be > 0, got {block_size}")));
-        }
-        if num_hash_lookahead_tokens < 0 {
-            return Err(value_err("num_hash_lookahead_tokens", "must be >= 0"));
-        }
-        let algo = hash_fn.get().algo;
-        Ok(PyRequestBlockHasher {
-            hash_fn: hash_fn.unbind(),
-            algo,
-            block_size: block_size as usize,
-            lookahead: num_hash_lookahead_tokens as usize,
-            extra_keys,
-            root,
-        })
-    }
-
-    #[getter]
-    fn block_size(&self) -> usize {
-        self.block_size
-    }
-
-    #[getter]
-    fn num_hash_lookahead_tokens(&self) -> usize {
-        self.lookahead
-    }
-
-    #[getter]
-    fn hash_fn(&self, py: Python<'_>) -> Py<PyHashFunction> {
-        self.hash_fn.clone_ref(py)
-    }
-
-    fn __call__<'py>(&self, py: Python<'py>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let fields = RequestFields::of_kvblock_request(py)?;
-        let hashes = fields.get(request, Field::BlockHashes)?;
-        let hashes = hashes.cast::<PyList>().map_err(|_| type_err("request.block_hashes", "must be a list"))?;
-        let tokens = fields.get(request, Field::AllTokenIds)?;
-        let num_tokens = tokens.len()?;
-        let bs = self.block_size;
-        let start = hashes.len() * bs;
-        let avail = num_tokens.saturating_sub(self.lookahead + start);
-        let num_new = avail / bs;
-        if num_new == 0 {
-            return Ok(PyList::empty(py));
-        }
-        let parent = if hashes.is_empty() { self.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
-        let has_extra = self.lookahead > 0 || fields.has_extra_keys(request)?;
-        let extra = if has_extra {
-            Some(self.extra_keys.bind(py).call1((request, start, num_new, bs, self.lookahead))?)
-        } else {
-            None
-        };
-        let algo = self.hash_fn.bind(py).clone().into_any();
-        hash_blocks(
-            py,
-            &algo,
-            &tokens,
-            bs as i64,
-            &parent,
-            extra.as_ref(),
-            start as i64,
-            Some((start + num_new * bs) as i64),
-        )
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "RequestBlockHasher(block_size={}, hash_fn='{}', num_hash_lookahead_tokens={})",
-            self.block_size,
-            self.algo.name(),
-            self.lookahead
-        )
-    }
-}
-
-/// Start the worker threads `hash_requests` uses (if not yet started) and return their number
-/// (the `RAYON_NUM_THREADS` environment variable sets it; default: one per CPU).
-#[pyfunction]
-pub fn hashing_threads() -> usize {
-    rayon::current_num_threads()
-}
-
-/// Blocks at or above which `hash_requests` spreads the work over threads.
-const PARALLEL_MIN_BLOCKS: usize = 512;
-
-/// Bring the `block_hashes` of many requests up to date in one call (the batch form of
-/// `request.update_block_hashes()`): requests whose hasher is a `RequestBlockHasher` are
-/// hashed in Rust — on several threads, without the GIL, when there is enough work (e.g. the
-/// prompts of a step's new requests); any other hasher is called as usual, after them.
-///
-/// Every request is read and checked before any `block_hashes` changes: a request listed
-/// twice (ValueError), a malformed request or hash list (TypeError / ValueError) leaves all of
-/// them as they were. Only a Python hasher that raises while it runs (last) can leave the
-/// requests before it updated.
-#[pyfunction]
-pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<usize> {
-    use super::convert::TokenBuf;
-    use crate::hashing::{hash_chains, ChainJob};
-    use pyo3::intern;
-    struct Job<'py> {
-        request: Bound<'py, PyAny>,
-        hashes: Bound<'py, PyList>,
-        algo: HashAlgo,
-        parent_id: u64,
-        parent: Vec<u8>,
-        tokens: Vec<i64>,
-        block_size: usize,
-        extras: Option<Vec<Option<Value>>>,
-    }
-    let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
-    let fields = RequestFields::of_kvblock_request(py)?;
-    let mut seen = hashbrown::HashSet::with_capacity(reqs.len());
-    for r in reqs.iter() {
-        if !seen.insert(r.as_ptr() as usize) {
-            let id = r.getattr(intern!(py, "request_id")).map(|i| i.to_string()).unwrap_or_default();
-            return Err(value_err("requests", format!("request {id:?} is listed twice")));
-        }
-    }
-    let mut jobs: Vec<Job<'_>> = Vec::new();
-    // Requests hashed by their own Python hasher, after the Rust-hashed ones.
-    let mut deferred: Vec<Bound<'_, PyAny>> = Vec::new();
-    for r in reqs.iter() {
-        let hasher = fields.get(&r, Field::BlockHasher)?;
-        let Ok(h) = hasher.cast::<PyRequestBlockHasher>() else {
-            deferred.push(r);
-            continue;
-        };
-        let h = h.get();
-        let hashes = fields
-            .get(&r, Field::BlockHashes)?
-            .cast_into::<PyList>()
-            .map_err(|_| type_err("request.block_hashes", "must be a list"))?;
-        let tokens = fields.get(&r, Field::AllTokenIds)?;
-        let bs = h.block_size;
-        let start = hashes.len() * bs;
-        let num_new = tokens.len()?.saturating_sub(h.lookahead + start) / bs;
-        if num_new == 0 {
-            continue;
-        }
-        let parent = if hashes.is_empty() { h.root.bind(py).call0()? } else { hashes.get_item(hashes.len() - 1)? };
-        let parent_id = parent.as_ptr() as usize as u64;
-        let parent =
-            parent.cast::<PyBytes>().map_err(|_| type_err("parent_block_hash", "expected bytes"))?.as_bytes().to_vec();
-        let has_extra = h.lookahead > 0 || fields.has_extra_keys(&r)?;
-        let extras = if has_extra {
-            let e = h.extra_keys.bind(py).call1((&r, start, num_new, bs, h.lookahead))?;
-            let mut v = Vec::with_capacity(num_new);
-            for i in 0..num_new {
-                v.push(extra_of(Some(&e.get_item(i)?), &format!("extra_keys[{i}]"))?);
-            }
-            Some(v)
-        } else {
-            None
-        };
-        let toks = match extract_token_range(&tokens, "request._all_token_ids", start, Some(start + num_new * bs))? {
-            super::convert::Tokens::I64(TokenBuf::Owned(v)) => v,
-            other => {
-                // rare: tokens beyond 64 bits or a buffer; hash this request on its own
-                let _ = other;
-                deferred.push(r);
-                continue;
-            }
-        };
-        jobs.push(Job {
-            request: r.clone(),
-            hashes,
-            algo: h.algo,
-            parent_id,
-            parent,
-            tokens: toks,
-            block_size: bs,
-            extras,
-        });
-    }
-    let total: usize = jobs.iter().map(|j| j.tokens.len() / j.block_size).sum();
-    let chain_jobs: Vec<ChainJob<'_>> = jobs
-        .iter()
-        .map(|j| ChainJob {
-            algo: j.algo,
-            parent_id: j.parent_id,
-            parent: &j.parent,
-            tokens: &j.tokens,
-            block_size: j.block_size,
-            extras: j.extras.as_deref(),
-        })
-        .collect();
-    let parallel = total >= PARALLEL_MIN_BLOCKS;
-    let results = if total >= DETACH_MIN_BLOCKS {
-        py.detach(|| hash_chains(&chain_jobs, parallel))
-    } else {
-        hash_chains(&chain_jobs, false)
-    }
-    .py_err()?;
-    for (j, digests) in jobs.iter().zip(results) {
-        for d in digests {
-            j.hashes.append(PyBytes::new(py, d.as_bytes()))?;
-        }
-        // the token count at which the request's next block completes (Request.update_block_hashes)
-        let next = (j.hashes.len() + 1) * j.block_size;
-        if let Ok(la) = fields.get(&j.request, Field::HashLookahead) {
-            let la: usize = la.extract()?;
-            fields.set(&j.request, Field::NextHashAt, &(next + la).into_pyobject(py)?.into_any())?;
-        }
-    }
-    for r in &deferred {
-        r.call_method0(intern!(py, "update_block_hashes"))?;
-    }
-    Ok(total)
 }

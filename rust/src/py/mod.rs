@@ -10,6 +10,7 @@ pub mod fields;
 pub mod gil_cell;
 pub mod hashing;
 pub mod manager;
+pub mod request_hasher;
 
 use pyo3::prelude::*;
 
@@ -30,13 +31,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
     m.add_class::<hashing::PyHashFunction>()?;
-    m.add_class::<hashing::PyRequestBlockHasher>()?;
+    m.add_class::<request_hasher::PyRequestBlockHasher>()?;
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
-    m.add_function(wrap_pyfunction!(hashing::hash_requests, m)?)?;
-    m.add_function(wrap_pyfunction!(hashing::hashing_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;
+    m.add_function(wrap_pyfunction!(request_hasher::hashing_threads, m)?)?;
     Ok(())
 }

@@ -1,0 +1,213 @@
+//! `DigestMemo`: a bounded memo of recently computed block digests, keyed by the exact hash
+//! input of a block that has no extra keys: the parent digest and the block's token ids.
+//!
+//! Serving traffic hashes the same blocks again and again: every request that starts with a
+//! shared system prompt hashes that prompt's blocks when it is created (vLLM hashes each
+//! prompt in full, per request). The memo remembers recent digests so that such a block
+//! costs a lookup instead of a SHA-256 (or XXH3) of its serialization.
+//!
+//! A hit is exact: an entry matches only if its parent bytes and every token id are equal,
+//! so the digest returned is the one the hash function gives for that input; the XXH3 hash
+//! of the key only picks the set and screens the ways. The memo is 4-way set-associative,
+//! with a fixed number of slots set at construction; a new entry replaces the least recently
+//! used one of its set (a direct-mapped memo lost whole prompts: one collision between two
+//! blocks of the same prompt cut every later request's memoized run at that block). One memo
+//! serves one algorithm and one block size (its owner's); extra keys are not part of the key,
+//! so blocks with extra keys must not be memoized.
+//!
+//! Admission ([`DigestMemo::offer`]): a block is stored the second time it is offered, not
+//! the first. Most blocks are never hashed twice (unique prompt suffixes, outputs), and
+//! storing one costs several cache misses (its key, the slot, releasing the entry it
+//! replaces): with every block stored, a memo of 16384 slots made hashing unique prompts
+//! about 90 ns per block slower. A first offer only leaves the key's 32-bit fingerprint in a
+//! small table of recent first sightings (a "doorkeeper", as in TinyLFU).
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Words of an entry before its token ids: the parent's length, then its bytes (zero-padded
+/// to 32, little-endian words).
+const PARENT_WORDS: usize = 5;
+
+/// Longest parent (bytes) the memo keys: a SHA-256 digest.
+pub const MAX_PARENT_LEN: usize = 32;
+
+/// Ways (slots) per set.
+pub const WAYS: usize = 4;
+
+/// A set-associative memo of block digests (see the module docs); `V` is the stored digest
+/// (e.g. the bytes object handed to Python).
+pub struct DigestMemo<V> {
+    block_size: usize,
+    /// Words per entry: `PARENT_WORDS + block_size`.
+    stride: usize,
+    /// Number of sets minus one (a power of two); unused when the memo has no slots.
+    set_mask: usize,
+    /// Per slot: the key's hash with the low bit set, or 0 for an empty slot.
+    tags: Vec<u64>,
+    /// Per slot: the tick of its last store or hit (least recently used = smallest).
+    used: Vec<u64>,
+    /// Entry `i` is `keys[i * stride..(i + 1) * stride]`.
+    keys: Vec<u64>,
+    values: Vec<Option<V>>,
+    /// Fingerprints of keys offered once (0: none), indexed by their hash: the doorkeeper.
+    seen: Vec<u32>,
+    tick: u64,
+    hits: u64,
+    stores: u64,
+}
+
+/// The parent as key words; None if it is longer than [`MAX_PARENT_LEN`].
+#[inline]
+fn parent_words(parent: &[u8]) -> Option<[u64; PARENT_WORDS]> {
+    if parent.len() > MAX_PARENT_LEN {
+        return None;
+    }
+    let mut padded = [0u8; MAX_PARENT_LEN];
+    padded[..parent.len()].copy_from_slice(parent);
+    let mut w = [parent.len() as u64, 0, 0, 0, 0];
+    for (dst, chunk) in w[1..].iter_mut().zip(padded.chunks_exact(8)) {
+        *dst = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
+    }
+    Some(w)
+}
+
+impl<V> DigestMemo<V> {
+    /// A memo with room for `capacity` blocks (rounded up to a power of two, at least
+    /// [`WAYS`]; 0 keeps nothing) of `block_size` tokens each.
+    pub fn new(capacity: usize, block_size: usize) -> Self {
+        let slots = if capacity == 0 || block_size == 0 { 0 } else { capacity.next_power_of_two().max(WAYS) };
+        let stride = PARENT_WORDS + block_size;
+        DigestMemo {
+            block_size,
+            stride,
+            set_mask: (slots / WAYS).saturating_sub(1),
+            tags: vec![0; slots],
+            used: vec![0; slots],
+            keys: vec![0; slots * stride],
+            values: (0..slots).map(|_| None).collect(),
+            seen: vec![0; slots],
+            tick: 0,
+            hits: 0,
+            stores: 0,
+        }
+    }
+
+    /// Number of slots (blocks the memo can hold).
+    pub fn capacity(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Lookups that found their digest.
+    pub fn hits(&self) -> u64 {
+        self.hits
+    }
+
+    /// Digests stored.
+    pub fn stores(&self) -> u64 {
+        self.stores
+    }
+
+    /// The key's tag (its hash with the low bit set, so never 0) and its set's first slot, or
+    /// None if the memo has no slots or cannot key it.
+    #[inline]
+    fn locate(&self, parent: &[u64; PARENT_WORDS], tokens: &[i64]) -> Option<(u64, usize)> {
+        if self.values.is_empty() || tokens.len() != self.block_size {
+            return None;
+        }
+        let words = (parent[1], parent[2], parent[3], parent[4]);
+        let parent_bytes = [words.0.to_le_bytes(), words.1.to_le_bytes(), words.2.to_le_bytes(), words.3.to_le_bytes()];
+        let seed = xxh3_64_with_seed(parent_bytes.as_flattened(), parent[0]);
+        // SAFETY: an i64 slice is plain bytes (no padding), `size_of_val` of them.
+        let bytes = unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) };
+        let h = xxh3_64_with_seed(bytes, seed);
+        Some((h | 1, ((h >> 32) as usize & self.set_mask) * WAYS))
+    }
+
+    /// True if slot `i` holds exactly `(parent, tokens)`.
+    #[inline]
+    fn holds(&self, i: usize, tag: u64, parent: &[u64; PARENT_WORDS], tokens: &[i64]) -> bool {
+        if self.tags[i] != tag {
+            return false;
+        }
+        let key = &self.keys[i * self.stride..(i + 1) * self.stride];
+        key[..PARENT_WORDS] == *parent && key[PARENT_WORDS..].iter().zip(tokens).all(|(&k, &t)| k == t as u64)
+    }
+
+    /// The digest memoized for `(parent, tokens)`, if any.
+    #[inline]
+    pub fn get(&mut self, parent: &[u8], tokens: &[i64]) -> Option<&V> {
+        let p = parent_words(parent)?;
+        let (tag, first) = self.locate(&p, tokens)?;
+        let i = (first..first + WAYS).find(|&i| self.holds(i, tag, &p, tokens))?;
+        self.tick += 1;
+        self.used[i] = self.tick;
+        self.hits += 1;
+        self.values[i].as_ref()
+    }
+
+    /// Remember `value` as the digest of `(parent, tokens)`, in place of the same key's entry
+    /// or else of the least recently used entry of its set. Returns the value replaced, or
+    /// `value` itself when the memo cannot keep it (no slots, a parent over 32 bytes, or not
+    /// a whole block).
+    pub fn insert(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
+        let Some(p) = parent_words(parent) else { return Some(value) };
+        let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
+        self.store(tag, first, &p, tokens, value)
+    }
+
+    /// [`DigestMemo::insert`] on the key's second offer; on a first offer only its
+    /// fingerprint is noted and `value` is handed back (a key held already but offered as if
+    /// new keeps its entry, which holds the same digest).
+    pub fn offer(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
+        let Some(p) = parent_words(parent) else { return Some(value) };
+        let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
+        let seen_at = (tag as usize >> 1) & (self.seen.len() - 1);
+        let fingerprint = (tag >> 32) as u32 | 1;
+        if self.seen[seen_at] != fingerprint {
+            self.seen[seen_at] = fingerprint;
+            return Some(value);
+        }
+        self.seen[seen_at] = 0;
+        self.store(tag, first, &p, tokens, value)
+    }
+
+    /// Store the entry in its set: over the same key, else the least recently used slot.
+    fn store(&mut self, tag: u64, first: usize, p: &[u64; PARENT_WORDS], tokens: &[i64], value: V) -> Option<V> {
+        let i = (first..first + WAYS)
+            .find(|&i| self.holds(i, tag, p, tokens))
+            .unwrap_or_else(|| (first..first + WAYS).min_by_key(|&i| self.used[i]).expect("WAYS > 0"));
+        let key = &mut self.keys[i * self.stride..(i + 1) * self.stride];
+        key[..PARENT_WORDS].copy_from_slice(p);
+        for (k, &t) in key[PARENT_WORDS..].iter_mut().zip(tokens) {
+            *k = t as u64;
+        }
+        self.tick += 1;
+        self.used[i] = self.tick;
+        self.tags[i] = tag;
+        self.stores += 1;
+        self.values[i].replace(value)
+    }
+
+    /// Forget every entry (the counters stay) and return the values held.
+    pub fn clear(&mut self) -> Vec<V> {
+        self.tags.iter_mut().for_each(|t| *t = 0);
+        self.seen.iter_mut().for_each(|s| *s = 0);
+        self.used.iter_mut().for_each(|u| *u = 0);
+        self.values.iter_mut().filter_map(Option::take).collect()
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.values.iter().filter(|v| v.is_some()).count()
+    }
+
+    /// True if no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

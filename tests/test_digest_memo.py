@@ -1,0 +1,134 @@
+"""The request hasher's digest memo: served digests are exactly the reference's, whatever the
+memo holds (tiny memos that evict constantly included), on the per-request and the batch
+path; blocks are kept on their second hashing; extra keys bypass it; bad sizes are refused."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvblock import hashing as H
+from kvblock.reference import hashing as R
+from kvblock.request import LoRARequest, Request
+
+BS = 4
+
+
+@pytest.fixture
+def roots(seed_env):
+    seed_env("0")
+    H.init_none_hash(H.sha256)
+    R.init_none_hash(R.sha256)
+
+
+def test_kept_on_second_hashing_then_served_as_the_same_objects(roots):
+    hasher = H.get_request_block_hasher(BS, H.sha256)
+    assert hasher.digest_memo_blocks == H.DEFAULT_DIGEST_MEMO_BLOCKS
+    prompt = list(range(100, 133))  # 8 full blocks and one token
+    a = Request("a", prompt, block_hasher=hasher)
+    assert hasher.digest_memo_info() == (0, 0, 0)  # first sighting: nothing kept
+    b = Request("b", prompt, block_hasher=hasher)
+    assert hasher.digest_memo_info() == (0, 8, 8)
+    c = Request("c", prompt + [5, 6, 7], block_hasher=hasher)
+    assert hasher.digest_memo_info() == (8, 8, 8)  # the 8 shared blocks; the 9th is new
+    assert a.block_hashes == b.block_hashes == c.block_hashes[:8]
+    assert all(x is y for x, y in zip(b.block_hashes, c.block_hashes))
+    ref = R.get_request_block_hasher(BS, R.sha256)
+    assert c.block_hashes == Request("r", prompt + [5, 6, 7], block_hasher=ref).block_hashes
+    hasher.clear_digest_memo()
+    assert hasher.digest_memo_info() == (8, 8, 0)
+    Request("d", prompt, block_hasher=hasher)
+    assert hasher.digest_memo_info()[0] == 8  # forgotten: no new hits
+
+
+def test_off_and_bad_sizes(roots):
+    off = H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=0)
+    for _ in range(3):
+        Request("a", list(range(40)), block_hasher=off)
+    assert off.digest_memo_blocks == 0 and off.digest_memo_info() == (0, 0, 0)
+    assert H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=5).digest_memo_blocks == 8
+    for bad in (-1, 2**24 + 1, 2**70):
+        with pytest.raises(ValueError, match="digest_memo_blocks"):
+            H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=bad)
+    for bad in (True, "16", 1.5):
+        with pytest.raises(TypeError, match="digest_memo_blocks"):
+            H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=bad)
+
+
+def test_extra_keys_bypass_the_memo(roots):
+    hasher = H.get_request_block_hasher(BS, H.sha256)
+    ref = R.get_request_block_hasher(BS, R.sha256)
+    prompt = list(range(24))
+    kws = [dict(cache_salt="s"), dict(lora_request=LoRARequest("l", 1, "/p")), dict(mm_features=[("img", 2, 5)])]
+    for kw in kws:
+        for _ in range(3):
+            r = Request("r", prompt, block_hasher=hasher, **kw)
+            assert r.block_hashes == Request("r", prompt, block_hasher=ref, **kw).block_hashes
+    assert hasher.digest_memo_info() == (0, 0, 0)
+    lookahead = H.get_request_block_hasher(BS, H.sha256, 2)
+    for _ in range(3):
+        Request("r", prompt, block_hasher=lookahead)
+    assert lookahead.digest_memo_info() == (0, 0, 0)
+
+
+def test_a_new_root_is_a_new_key(seed_env):
+    """Re-initialising NONE_HASH must not serve digests chained from the old root."""
+    hasher = H.get_request_block_hasher(BS, H.sha256)
+    prompt = list(range(16))
+    for seed in ("0", "1", "0"):
+        seed_env(seed)
+        H.init_none_hash(H.sha256)
+        R.init_none_hash(R.sha256)
+        for _ in range(3):
+            got = Request("r", prompt, block_hasher=hasher).block_hashes
+            assert got == Request("r", prompt, block_hasher=R.get_request_block_hasher(BS, R.sha256)).block_hashes
+    assert hasher.digest_memo_info()[0] > 0
+
+
+_prefixes = [list(range(1000, 1000 + 4 * BS)), list(range(2000, 2000 + 3 * BS)), [7] * (2 * BS)]
+_request = st.tuples(
+    st.sampled_from(range(len(_prefixes))),
+    st.integers(0, 4 * BS),  # how much of the prefix
+    st.lists(st.integers(0, 9), max_size=3 * BS),  # suffix (few values: suffixes repeat too)
+    st.sampled_from([None, "salt"]),
+    st.lists(st.integers(0, 5), max_size=2 * BS),  # outputs appended one by one
+)
+
+
+# seed_env only sets the same PYTHONHASHSEED for every example (and restores the roots after)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    reqs=st.lists(_request, min_size=1, max_size=12),
+    memo_blocks=st.sampled_from([4, 8, 64, 16384]),
+    algo=st.sampled_from(H.ALGORITHMS),
+    batch=st.booleans(),
+)
+def test_memoized_hashes_equal_the_reference(seed_env, reqs, memo_blocks, algo, batch):
+    seed_env("0")
+    fn, rfn = H.get_hash_fn_by_name(algo), R.get_hash_fn_by_name(algo)
+    H.init_none_hash(fn)
+    R.init_none_hash(rfn)
+    hasher = H.get_request_block_hasher(BS, fn, digest_memo_blocks=memo_blocks)
+    ref_hasher = R.get_request_block_hasher(BS, rfn)
+    made = []
+    for i, (p, n, suffix, salt, outputs) in enumerate(reqs):
+        prompt = (_prefixes[p][:n] + suffix) or [1]
+        r = Request(f"r{i}", prompt, cache_salt=salt)
+        ref = Request(f"r{i}", prompt, cache_salt=salt, block_hasher=ref_hasher)
+        r.attach_block_hasher(hasher, hash_now=not batch)
+        made.append((r, ref, outputs))
+    if batch:
+        H.hash_requests([r for r, _, _ in made])
+    for r, ref, outputs in made:
+        assert r.block_hashes == ref.block_hashes
+    for r, ref, outputs in made:
+        for t in outputs:
+            if batch:
+                r._output_token_ids.append(t)
+                r._all_token_ids.append(t)
+                H.hash_requests([r])
+            else:
+                r.append_output_token_ids(t)
+            ref.append_output_token_ids(t)
+            assert r.block_hashes == ref.block_hashes
