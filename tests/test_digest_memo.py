@@ -42,6 +42,21 @@ def test_kept_on_second_hashing_then_served_as_the_same_objects(roots):
     assert hasher.digest_memo_info()[0] == 8  # forgotten: no new hits
 
 
+def test_output_blocks_are_hashed_straight_away(roots):
+    hasher = H.get_request_block_hasher(BS, H.sha256)
+    ref = R.get_request_block_hasher(BS, R.sha256)
+    # one full prompt block (memoized on r1, served to r2), outputs complete the next ones
+    rs = [Request(f"r{i}", [1, 2, 3, 4, 5], block_hasher=hasher) for i in range(3)]
+    refs = [Request(f"r{i}", [1, 2, 3, 4, 5], block_hasher=ref) for i in range(3)]
+    for _ in range(2):
+        for r, f in zip(rs, refs):
+            for t in (6, 7, 8, 9):
+                r.append_output_token_ids(t)
+                f.append_output_token_ids(t)
+            assert r.block_hashes == f.block_hashes
+    assert hasher.digest_memo_info() == (1, 1, 1)  # the same output blocks, never memoized
+
+
 def test_off_and_bad_sizes(roots):
     off = H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=0)
     for _ in range(3):

@@ -246,14 +246,16 @@ def get_request_block_hasher(
     as extra keys is ``(E, t_end, ..., t_end+L-1)``.
 
     Digest memo (kvblock hash functions only; not in vLLM, same results): the Rust hasher
-    remembers the digests of the last ``digest_memo_blocks`` distinct blocks it hashed
-    without extra keys, keyed by their exact input (parent digest and token ids, compared in
-    full), so a prefix that many requests share (a system prompt) is hashed once, not once
-    per request. The new blocks of a call that start with memoized ones are served from the
-    memo — the same ``bytes`` objects — and the rest are hashed and memoized. It holds about
+    remembers the digests of prompt blocks (a request's blocks hashed from its first one,
+    without extra keys) that it has hashed twice, keyed by their exact input (parent digest
+    and token ids, compared in full), so a prefix that many requests share (a system prompt)
+    is hashed twice, not once per request. The new blocks of a prompt that start with
+    memoized ones are served from the memo — the same ``bytes`` objects — and the rest are
+    hashed and offered to it; blocks completed by output tokens are always hashed. It holds about
     ``8 * block_size + 48`` bytes per slot (2.8 MiB for 16384 slots at block size 16); the
-    slot count is rounded up to a power of two, and 0 turns it off. Blocks with extra keys
-    (LoRA, multimodal, cache_salt, prompt embeds, lookahead) are always hashed. The hasher's
+    slot count is rounded up to a power of two, and 0 turns it off; a set of 4 slots drops
+    its least recently used entry. Blocks with extra keys (LoRA, multimodal, cache_salt,
+    prompt embeds, lookahead) are always hashed. The hasher's
     ``digest_memo_info()`` gives ``(hits, stores, held)``; ``clear_digest_memo()`` empties it.
 
     Raises:

@@ -29,10 +29,11 @@ const MAX_MEMO_BLOCKS: i64 = 1 << 24;
 /// mutate the request. `block_size` and `num_hash_lookahead_tokens` are exposed so a request
 /// can skip calls that cannot complete a block.
 ///
-/// Blocks without extra keys go through a digest memo of `digest_memo_blocks` slots
-/// (`crate::digest_memo`): the longest run of new blocks whose exact input (parent digest and
-/// token ids) is memoized is served from it, the same bytes objects, and the blocks hashed
-/// after that run are offered to it (kept the second time a block is hashed).
+/// Prompts (calls that hash a request's blocks from its first one) without extra keys go
+/// through a digest memo of `digest_memo_blocks` slots (`crate::digest_memo`): the longest
+/// run of new blocks whose exact input (parent digest and token ids) is memoized is served
+/// from it, the same bytes objects, and the blocks hashed after that run are offered to it
+/// (kept the second time a block is hashed).
 #[pyclass(module = "kvblock._core", name = "RequestBlockHasher", frozen)]
 pub struct PyRequestBlockHasher {
     hash_fn: Py<PyHashFunction>,
@@ -80,6 +81,14 @@ impl PyRequestBlockHasher {
     /// True when the request's blocks get extra keys (then the memo is not used).
     fn has_extra(&self, fields: &RequestFields, request: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.lookahead > 0 || fields.has_extra_keys(request)?)
+    }
+
+    /// True if the memo serves a call that hashes from token `start`: prompts (a request's
+    /// blocks from its first one) without extra keys. Blocks completed by outputs are hashed
+    /// straight away: they are rarely shared, and a memo lookup and offer would add ~100 ns to
+    /// each decode block.
+    fn memoizes(&self, start: usize, has_extra: bool) -> bool {
+        start == 0 && !has_extra
     }
 
     /// Push onto `out` the memoized digests of the longest prefix of `tokens` (whole blocks,
@@ -250,7 +259,7 @@ impl PyRequestBlockHasher {
         let end = start + num_new * bs;
         let parent = self.parent(&hashes)?;
         let has_extra = self.has_extra(fields, request)?;
-        if !has_extra {
+        if self.memoizes(start, has_extra) {
             if let Ok(parent) = parent.cast::<PyBytes>() {
                 let toks = extract_token_range(&tokens, "request._all_token_ids", start, Some(end))?;
                 if let Tokens::I64(buf) = &toks {
@@ -369,7 +378,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             tokens: toks,
             extras,
         };
-        if !has_extra {
+        if h.memoizes(start, has_extra) {
             let mut found = Vec::new();
             let n = h.memo_prefix(py, job.parent_obj.cast::<PyBytes>()?, &job.tokens, &mut found)?;
             if let Some(last) = found.last() {
