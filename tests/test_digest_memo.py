@@ -71,6 +71,23 @@ def test_off_and_bad_sizes(roots):
             H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=bad)
 
 
+def test_large_blocks_get_a_bounded_memo(roots):
+    assert H.default_digest_memo_blocks(16) == 16384
+    assert H.default_digest_memo_blocks(1024) == 1024
+    assert H.default_digest_memo_blocks(1 << 19) == 0  # fewer than 4 slots: off
+    for bs in (1024, 1 << 19, 1 << 40):
+        assert H.get_request_block_hasher(bs, H.sha256).digest_memo_blocks == H.default_digest_memo_blocks(bs)
+    big = H.get_request_block_hasher(1024, H.sha256)
+    prompt = list(range(3000))
+    ref = Request("r", prompt, block_hasher=R.get_request_block_hasher(1024, R.sha256)).block_hashes
+    for _ in range(3):
+        assert Request("r", prompt, block_hasher=big).block_hashes == ref
+    assert big.digest_memo_info() == (2, 2, 2)
+    # asked for explicitly: refused when the keys would pass 1 GiB, not attempted
+    with pytest.raises(ValueError, match="digest_memo_blocks.*1024 MiB"):
+        H.get_request_block_hasher(1 << 16, H.sha256, digest_memo_blocks=1 << 14)
+
+
 def test_extra_keys_bypass_the_memo(roots):
     hasher = H.get_request_block_hasher(BS, H.sha256)
     ref = R.get_request_block_hasher(BS, R.sha256)

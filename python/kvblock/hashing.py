@@ -24,10 +24,12 @@ __all__ = [
     "BlockHashWithGroupId",
     "BlockHashListWithBlockSize",
     "DEFAULT_DIGEST_MEMO_BLOCKS",
+    "DEFAULT_DIGEST_MEMO_TOKENS",
     "DEFAULT_NONE_HASH_SEED",
     "HashFunction",
     "NONE_HASH",
     "block_hash_to_event_int",
+    "default_digest_memo_blocks",
     "get_block_hash",
     "get_group_id",
     "get_hash_fn_by_name",
@@ -65,8 +67,19 @@ _BY_NAME = {f.name: f for f in (sha256, sha256_cbor, xxhash, xxhash_cbor)}
 #: The seed string of the root hash when ``PYTHONHASHSEED`` is unset (sha256, sha256_cbor).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
-#: Digest-memo slots of a request block hasher (see :func:`get_request_block_hasher`).
+#: Digest-memo slots of a request block hasher (see :func:`get_request_block_hasher`), for
+#: blocks of up to 64 tokens; larger blocks get fewer (:func:`default_digest_memo_blocks`).
 DEFAULT_DIGEST_MEMO_BLOCKS = 16384
+
+#: Token ids a default digest memo may hold (8 MiB of keys).
+DEFAULT_DIGEST_MEMO_TOKENS = 1 << 20
+
+
+def default_digest_memo_blocks(block_size: int) -> int:
+    """Digest-memo slots a request block hasher gets by default: 16384, or as many blocks of
+    ``block_size`` as hold 2**20 token ids when that is fewer; 0 (no memo) below 4."""
+    n = min(DEFAULT_DIGEST_MEMO_BLOCKS, DEFAULT_DIGEST_MEMO_TOKENS // block_size)
+    return n if n >= 4 else 0
 
 #: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
 NONE_HASH: BlockHash | None = None
@@ -228,7 +241,7 @@ def get_request_block_hasher(
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
     *,
-    digest_memo_blocks: int = DEFAULT_DIGEST_MEMO_BLOCKS,
+    digest_memo_blocks: int | None = None,
 ) -> Callable[[Any], list[BlockHash]]:
     """vLLM's ``get_request_block_hasher``: a closure that hashes a request's new full blocks.
 
@@ -253,14 +266,16 @@ def get_request_block_hasher(
     memoized ones are served from the memo — the same ``bytes`` objects — and the rest are
     hashed and offered to it; blocks completed by output tokens are always hashed. It holds about
     ``8 * block_size + 48`` bytes per slot (2.8 MiB for 16384 slots at block size 16); the
-    slot count is rounded up to a power of two, and 0 turns it off; a set of 4 slots drops
+    default (None) is :func:`default_digest_memo_blocks`, the slot count is rounded up to a
+    power of two, and 0 turns it off; a set of 4 slots drops
     its least recently used entry. Blocks with extra keys (LoRA, multimodal, cache_salt,
     prompt embeds, lookahead) are always hashed. The hasher's
     ``digest_memo_info()`` gives ``(hits, stores, held)``; ``clear_digest_memo()`` empties it.
 
     Raises:
         ValueError: ``block_size <= 0``, ``num_hash_lookahead_tokens < 0``, or
-            ``digest_memo_blocks`` outside ``[0, 2**24]``.
+            ``digest_memo_blocks`` outside ``[0, 2**24]`` or over 1 GiB of keys.
+        TypeError: a ``digest_memo_blocks`` that is not an int.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
@@ -270,7 +285,7 @@ def get_request_block_hasher(
     if isinstance(caching_hash_fn, HashFunction):
         return _core.RequestBlockHasher(
             block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn),
-            digest_memo_blocks,
+            default_digest_memo_blocks(block_size) if digest_memo_blocks is None else digest_memo_blocks,
         )
 
     def request_block_hasher(request: Any) -> list[BlockHash]:

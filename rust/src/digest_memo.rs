@@ -22,6 +22,7 @@
 //! about 90 ns per block slower. A first offer only leaves the key's 32-bit fingerprint in a
 //! small table of recent first sightings (a "doorkeeper", as in TinyLFU).
 
+use crate::error::{Error, Result};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Words of an entry before its token ids: the parent's length, then its bytes (zero-padded
@@ -30,6 +31,9 @@ const PARENT_WORDS: usize = 5;
 
 /// Longest parent (bytes) the memo keys: a SHA-256 digest.
 pub const MAX_PARENT_LEN: usize = 32;
+
+/// Most memory a memo's keys may take (1 GiB).
+pub const MAX_KEY_BYTES: usize = 1 << 30;
 
 /// Ways (slots) per set.
 pub const WAYS: usize = 4;
@@ -74,22 +78,40 @@ fn parent_words(parent: &[u8]) -> Option<[u64; PARENT_WORDS]> {
 impl<V> DigestMemo<V> {
     /// A memo with room for `capacity` blocks (rounded up to a power of two, at least
     /// [`WAYS`]; 0 keeps nothing) of `block_size` tokens each.
-    pub fn new(capacity: usize, block_size: usize) -> Self {
-        let slots = if capacity == 0 || block_size == 0 { 0 } else { capacity.next_power_of_two().max(WAYS) };
-        let stride = PARENT_WORDS + block_size;
-        DigestMemo {
+    ///
+    /// Errors: `Value` if its keys would take more than [`MAX_KEY_BYTES`]; `Memory` if they
+    /// cannot be allocated.
+    pub fn new(capacity: usize, block_size: usize) -> Result<Self> {
+        let slots = if capacity == 0 || block_size == 0 {
+            0
+        } else {
+            capacity.checked_next_power_of_two().unwrap_or(usize::MAX).max(WAYS)
+        };
+        let stride = block_size.saturating_add(PARENT_WORDS);
+        let words = slots.checked_mul(stride).filter(|&w| w <= MAX_KEY_BYTES / 8).ok_or_else(|| {
+            Error::value(
+                "digest_memo_blocks",
+                format!("{capacity} slots of {block_size} tokens would take more than {} MiB", MAX_KEY_BYTES >> 20),
+            )
+        })?;
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(slots)
+            .map_err(|_| Error::Memory(format!("cannot allocate a digest memo of {slots} slots")))?;
+        values.extend((0..slots).map(|_| None));
+        Ok(DigestMemo {
             block_size,
             stride,
             set_mask: (slots / WAYS).saturating_sub(1),
-            tags: vec![0; slots],
-            used: vec![0; slots],
-            keys: vec![0; slots * stride],
-            values: (0..slots).map(|_| None).collect(),
-            seen: vec![0; slots],
+            tags: Error::try_vec("the digest memo", slots, 0)?,
+            used: Error::try_vec("the digest memo", slots, 0)?,
+            keys: Error::try_vec("the digest memo", words, 0)?,
+            values,
+            seen: Error::try_vec("the digest memo", slots, 0)?,
             tick: 0,
             hits: 0,
             stores: 0,
-        }
+        })
     }
 
     /// Number of slots (blocks the memo can hold).

@@ -299,7 +299,7 @@ mod digest_memo {
 
     #[test]
     fn exact_hits_only() {
-        let mut m: DigestMemo<u32> = DigestMemo::new(8, 4);
+        let mut m: DigestMemo<u32> = DigestMemo::new(8, 4).unwrap();
         assert_eq!(m.capacity(), 8);
         let parent = [7u8; 32];
         assert_eq!(m.get(&parent, &[1, 2, 3, 4]), None);
@@ -320,20 +320,24 @@ mod digest_memo {
 
     #[test]
     fn what_it_cannot_key_is_handed_back() {
-        let mut m: DigestMemo<u32> = DigestMemo::new(4, 2);
+        let mut m: DigestMemo<u32> = DigestMemo::new(4, 2).unwrap();
         assert_eq!(m.insert(&[1u8; 33], &[1, 2], 5), Some(5)); // parent over 32 bytes
         assert_eq!(m.insert(&[1u8; 32], &[1, 2, 3], 6), Some(6)); // not one block
-        let mut off: DigestMemo<u32> = DigestMemo::new(0, 2);
+        let mut off: DigestMemo<u32> = DigestMemo::new(0, 2).unwrap();
         assert_eq!(off.capacity(), 0);
         assert_eq!(off.insert(&[1u8; 32], &[1, 2], 7), Some(7));
         assert_eq!(off.get(&[1u8; 32], &[1, 2]), None);
         assert!(m.is_empty() && off.is_empty());
+        // keys over 1 GiB are refused, not attempted
+        assert!(DigestMemo::<u32>::new(1 << 20, 1 << 10).is_err());
+        assert!(DigestMemo::<u32>::new(4, usize::MAX).is_err());
+        assert!(DigestMemo::<u32>::new(usize::MAX, 16).is_err());
     }
 
     #[test]
     fn a_set_keeps_its_most_recently_used_entries() {
         // 4 slots = one set of 4 ways: every key lands in it
-        let mut m: DigestMemo<u64> = DigestMemo::new(1, 1);
+        let mut m: DigestMemo<u64> = DigestMemo::new(1, 1).unwrap();
         assert_eq!(m.capacity(), 4);
         for t in 0..4 {
             assert_eq!(m.insert(&[1u8; 16], &[t], t as u64), None);
@@ -354,7 +358,7 @@ mod digest_memo {
     #[test]
     fn a_long_chain_stays_whole() {
         // 128 blocks of one prompt in 16384 slots: every one is still there afterwards
-        let mut m: DigestMemo<usize> = DigestMemo::new(16384, 16);
+        let mut m: DigestMemo<usize> = DigestMemo::new(16384, 16).unwrap();
         let blocks: Vec<Vec<i64>> = (0..128).map(|b| (0..16).map(|t| (b * 16 + t) * 7919 % 128000).collect()).collect();
         for (i, b) in blocks.iter().enumerate() {
             m.insert(&[i as u8; 32], b, i);
@@ -370,7 +374,7 @@ mod digest_memo {
         #[test]
         fn hits_are_what_was_stored(ops in prop::collection::vec(
             (0u8..3, 0u8..4, prop::collection::vec(-2i64..3, 3), any::<u32>()), 1..200)) {
-            let mut m: DigestMemo<u32> = DigestMemo::new(4, 3);
+            let mut m: DigestMemo<u32> = DigestMemo::new(4, 3).unwrap();
             let mut model: HashMap<(u8, Vec<i64>), u32> = HashMap::new();
             for (op, p, toks, v) in ops {
                 let parent = [p; 32];
@@ -390,7 +394,7 @@ mod digest_memo_admission {
 
     #[test]
     fn a_block_is_kept_on_its_second_offer() {
-        let mut m: DigestMemo<u32> = DigestMemo::new(64, 2);
+        let mut m: DigestMemo<u32> = DigestMemo::new(64, 2).unwrap();
         let parent = [3u8; 32];
         assert_eq!(m.offer(&parent, &[1, 2], 7), Some(7)); // first sighting: handed back
         assert_eq!(m.get(&parent, &[1, 2]), None);

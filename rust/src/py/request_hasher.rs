@@ -211,7 +211,10 @@ impl PyRequestBlockHasher {
             lookahead: num_hash_lookahead_tokens as usize,
             extra_keys,
             root,
-            memo: GilCell::new(DigestMemo::new(digest_memo_blocks as usize, block_size as usize), "the digest memo"),
+            memo: GilCell::new(
+                DigestMemo::new(digest_memo_blocks as usize, block_size as usize).py_err()?,
+                "the digest memo",
+            ),
         })
     }
 
