@@ -164,3 +164,29 @@ def test_memoized_hashes_equal_the_reference(seed_env, reqs, memo_blocks, algo, 
                 r.append_output_token_ids(t)
             ref.append_output_token_ids(t)
             assert r.block_hashes == ref.block_hashes
+
+
+@pytest.mark.parametrize("algo", H.ALGORITHMS)
+def test_batch_of_long_prompts(seed_env, algo):
+    """Long prompts go through hash_requests' deferred (parallel when large) path: memoized
+    prefixes, salted prompts and plain ones in one call, then per-request updates."""
+    seed_env("0")
+    fn, rfn = H.get_hash_fn_by_name(algo), R.get_hash_fn_by_name(algo)
+    H.init_none_hash(fn)
+    R.init_none_hash(rfn)
+    hasher = H.get_request_block_hasher(BS, fn, digest_memo_blocks=256)
+    ref_hasher = R.get_request_block_hasher(BS, rfn)
+    shared = list(range(5000, 5000 + 60 * BS))
+    for wave in range(3):
+        made = []
+        for i in range(12):
+            prompt = shared[: (20 + 3 * i) * BS] + [wave, i] * (10 + i)
+            salt = "s" if i % 4 == 3 else None
+            r = Request(f"w{wave}-{i}", prompt, cache_salt=salt)
+            r.attach_block_hasher(hasher, hash_now=False)
+            made.append((r, Request(r.request_id, prompt, cache_salt=salt, block_hasher=ref_hasher)))
+        assert H.hash_requests([r for r, _ in made]) == sum(len(f.block_hashes) for _, f in made)
+        for r, f in made:
+            assert r.block_hashes == f.block_hashes
+    hits, stores, held = hasher.digest_memo_info()
+    assert hits > 0 and 0 < held <= 256

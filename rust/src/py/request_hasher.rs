@@ -19,6 +19,11 @@ const DETACH_MIN_BLOCKS: usize = 32;
 /// Blocks at or above which `hash_requests` spreads the work over threads.
 const PARALLEL_MIN_BLOCKS: usize = 512;
 
+/// Blocks below which `hash_requests` hashes a request as soon as it has read it (while its
+/// token ids are still in cache) rather than with the others afterwards, possibly in
+/// parallel. With one worker thread every request is hashed so.
+const PARALLEL_MIN_JOB_BLOCKS: usize = 32;
+
 /// Most blocks a digest memo may be asked to hold (2^24; about 2.8 GiB at block size 16).
 const MAX_MEMO_BLOCKS: i64 = 1 << 24;
 
@@ -308,14 +313,62 @@ struct Job<'py> {
     parent: Vec<u8>,
     tokens: Vec<i64>,
     extras: Option<Vec<Option<Value>>>,
+    /// The digests of `tokens`, once hashed (and offered to the memo).
+    done: Option<Vec<Bound<'py, PyBytes>>>,
+}
+
+impl<'py> Job<'py> {
+    /// The job as a chain for [`hash_chains`].
+    fn chain(&self) -> ChainJob<'_> {
+        let h = self.hasher.get();
+        ChainJob {
+            algo: h.algo,
+            parent_id: self.parent_obj.as_ptr() as usize as u64,
+            parent: &self.parent,
+            tokens: &self.tokens,
+            block_size: h.block_size,
+            extras: self.extras.as_deref(),
+        }
+    }
+
+    /// Set `done` from the digests of `tokens`, offering them to the memo when the job uses it.
+    fn finish(&mut self, py: Python<'py>, digests: impl IntoIterator<Item = Bound<'py, PyBytes>>) -> PyResult<()> {
+        let new: Vec<Bound<'py, PyBytes>> = digests.into_iter().collect();
+        if self.memoized.is_some() {
+            let parent = self.parent_obj.cast::<PyBytes>()?;
+            self.hasher.get().memo_store(py, parent, &self.tokens, &new)?;
+        }
+        self.done = Some(new);
+        Ok(())
+    }
+
+    /// Hash `tokens` now, with the GIL held (each bytes object made while the next block
+    /// hashes).
+    fn hash_now(&mut self, py: Python<'py>) -> PyResult<()> {
+        let c = self.chain();
+        let mut out = Vec::with_capacity(c.tokens.len() / c.block_size);
+        with_hasher(c.algo, |h| {
+            h.hash_chain_into(
+                c.parent_id,
+                c.parent,
+                c.tokens,
+                c.block_size,
+                |i| c.extras.and_then(|e| e[i].as_ref()),
+                |d| out.push(PyBytes::new(py, d.as_bytes())),
+            )
+        })
+        .py_err()?;
+        self.finish(py, out)
+    }
 }
 
 /// Bring the `block_hashes` of many requests up to date in one call (the batch form of
 /// `request.update_block_hashes()`): requests whose hasher is a `RequestBlockHasher` are
-/// hashed in Rust — on several threads, without the GIL, when there is enough work (e.g. the
-/// prompts of a step's new requests), after their memoized blocks are taken from their
-/// hasher's digest memo; any other hasher is called as usual, after them. Returns the number
-/// of blocks added by the Rust path (hashed or memoized).
+/// hashed in Rust, after their memoized blocks are taken from their hasher's digest memo: a
+/// short request (a decode step's block) as soon as it is read, long ones (new prompts)
+/// together afterwards, on several threads without the GIL when there is enough work; any
+/// other hasher is called as usual, after them. Returns the number of blocks added by the
+/// Rust path (hashed or memoized).
 ///
 /// Every request is read and checked before any `block_hashes` changes: a request listed
 /// twice (ValueError), a malformed request or hash list (TypeError / ValueError) leaves all of
@@ -333,6 +386,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         }
     }
     let mut jobs: Vec<Job<'_>> = Vec::new();
+    let one_thread = rayon::current_num_threads() < 2;
     // Requests hashed by their own Python hasher, after the Rust-hashed ones.
     let mut deferred: Vec<Bound<'_, PyAny>> = Vec::new();
     for r in reqs.iter() {
@@ -380,6 +434,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             parent,
             tokens: toks,
             extras,
+            done: None,
         };
         if h.memoizes(start, has_extra) {
             let mut found = Vec::new();
@@ -391,45 +446,34 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             }
             job.memoized = Some(found);
         }
+        if one_thread || job.tokens.len() / bs < PARALLEL_MIN_JOB_BLOCKS {
+            job.hash_now(py)?;
+        }
         jobs.push(job);
     }
-    let hashed: usize = jobs.iter().map(|j| j.tokens.len() / j.hasher.get().block_size).sum();
-    let chain_jobs: Vec<ChainJob<'_>> = jobs
-        .iter()
-        .map(|j| {
-            let h = j.hasher.get();
-            ChainJob {
-                algo: h.algo,
-                parent_id: j.parent_obj.as_ptr() as usize as u64,
-                parent: &j.parent,
-                tokens: &j.tokens,
-                block_size: h.block_size,
-                extras: j.extras.as_deref(),
-            }
-        })
-        .collect();
-    let parallel = hashed >= PARALLEL_MIN_BLOCKS;
-    let results = if hashed >= DETACH_MIN_BLOCKS {
-        py.detach(|| hash_chains(&chain_jobs, parallel))
-    } else {
-        hash_chains(&chain_jobs, false)
+    // The long requests not hashed yet: together, without the GIL, in parallel when large.
+    let pending: Vec<usize> = (0..jobs.len()).filter(|&i| jobs[i].done.is_none()).collect();
+    if !pending.is_empty() {
+        let chain_jobs: Vec<ChainJob<'_>> = pending.iter().map(|&i| jobs[i].chain()).collect();
+        let hashed: usize = chain_jobs.iter().map(|c| c.tokens.len() / c.block_size).sum();
+        let parallel = hashed >= PARALLEL_MIN_BLOCKS;
+        let results = if hashed >= DETACH_MIN_BLOCKS {
+            py.detach(|| hash_chains(&chain_jobs, parallel))
+        } else {
+            hash_chains(&chain_jobs, false)
+        }
+        .py_err()?;
+        for (&i, digests) in pending.iter().zip(results) {
+            jobs[i].finish(py, digests.iter().map(|d| PyBytes::new(py, d.as_bytes())))?;
+        }
     }
-    .py_err()?;
     let mut added = 0;
-    for (j, digests) in jobs.iter().zip(results) {
+    for j in &jobs {
         let h = j.hasher.get();
-        let new: Vec<Bound<'_, PyBytes>> = digests.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
-        if let Some(found) = &j.memoized {
-            for d in found {
-                j.hashes.append(d)?;
-            }
-            added += found.len();
-            h.memo_store(py, j.parent_obj.cast::<PyBytes>()?, &j.tokens, &new)?;
-        }
-        for d in &new {
+        for d in j.memoized.iter().flatten().chain(j.done.iter().flatten()) {
             j.hashes.append(d)?;
+            added += 1;
         }
-        added += new.len();
         // the token count at which the request's next block completes (Request.update_block_hashes)
         let next = (j.hashes.len() + 1) * h.block_size;
         if let Ok(la) = fields.get(&j.request, Field::HashLookahead) {
