@@ -69,11 +69,18 @@ def test_off_and_bad_sizes(roots):
     for bad in (True, "16", 1.5):
         with pytest.raises(TypeError, match="digest_memo_blocks"):
             H.get_request_block_hasher(BS, H.sha256, digest_memo_blocks=bad)
+        with pytest.raises(TypeError, match="digest_memo_blocks"):  # checked for any hash function
+            H.get_request_block_hasher(BS, R.sha256, digest_memo_blocks=bad)
+    with pytest.raises(ValueError, match="digest_memo_blocks"):
+        H.get_request_block_hasher(BS, R.sha256, digest_memo_blocks=-1)
 
 
 def test_large_blocks_get_a_bounded_memo(roots):
     assert H.default_digest_memo_blocks(16) == 16384
     assert H.default_digest_memo_blocks(1024) == 1024
+    assert H.default_digest_memo_blocks(100) == 8192  # 10485 rounded down: <= 2**20 token ids
+    with pytest.raises(ValueError, match="block_size"):
+        H.default_digest_memo_blocks(0)
     assert H.default_digest_memo_blocks(1 << 19) == 0  # fewer than 4 slots: off
     for bs in (1024, 1 << 19, 1 << 40):
         assert H.get_request_block_hasher(bs, H.sha256).digest_memo_blocks == H.default_digest_memo_blocks(bs)
@@ -190,3 +197,33 @@ def test_batch_of_long_prompts(seed_env, algo):
             assert r.block_hashes == f.block_hashes
     hits, stores, held = hasher.digest_memo_info()
     assert hits > 0 and 0 < held <= 256
+
+
+def test_a_long_prompt_hashed_without_the_gil(roots):
+    """1,100 new blocks: the rest after the memoized run is hashed with the GIL released."""
+    hasher = H.get_request_block_hasher(BS, H.sha256)
+    prompt = list(range(1100 * BS))
+    ref = Request("r", prompt, block_hasher=R.get_request_block_hasher(BS, R.sha256)).block_hashes
+    for n in range(3):
+        got = Request("r", prompt, block_hasher=hasher).block_hashes
+        assert got == ref
+    assert hasher.digest_memo_info() == (1100, 1100, 1100)
+    longer = Request("r", prompt + list(range(5000, 5000 + 1030 * BS)), block_hasher=hasher)
+    assert longer.block_hashes[:1100] == ref and hasher.digest_memo_info()[0] == 2200
+    assert longer.block_hashes == Request(
+        "r", longer.prompt_token_ids, block_hasher=R.get_request_block_hasher(BS, R.sha256)).block_hashes
+
+
+def test_manager_memo_size(seed_env):
+    import numpy as np
+
+    from kvblock import KVCacheManager
+
+    seed_env("0")
+    assert KVCacheManager(64, 16).request_block_hasher.digest_memo_blocks == 16384
+    assert KVCacheManager(64, 16, digest_memo_blocks=0).request_block_hasher.digest_memo_blocks == 0
+    assert KVCacheManager(64, 16, digest_memo_blocks=np.int64(100)).request_block_hasher.digest_memo_blocks == 128
+    before = (H.NONE_HASH, H._NONE_HASH_ALGO)
+    with pytest.raises(ValueError, match="digest_memo_blocks"):
+        KVCacheManager(64, 16, hash_algo="xxhash", digest_memo_blocks=-1)
+    assert (H.NONE_HASH, H._NONE_HASH_ALGO) == before  # a refused manager changes nothing

@@ -12,6 +12,7 @@ initialised with the algorithm being used.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any, Callable, NewType, Sequence
 
@@ -25,6 +26,7 @@ __all__ = [
     "BlockHashListWithBlockSize",
     "DEFAULT_DIGEST_MEMO_BLOCKS",
     "DEFAULT_DIGEST_MEMO_TOKENS",
+    "MAX_DIGEST_MEMO_BLOCKS",
     "DEFAULT_NONE_HASH_SEED",
     "HashFunction",
     "NONE_HASH",
@@ -74,12 +76,22 @@ DEFAULT_DIGEST_MEMO_BLOCKS = 16384
 #: Token ids a default digest memo may hold (8 MiB of keys).
 DEFAULT_DIGEST_MEMO_TOKENS = 1 << 20
 
+#: Most digest-memo slots a request block hasher can be asked for.
+MAX_DIGEST_MEMO_BLOCKS = 1 << 24
+
 
 def default_digest_memo_blocks(block_size: int) -> int:
-    """Digest-memo slots a request block hasher gets by default: 16384, or as many blocks of
-    ``block_size`` as hold 2**20 token ids when that is fewer; 0 (no memo) below 4."""
+    """Digest-memo slots a request block hasher gets by default: 16384, or for blocks of over
+    64 tokens the largest power of two of blocks that hold at most 2**20 token ids; 0 (no
+    memo) when that is under 4 (blocks of over 262144 tokens).
+
+    Raises:
+        ValueError: ``block_size <= 0``.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be > 0, got {block_size}")
     n = min(DEFAULT_DIGEST_MEMO_BLOCKS, DEFAULT_DIGEST_MEMO_TOKENS // block_size)
-    return n if n >= 4 else 0
+    return 1 << (n.bit_length() - 1) if n >= 4 else 0
 
 #: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
 NONE_HASH: BlockHash | None = None
@@ -264,28 +276,39 @@ def get_request_block_hasher(
     and token ids, compared in full), so a prefix that many requests share (a system prompt)
     is hashed twice, not once per request. The new blocks of a prompt that start with
     memoized ones are served from the memo — the same ``bytes`` objects — and the rest are
-    hashed and offered to it; blocks completed by output tokens are always hashed. It holds about
-    ``8 * block_size + 48`` bytes per slot (2.8 MiB for 16384 slots at block size 16); the
-    default (None) is :func:`default_digest_memo_blocks`, the slot count is rounded up to a
-    power of two, and 0 turns it off; a set of 4 slots drops
-    its least recently used entry. Blocks with extra keys (LoRA, multimodal, cache_salt,
-    prompt embeds, lookahead) are always hashed. The hasher's
-    ``digest_memo_info()`` gives ``(hits, stores, held)``; ``clear_digest_memo()`` empties it.
+    hashed and offered to it; blocks completed by output tokens are always hashed. Blocks
+    with extra keys (LoRA, multimodal, cache_salt, prompt embeds, lookahead) are always
+    hashed too. ``digest_memo_blocks`` slots (None: :func:`default_digest_memo_blocks`; 0:
+    no memo; rounded up to a power of two, at least 4) in sets of 4, each dropping its least recently
+    used entry; ``8 * block_size + 68`` bytes per slot (3.1 MiB for 16384 slots at block
+    size 16) plus the ``bytes`` objects it keeps alive. Give it a few times the blocks of the
+    shared prefixes it should hold: a prefix that fills half of it overflows some sets, and
+    their blocks are hashed again on each request. The hasher's ``digest_memo_info()``
+    gives ``(hits, stores, held)``; ``clear_digest_memo()`` empties it. It is ignored for a
+    hash function that is not kvblock's (it is still checked).
 
     Raises:
         ValueError: ``block_size <= 0``, ``num_hash_lookahead_tokens < 0``, or
             ``digest_memo_blocks`` outside ``[0, 2**24]`` or over 1 GiB of keys.
-        TypeError: a ``digest_memo_blocks`` that is not an int.
+        TypeError: a ``digest_memo_blocks`` that is neither None nor an int.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size: must be a positive int, got {block_size!r}")
     if num_hash_lookahead_tokens < 0:
         raise ValueError("num_hash_lookahead_tokens: must be >= 0")
     lookahead = num_hash_lookahead_tokens
+    if digest_memo_blocks is None:
+        digest_memo_blocks = default_digest_memo_blocks(block_size)
+    else:
+        if isinstance(digest_memo_blocks, bool) or not hasattr(type(digest_memo_blocks), "__index__"):
+            raise TypeError(f"digest_memo_blocks: expected int or None, got {type(digest_memo_blocks).__name__}")
+        digest_memo_blocks = operator.index(digest_memo_blocks)
+    if not 0 <= digest_memo_blocks <= MAX_DIGEST_MEMO_BLOCKS:
+        raise ValueError(f"digest_memo_blocks: must be in [0, {MAX_DIGEST_MEMO_BLOCKS}], got {digest_memo_blocks}")
     if isinstance(caching_hash_fn, HashFunction):
         return _core.RequestBlockHasher(
             block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn),
-            default_digest_memo_blocks(block_size) if digest_memo_blocks is None else digest_memo_blocks,
+            digest_memo_blocks,
         )
 
     def request_block_hasher(request: Any) -> list[BlockHash]:
@@ -322,8 +345,10 @@ def hash_requests(requests: list[Any]) -> int:
 
     The batch form of ``request.update_block_hashes()`` for a scheduler step: requests whose
     hasher comes from :func:`get_request_block_hasher` with a kvblock hash function are hashed
-    in Rust — on several threads, without the GIL, when there is enough work (e.g. the
-    prompts of the step's new requests); other hashers are called as usual, after them.
+    in Rust, prompts through the hasher's digest memo — a running request's new block right
+    away, prompts together, without the GIL when there is enough work and on several threads
+    when there is a lot (the step's new prompts); other hashers are called as usual, after
+    them.
     Results are identical to per-request updates. A request has work to do once its hasher
     is attached (``Request(..., block_hasher=...)``, or ``request.attach_block_hasher(hasher,
     hash_now=False)`` to leave its prompt for this call) and blocks complete.
@@ -332,7 +357,7 @@ def hash_requests(requests: list[Any]) -> int:
         requests: a list of :class:`kvblock.Request`, each at most once.
 
     Returns:
-        The number of blocks hashed in Rust.
+        The number of blocks added by the Rust path (hashed, or served from a digest memo).
 
     Raises:
         ValueError: a request listed twice.
@@ -340,8 +365,9 @@ def hash_requests(requests: list[Any]) -> int:
             of bytes.
 
     Every request is checked before any ``block_hashes`` changes, so these errors leave all
-    of them as they were; only a Python hasher that raises while it runs (they run last) can
-    leave the requests before it updated.
+    of them as they were (a digest memo may have served and stored blocks meanwhile: its
+    counters move, its results never change); only a Python hasher that raises while it runs
+    (they run last) can leave the requests before it updated.
     """
     return _core.hash_requests(requests)
 

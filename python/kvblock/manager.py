@@ -105,9 +105,13 @@ class KVCacheManager(_core.KVCacheManagerCore):
         watermark: fraction of blocks (in [0, 1]) kept free when admitting waiting/preempted
             requests.
         sliding_window: make the group sliding-window attention with this window (tokens).
+        digest_memo_blocks: slots of :attr:`request_block_hasher`'s digest memo (None: the
+            default for the block size; 0: none; see
+            :func:`kvblock.hashing.get_request_block_hasher`).
 
     Raises:
-        ValueError: ``num_blocks <= 0``, ``block_size <= 0``, an unknown ``hash_algo``...
+        ValueError: ``num_blocks <= 0``, ``block_size <= 0``, an unknown ``hash_algo``, a
+            ``digest_memo_blocks`` out of range...
     """
 
     def __new__(
@@ -123,11 +127,16 @@ class KVCacheManager(_core.KVCacheManagerCore):
         use_eagle: bool = False,
         watermark: float = 0.0,
         sliding_window: int | None = None,
+        digest_memo_blocks: int | None = None,
     ) -> "KVCacheManager":
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
         hash_fn = hashing.get_hash_fn_by_name(hash_algo)
         pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
+        # built before anything global changes (NONE_HASH below): it checks its arguments
+        request_block_hasher = hashing.get_request_block_hasher(
+            int(block_size), hash_fn, digest_memo_blocks=digest_memo_blocks
+        )
         self = super().__new__(
             cls,
             pool,
@@ -158,7 +167,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         )
         if enable_caching and (hashing.NONE_HASH is None or hashing._NONE_HASH_ALGO != hash_algo):
             hashing.init_none_hash(self.hash_fn)
-        self.request_block_hasher = hashing.get_request_block_hasher(block_size, self.hash_fn)
+        self.request_block_hasher = request_block_hasher
         return self
 
     # -- vLLM's KVCacheManager API (the scheduler calls are inherited from the Rust core) -------

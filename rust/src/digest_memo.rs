@@ -20,7 +20,9 @@
 //! storing one costs several cache misses (its key, the slot, releasing the entry it
 //! replaces): with every block stored, a memo of 16384 slots made hashing unique prompts
 //! about 90 ns per block slower. A first offer only leaves the key's 32-bit fingerprint in a
-//! small table of recent first sightings (a "doorkeeper", as in TinyLFU).
+//! small table of recent first sightings (a "doorkeeper", as in TinyLFU), in sets of 4 that
+//! drop their oldest: two blocks of one prompt whose fingerprints met in a one-way table
+//! would evict each other's sighting on every pass and never be kept.
 
 use crate::error::{Error, Result};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -53,7 +55,8 @@ pub struct DigestMemo<V> {
     /// Entry `i` is `keys[i * stride..(i + 1) * stride]`.
     keys: Vec<u64>,
     values: Vec<Option<V>>,
-    /// Fingerprints of keys offered once (0: none), indexed by their hash: the doorkeeper.
+    /// Fingerprints of keys offered once (0: none), in sets of [`WAYS`] chosen by their
+    /// hash, newest first: the doorkeeper.
     seen: Vec<u32>,
     tick: u64,
     hits: u64,
@@ -107,7 +110,7 @@ impl<V> DigestMemo<V> {
             used: Error::try_vec("the digest memo", slots, 0)?,
             keys: Error::try_vec("the digest memo", words, 0)?,
             values,
-            seen: Error::try_vec("the digest memo", slots, 0)?,
+            seen: Error::try_vec("the digest memo", 2 * slots, 0)?,
             tick: 0,
             hits: 0,
             stores: 0,
@@ -188,14 +191,20 @@ impl<V> DigestMemo<V> {
     pub fn offer(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
         let Some(p) = parent_words(parent) else { return Some(value) };
         let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
-        let seen_at = (tag as usize >> 1) & (self.seen.len() - 1);
+        let group = ((tag as usize >> 1) & (self.seen.len() / WAYS - 1)) * WAYS;
+        let seen = &mut self.seen[group..group + WAYS];
         let fingerprint = (tag >> 32) as u32 | 1;
-        if self.seen[seen_at] != fingerprint {
-            self.seen[seen_at] = fingerprint;
-            return Some(value);
+        match seen.iter().position(|&f| f == fingerprint) {
+            None => {
+                seen.rotate_right(1); // the oldest sighting goes
+                seen[0] = fingerprint;
+                Some(value)
+            }
+            Some(i) => {
+                seen[i] = 0;
+                self.store(tag, first, &p, tokens, value)
+            }
         }
-        self.seen[seen_at] = 0;
-        self.store(tag, first, &p, tokens, value)
     }
 
     /// Store the entry in its set: over the same key, else the least recently used slot.

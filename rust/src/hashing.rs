@@ -384,20 +384,23 @@ pub struct ChainJob<'a> {
     pub extras: Option<&'a [Option<Value>]>,
 }
 
-/// Hash independent chains (e.g. the prompts of several new requests), in parallel on the
-/// rayon thread pool when `parallel` is set. Results are in job order.
-pub fn hash_chains(jobs: &[ChainJob<'_>], parallel: bool) -> Result<Vec<Vec<Digest>>> {
+/// Hash independent chains (e.g. the prompts of several new requests), in parallel on
+/// `pool` when one is given. Results are in job order.
+pub fn hash_chains(jobs: &[ChainJob<'_>], pool: Option<&rayon::ThreadPool>) -> Result<Vec<Vec<Digest>>> {
     // One reusable hasher per algorithm and worker (not one per job: most jobs are a block).
     type Hashers = [Option<BlockHasher>; 4];
     let one = |hashers: &mut Hashers, j: &ChainJob<'_>| -> Result<Vec<Digest>> {
         let h = hashers[j.algo as usize].get_or_insert_with(|| BlockHasher::new(j.algo));
         h.hash_chain(j.parent_id, j.parent, j.tokens, j.block_size, |i| j.extras.and_then(|e| e[i].as_ref()))
     };
-    if parallel && jobs.len() > 1 {
-        use rayon::prelude::*;
-        jobs.par_iter().map_init(Hashers::default, one).collect()
-    } else {
-        let mut hashers = Hashers::default();
-        jobs.iter().map(|j| one(&mut hashers, j)).collect()
+    match pool {
+        Some(pool) if jobs.len() > 1 => {
+            use rayon::prelude::*;
+            pool.install(|| jobs.par_iter().map_init(Hashers::default, one).collect())
+        }
+        _ => {
+            let mut hashers = Hashers::default();
+            jobs.iter().map(|j| one(&mut hashers, j)).collect()
+        }
     }
 }

@@ -504,3 +504,17 @@ fn to_value_depth(obj: &Bound<'_, PyAny>, arg: &str, depth: usize) -> PyResult<V
         ),
     ))
 }
+
+/// A new `bytes` object holding `data`; `MemoryError` (not a panic, as `PyBytes::new` would)
+/// if it cannot be allocated.
+pub fn bytes_object<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    // SAFETY: `data` is valid for `len` bytes; a non-NULL result is a new reference to a
+    // bytes object, NULL comes with an exception set.
+    unsafe {
+        let p = ffi::PyBytes_FromStringAndSize(data.as_ptr().cast(), data.len() as ffi::Py_ssize_t);
+        if p.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, p).cast_into_unchecked())
+    }
+}

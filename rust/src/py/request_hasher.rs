@@ -1,7 +1,7 @@
 //! Bindings of the request-side hashing: vLLM's request block hasher (`RequestBlockHasher`,
 //! with its digest memo) and the batch form for a scheduler step (`hash_requests`).
 
-use super::convert::{extract_token_range, TokenBuf, Tokens};
+use super::convert::{bytes_object, extract_token_range, TokenBuf, Tokens};
 use super::errors::{type_err, value_err, IntoPy};
 use super::fields::{Field, RequestFields};
 use super::gil_cell::GilCell;
@@ -19,13 +19,32 @@ const DETACH_MIN_BLOCKS: usize = 32;
 /// Blocks at or above which `hash_requests` spreads the work over threads.
 const PARALLEL_MIN_BLOCKS: usize = 512;
 
-/// Blocks below which `hash_requests` hashes a request as soon as it has read it (while its
-/// token ids are still in cache) rather than with the others afterwards, possibly in
-/// parallel. With one worker thread every request is hashed so.
+/// Blocks below which `hash_requests` hashes a running request's new blocks (a decode step's)
+/// as soon as it has read the request, while its token ids are in cache; prompts and longer
+/// runs are hashed together afterwards, without the GIL and in parallel when large.
 const PARALLEL_MIN_JOB_BLOCKS: usize = 32;
 
-/// Most blocks a digest memo may be asked to hold (2^24; about 2.8 GiB at block size 16).
+/// Worker threads below which `hash_requests` hashes every request as soon as it has read
+/// it, prompts included. On a 2-vCPU machine, hashing a step's 64 new prompts (8,192 blocks)
+/// on two workers while the calling thread waited took 26 ms per 1,000 prompts against 23 ms
+/// one by one on the calling thread: the token ids, read long before they are hashed, have
+/// left the cache, and the two workers share the CPUs with everything else.
+const PARALLEL_MIN_THREADS: usize = 3;
+
+/// Consecutive memo misses after which the rest of a prompt is hashed in bulk.
+const MEMO_MISS_RUN: usize = 4;
+
+/// Most slots a digest memo may be asked for (2^24); its keys must also fit in
+/// `crate::digest_memo::MAX_KEY_BYTES` (at block size 16: up to 2^22 slots).
 const MAX_MEMO_BLOCKS: i64 = 1 << 24;
+
+/// The worker threads of `hash_requests`, started on first use; None if they could not be
+/// started (then everything is hashed on the calling thread).
+fn worker_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| rayon::ThreadPoolBuilder::new().thread_name(|i| format!("kvblock-hash-{i}")).build().ok())
+        .as_ref()
+}
 
 /// vLLM's request block hasher in one Rust call: `hasher(request)` hashes the request's newly
 /// completed full blocks (from `len(request.block_hashes) * block_size`), chained from
@@ -50,6 +69,8 @@ pub struct PyRequestBlockHasher {
     /// `root() -> bytes`: the current NONE_HASH (initialised on first use).
     root: Py<PyAny>,
     memo: GilCell<DigestMemo<Py<PyBytes>>>,
+    /// The memo's slots (fixed at construction; 0: no memo).
+    memo_slots: usize,
 }
 
 /// What a request hasher is asked to hash: `num_new` blocks from token `start`.
@@ -68,8 +89,8 @@ impl PyRequestBlockHasher {
             .cast_into::<PyList>()
             .map_err(|_| type_err("request.block_hashes", "must be a list"))?;
         let tokens = fields.get(request, Field::AllTokenIds)?;
-        let start = hashes.len() * self.block_size;
-        let num_new = tokens.len()?.saturating_sub(self.lookahead + start) / self.block_size;
+        let start = hashes.len().saturating_mul(self.block_size);
+        let num_new = tokens.len()?.saturating_sub(self.lookahead.saturating_add(start)) / self.block_size;
         Ok(NewBlocks { hashes, tokens, start, num_new })
     }
 
@@ -93,31 +114,57 @@ impl PyRequestBlockHasher {
     /// straight away: they are rarely shared, and a memo lookup and offer would add ~100 ns to
     /// each decode block.
     fn memoizes(&self, start: usize, has_extra: bool) -> bool {
-        start == 0 && !has_extra
+        start == 0 && !has_extra && self.memo_slots > 0
     }
 
-    /// Push onto `out` the memoized digests of the longest prefix of `tokens` (whole blocks,
-    /// no extra keys) chained from `parent`; returns how many were found.
-    fn memo_prefix<'py>(
+    /// Walk the chain of `tokens` (whole blocks, no extra keys) from `parent` through the
+    /// memo, pushing each digest onto `out`: a memoized block is served, a missing one is
+    /// hashed (with the GIL held) and offered. The walk stops after [`MEMO_MISS_RUN`] misses in
+    /// a row (the unshared rest of a prompt: the caller hashes it in bulk, cheaper than block
+    /// by block) or at the end; returns the number of blocks done. A block missing among
+    /// memoized ones (evicted from its full set, or not kept yet) costs one hash, not the rest
+    /// of the prompt.
+    fn memo_walk<'py>(
         &self,
         py: Python<'py>,
         parent: &Bound<'py, PyBytes>,
         tokens: &[i64],
         out: &mut Vec<Bound<'py, PyBytes>>,
     ) -> PyResult<usize> {
+        let bs = self.block_size;
         let mut memo = self.memo.borrow_mut(py)?;
-        if memo.capacity() == 0 {
-            return Ok(0);
-        }
         let mut p = parent.clone();
-        let mut found = 0;
-        for block in tokens.chunks_exact(self.block_size) {
-            let Some(d) = memo.get(p.as_bytes(), block) else { break };
-            p = d.bind(py).clone();
-            out.push(p.clone());
-            found += 1;
+        let (mut done, mut misses) = (0, 0);
+        for block in tokens.chunks_exact(bs) {
+            if misses == MEMO_MISS_RUN {
+                break;
+            }
+            let d = match memo.get(p.as_bytes(), block) {
+                Some(d) => {
+                    misses = 0;
+                    d.bind(py).clone()
+                }
+                None => {
+                    misses += 1;
+                    let mut digest = None;
+                    let pid = p.as_ptr() as usize as u64;
+                    with_hasher(self.algo, |h| {
+                        h.hash_chain_into(pid, p.as_bytes(), block, bs, |_| None, |d| digest = Some(d))
+                    })
+                    .py_err()?;
+                    let Some(digest) = digest else { break }; // a whole block gives one digest
+                    let d = bytes_object(py, digest.as_bytes())?;
+                    // the entry it replaces (or the value not kept) is released here: the GIL
+                    // is held, and a bytes object runs no Python code when freed
+                    drop(memo.offer(p.as_bytes(), block, d.clone().unbind()));
+                    d
+                }
+            };
+            out.push(d.clone());
+            p = d;
+            done += 1;
         }
-        Ok(found)
+        Ok(done)
     }
 
     /// Offer the memo `digests`, the chain of `tokens` (whole blocks) from `parent` (each is
@@ -130,9 +177,6 @@ impl PyRequestBlockHasher {
         digests: &[Bound<'_, PyBytes>],
     ) -> PyResult<()> {
         let mut memo = self.memo.borrow_mut(py)?;
-        if memo.capacity() == 0 {
-            return Ok(());
-        }
         let mut p = parent;
         for (block, d) in tokens.chunks_exact(self.block_size).zip(digests) {
             // the entry it replaces (or the value not kept) is released here: the GIL is held
@@ -143,8 +187,10 @@ impl PyRequestBlockHasher {
     }
 
     /// The digests of `tokens` (whole blocks, no extra keys) chained from `parent`, through
-    /// the memo: its memoized prefix, then the rest hashed (without the GIL when long) and
-    /// memoized.
+    /// the memo ([`PyRequestBlockHasher::memo_walk`]); what the walk leaves is hashed in bulk
+    /// (without the GIL from [`HASH_BLOCKS_DETACH_MIN_BLOCKS`] blocks on) and offered to the
+    /// memo. `tokens` must be owned by the caller: they are read again after a hash without
+    /// the GIL, to key the memo.
     fn chain_with_memo<'py>(
         &self,
         py: Python<'py>,
@@ -153,8 +199,8 @@ impl PyRequestBlockHasher {
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let bs = self.block_size;
         let mut out = Vec::with_capacity(tokens.len() / bs);
-        let found = self.memo_prefix(py, parent, tokens, &mut out)?;
-        let rest = &tokens[found * bs..];
+        let done = self.memo_walk(py, parent, tokens, &mut out)?;
+        let rest = &tokens[done * bs..];
         if rest.len() < bs {
             return Ok(out);
         }
@@ -164,9 +210,12 @@ impl PyRequestBlockHasher {
             let p = from.as_bytes().to_vec();
             let digests =
                 py.detach(|| with_hasher(self.algo, |h| h.hash_chain(pid, &p, rest, bs, |_| None))).py_err()?;
-            out.extend(digests.iter().map(|d| PyBytes::new(py, d.as_bytes())));
+            for d in &digests {
+                out.push(bytes_object(py, d.as_bytes())?);
+            }
         } else {
             // each bytes object is made while the next block hashes
+            let mut failed = None;
             with_hasher(self.algo, |h| {
                 h.hash_chain_into(
                     pid,
@@ -174,12 +223,18 @@ impl PyRequestBlockHasher {
                     rest,
                     bs,
                     |_| None,
-                    |d| out.push(PyBytes::new(py, d.as_bytes())),
+                    |d| match bytes_object(py, d.as_bytes()) {
+                        Ok(b) => out.push(b),
+                        Err(e) => drop(failed.get_or_insert(e)),
+                    },
                 )
             })
             .py_err()?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
         }
-        self.memo_store(py, &from, rest, &out[found..])?;
+        self.memo_store(py, &from, rest, &out[done..])?;
         Ok(out)
     }
 }
@@ -209,6 +264,7 @@ impl PyRequestBlockHasher {
             ));
         }
         let algo = hash_fn.get().algo;
+        let memo = DigestMemo::new(digest_memo_blocks as usize, block_size as usize).py_err()?;
         Ok(PyRequestBlockHasher {
             hash_fn: hash_fn.unbind(),
             algo,
@@ -216,10 +272,8 @@ impl PyRequestBlockHasher {
             lookahead: num_hash_lookahead_tokens as usize,
             extra_keys,
             root,
-            memo: GilCell::new(
-                DigestMemo::new(digest_memo_blocks as usize, block_size as usize).py_err()?,
-                "the digest memo",
-            ),
+            memo_slots: memo.capacity(),
+            memo: GilCell::new(memo, "the digest memo"),
         })
     }
 
@@ -240,8 +294,8 @@ impl PyRequestBlockHasher {
 
     /// Digest-memo slots (0: no memo; else a power of two).
     #[getter]
-    fn digest_memo_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.memo.with(py, |m| m.capacity())
+    fn digest_memo_blocks(&self) -> usize {
+        self.memo_slots
     }
 
     /// `(hits, stores, held)`: blocks served from the digest memo, digests stored in it, and
@@ -264,14 +318,16 @@ impl PyRequestBlockHasher {
             return Ok(PyList::empty(py));
         }
         let bs = self.block_size;
-        let end = start + num_new * bs;
+        let end = start + num_new * bs; // <= len(tokens)
         let parent = self.parent(&hashes)?;
         let has_extra = self.has_extra(fields, request)?;
         if self.memoizes(start, has_extra) {
             if let Ok(parent) = parent.cast::<PyBytes>() {
+                // owned ids only (a list's): a borrowed buffer could change while the chain
+                // hashes without the GIL, and the memo would key digests by the new values
                 let toks = extract_token_range(&tokens, "request._all_token_ids", start, Some(end))?;
-                if let Tokens::I64(buf) = &toks {
-                    return PyList::new(py, self.chain_with_memo(py, parent, buf.as_slice())?);
+                if let Tokens::I64(TokenBuf::Owned(ids)) = &toks {
+                    return PyList::new(py, self.chain_with_memo(py, parent, ids)?);
                 }
             }
         }
@@ -295,10 +351,11 @@ impl PyRequestBlockHasher {
 }
 
 /// Start the worker threads `hash_requests` uses (if not yet started) and return their number
-/// (the `RAYON_NUM_THREADS` environment variable sets it; default: one per CPU).
+/// (the `RAYON_NUM_THREADS` environment variable sets it; default: one per CPU; 1 if they
+/// could not be started, and the calling thread hashes).
 #[pyfunction]
 pub fn hashing_threads() -> usize {
-    rayon::current_num_threads()
+    worker_pool().map_or(1, |p| p.current_num_threads())
 }
 
 /// One request's work in `hash_requests`.
@@ -306,7 +363,8 @@ struct Job<'py> {
     request: Bound<'py, PyAny>,
     hasher: Bound<'py, PyRequestBlockHasher>,
     hashes: Bound<'py, PyList>,
-    /// Digests found in the memo (the first new blocks), then `tokens` is what follows them.
+    /// The digests of the first new blocks, from the memo walk (served or hashed one by
+    /// one); `tokens` is what follows them.
     memoized: Option<Vec<Bound<'py, PyBytes>>>,
     /// Parent of the first block of `tokens`.
     parent_obj: Bound<'py, PyAny>,
@@ -315,6 +373,8 @@ struct Job<'py> {
     extras: Option<Vec<Option<Value>>>,
     /// The digests of `tokens`, once hashed (and offered to the memo).
     done: Option<Vec<Bound<'py, PyBytes>>>,
+    /// The request's `_hash_lookahead`, if it has one (then `_next_hash_at` is set).
+    hash_lookahead: Option<usize>,
 }
 
 impl<'py> Job<'py> {
@@ -332,8 +392,7 @@ impl<'py> Job<'py> {
     }
 
     /// Set `done` from the digests of `tokens`, offering them to the memo when the job uses it.
-    fn finish(&mut self, py: Python<'py>, digests: impl IntoIterator<Item = Bound<'py, PyBytes>>) -> PyResult<()> {
-        let new: Vec<Bound<'py, PyBytes>> = digests.into_iter().collect();
+    fn finish(&mut self, py: Python<'py>, new: Vec<Bound<'py, PyBytes>>) -> PyResult<()> {
         if self.memoized.is_some() {
             let parent = self.parent_obj.cast::<PyBytes>()?;
             self.hasher.get().memo_store(py, parent, &self.tokens, &new)?;
@@ -342,11 +401,18 @@ impl<'py> Job<'py> {
         Ok(())
     }
 
-    /// Hash `tokens` now, with the GIL held (each bytes object made while the next block
-    /// hashes).
+    /// Hash `tokens` now: with the GIL held (each bytes object made while the next block
+    /// hashes), or without it from [`HASH_BLOCKS_DETACH_MIN_BLOCKS`] blocks on.
     fn hash_now(&mut self, py: Python<'py>) -> PyResult<()> {
         let c = self.chain();
-        let mut out = Vec::with_capacity(c.tokens.len() / c.block_size);
+        let n = c.tokens.len() / c.block_size;
+        if n >= HASH_BLOCKS_DETACH_MIN_BLOCKS {
+            let digests = py.detach(|| hash_chains(std::slice::from_ref(&c), None)).py_err()?;
+            let new = digests.iter().flatten().map(|d| bytes_object(py, d.as_bytes())).collect::<PyResult<_>>()?;
+            return self.finish(py, new);
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut failed = None;
         with_hasher(c.algo, |h| {
             h.hash_chain_into(
                 c.parent_id,
@@ -354,10 +420,16 @@ impl<'py> Job<'py> {
                 c.tokens,
                 c.block_size,
                 |i| c.extras.and_then(|e| e[i].as_ref()),
-                |d| out.push(PyBytes::new(py, d.as_bytes())),
+                |d| match bytes_object(py, d.as_bytes()) {
+                    Ok(b) => out.push(b),
+                    Err(e) => drop(failed.get_or_insert(e)),
+                },
             )
         })
         .py_err()?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         self.finish(py, out)
     }
 }
@@ -365,15 +437,15 @@ impl<'py> Job<'py> {
 /// Bring the `block_hashes` of many requests up to date in one call (the batch form of
 /// `request.update_block_hashes()`): requests whose hasher is a `RequestBlockHasher` are
 /// hashed in Rust, after their memoized blocks are taken from their hasher's digest memo: a
-/// short request (a decode step's block) as soon as it is read, long ones (new prompts)
-/// together afterwards, on several threads without the GIL when there is enough work; any
-/// other hasher is called as usual, after them. Returns the number of blocks added by the
-/// Rust path (hashed or memoized).
+/// running request's few new blocks (a decode step's) as soon as it is read, prompts and
+/// longer runs together afterwards, without the GIL and on several threads when there is
+/// enough work; any other hasher is called as usual, after them. Returns the number of
+/// blocks added by the Rust path (hashed or memoized).
 ///
 /// Every request is read and checked before any `block_hashes` changes: a request listed
 /// twice (ValueError), a malformed request or hash list (TypeError / ValueError) leaves all of
-/// them as they were. Only a Python hasher that raises while it runs (last) can leave the
-/// requests before it updated.
+/// them as they were (the digest memo may have served and stored blocks meanwhile). Only a
+/// Python hasher that raises while it runs (last) can leave the requests before it updated.
 #[pyfunction]
 pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<usize> {
     let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
@@ -386,7 +458,8 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         }
     }
     let mut jobs: Vec<Job<'_>> = Vec::new();
-    let one_thread = rayon::current_num_threads() < 2;
+    // whether long requests are worth hashing on the workers (asked once, when one comes)
+    let mut parallel: Option<bool> = None;
     // Requests hashed by their own Python hasher, after the Rust-hashed ones.
     let mut deferred: Vec<Bound<'_, PyAny>> = Vec::new();
     for r in reqs.iter() {
@@ -425,6 +498,10 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             deferred.push(r);
             continue;
         };
+        let hash_lookahead = match fields.get(&r, Field::HashLookahead) {
+            Ok(la) => Some(super::args::count(&la, "request._hash_lookahead")?),
+            Err(_) => None,
+        };
         let mut job = Job {
             request: r,
             hasher: hasher.clone(),
@@ -435,10 +512,11 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             tokens: toks,
             extras,
             done: None,
+            hash_lookahead,
         };
         if h.memoizes(start, has_extra) {
             let mut found = Vec::new();
-            let n = h.memo_prefix(py, job.parent_obj.cast::<PyBytes>()?, &job.tokens, &mut found)?;
+            let n = h.memo_walk(py, job.parent_obj.cast::<PyBytes>()?, &job.tokens, &mut found)?;
             if let Some(last) = found.last() {
                 job.parent = last.as_bytes().to_vec();
                 job.parent_obj = last.clone().into_any();
@@ -446,7 +524,11 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             }
             job.memoized = Some(found);
         }
-        if one_thread || job.tokens.len() / bs < PARALLEL_MIN_JOB_BLOCKS {
+        let short = start > 0 && job.tokens.len() / bs < PARALLEL_MIN_JOB_BLOCKS;
+        if short
+            || !*parallel
+                .get_or_insert_with(|| worker_pool().is_some_and(|p| p.current_num_threads() >= PARALLEL_MIN_THREADS))
+        {
             job.hash_now(py)?;
         }
         jobs.push(job);
@@ -456,15 +538,16 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
     if !pending.is_empty() {
         let chain_jobs: Vec<ChainJob<'_>> = pending.iter().map(|&i| jobs[i].chain()).collect();
         let hashed: usize = chain_jobs.iter().map(|c| c.tokens.len() / c.block_size).sum();
-        let parallel = hashed >= PARALLEL_MIN_BLOCKS;
+        let pool = if hashed >= PARALLEL_MIN_BLOCKS { worker_pool() } else { None };
         let results = if hashed >= DETACH_MIN_BLOCKS {
-            py.detach(|| hash_chains(&chain_jobs, parallel))
+            py.detach(|| hash_chains(&chain_jobs, pool))
         } else {
-            hash_chains(&chain_jobs, false)
+            hash_chains(&chain_jobs, None)
         }
         .py_err()?;
         for (&i, digests) in pending.iter().zip(results) {
-            jobs[i].finish(py, digests.iter().map(|d| PyBytes::new(py, d.as_bytes())))?;
+            let new = digests.iter().map(|d| bytes_object(py, d.as_bytes())).collect::<PyResult<Vec<_>>>()?;
+            jobs[i].finish(py, new)?;
         }
     }
     let mut added = 0;
@@ -475,10 +558,9 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
             added += 1;
         }
         // the token count at which the request's next block completes (Request.update_block_hashes)
-        let next = (j.hashes.len() + 1) * h.block_size;
-        if let Ok(la) = fields.get(&j.request, Field::HashLookahead) {
-            let la: usize = la.extract()?;
-            fields.set(&j.request, Field::NextHashAt, &(next + la).into_pyobject(py)?.into_any())?;
+        if let Some(la) = j.hash_lookahead {
+            let next = (j.hashes.len() + 1).saturating_mul(h.block_size).saturating_add(la);
+            fields.set(&j.request, Field::NextHashAt, &next.into_pyobject(py)?.into_any())?;
         }
     }
     for r in &deferred {
