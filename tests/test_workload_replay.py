@@ -31,7 +31,12 @@ def replay(request):
     API: ``allocate_slots_batch`` + ``hash_requests``)."""
     batch = request.param == "kvblock-batch"
     impl = IMPLS["kvblock" if batch else request.param]
-    return W.run_e2e(manager_factory(impl), hashing_module=impl.hashing, batch=batch)
+    made = []
+    factory = manager_factory(impl)
+    result = W.run_e2e(lambda: made.append(factory()) or made[-1], hashing_module=impl.hashing, batch=batch)
+    result.manager = made[0]  # for the digest memo's counters
+    result.impl_name = request.param
+    return result
 
 
 def test_every_record_matches_the_vllm_trace(replay, vllm_trace):
@@ -52,6 +57,19 @@ def test_headline_results(replay):
         replay.lookup_ns + replay.prefill_alloc_ns + replay.decode_alloc_ns + replay.free_ns
     )
     assert replay.manager_ns > 0 and replay.hashing_ns > 0
+
+
+def test_digest_memo_serves_the_system_prompt(replay):
+    """The 96-block system prompt of 750 requests is kept on its second hashing and served
+    to the 748 after; nothing else repeats (outputs and unique prompts are hashed)."""
+    hasher = replay.manager.request_block_hasher
+    if not hasattr(hasher, "digest_memo_info"):
+        pytest.skip("the reference hashes every block")
+    hits, stores, held = hasher.digest_memo_info()
+    if replay.impl_name == "kvblock":
+        assert (hits, stores, held) == (748 * 96, 96, 96)
+    else:  # batch: prompts hashed on worker threads (3+) are looked up before any is stored
+        assert 700 * 96 <= hits <= 748 * 96 and held == 96
 
 
 def test_trace_fingerprint_recomputed_from_the_file(vllm_trace):
