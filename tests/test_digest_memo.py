@@ -227,3 +227,41 @@ def test_manager_memo_size(seed_env):
     with pytest.raises(ValueError, match="digest_memo_blocks"):
         KVCacheManager(64, 16, hash_algo="xxhash", digest_memo_blocks=-1)
     assert (H.NONE_HASH, H._NONE_HASH_ALGO) == before  # a refused manager changes nothing
+
+
+def test_batch_on_worker_threads():
+    """With 3+ worker threads, hash_requests hashes a step's prompts on them (not on a 2-vCPU
+    machine's default): run in a subprocess with RAYON_NUM_THREADS=4 and compare."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os
+        from kvblock import _core, hashing as H
+        from kvblock.reference import hashing as R
+        from kvblock.request import Request
+        assert _core.hashing_threads() == 4
+        for algo in H.ALGORITHMS:
+            fn, rfn = H.get_hash_fn_by_name(algo), R.get_hash_fn_by_name(algo)
+            H.init_none_hash(fn); R.init_none_hash(rfn)
+            hasher = H.get_request_block_hasher(4, fn, digest_memo_blocks=512)
+            ref = R.get_request_block_hasher(4, rfn)
+            shared = list(range(7000, 7000 + 4 * 50))
+            for wave in range(3):
+                prompts = [shared[: 4 * (30 + i)] + [wave, i] * (8 + 2 * i) for i in range(16)]
+                salts = [None if i % 5 else "s" for i in range(16)]
+                reqs = [Request(f"r{i}", p, cache_salt=s) for i, (p, s) in enumerate(zip(prompts, salts))]
+                for r in reqs:
+                    r.attach_block_hasher(hasher, hash_now=False)
+                n = H.hash_requests(reqs)
+                refs = [Request(f"r{i}", p, cache_salt=s, block_hasher=ref) for i, (p, s) in enumerate(zip(prompts, salts))]
+                assert n == sum(len(f.block_hashes) for f in refs) >= 512
+                assert [r.block_hashes for r in reqs] == [f.block_hashes for f in refs], algo
+            assert hasher.digest_memo_info()[0] > 0
+        print("ok")
+    """)
+    env = dict(os.environ, RAYON_NUM_THREADS="4", PYTHONHASHSEED="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
