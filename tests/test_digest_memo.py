@@ -265,3 +265,40 @@ def test_batch_on_worker_threads():
     env = dict(os.environ, RAYON_NUM_THREADS="4", PYTHONHASHSEED="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_defaults_and_argument_types(roots):
+    import numpy as np
+
+    # an XXH3 digest costs about what a lookup does: no memo by default for xxhash*
+    assert H.get_request_block_hasher(16, H.xxhash).digest_memo_blocks == 0
+    assert H.get_request_block_hasher(16, H.xxhash_cbor).digest_memo_blocks == 0
+    assert H.get_request_block_hasher(16, H.sha256_cbor).digest_memo_blocks == 16384
+    assert H.get_request_block_hasher(16, H.xxhash, digest_memo_blocks=64).digest_memo_blocks == 64
+    assert H.default_digest_memo_blocks(16, "xxhash") == 0
+    # ints, numpy ints included, for every count; bools and others are TypeErrors naming it
+    assert H.get_request_block_hasher(np.int64(16), H.sha256, np.int32(0)).block_size == 16
+    for kw in (dict(block_size=True), dict(block_size=16.0), dict(num_hash_lookahead_tokens="1")):
+        args = dict(block_size=16, caching_hash_fn=H.sha256, num_hash_lookahead_tokens=0) | kw
+        with pytest.raises(TypeError, match=next(iter(kw))):
+            H.get_request_block_hasher(**args)
+    with pytest.raises(ValueError, match="num_hash_lookahead_tokens"):
+        H.get_request_block_hasher(16, H.sha256, -1)
+
+
+def test_a_long_prompt_with_overflowing_sets_stays_mostly_served(roots):
+    """A shared prompt of half the memo's slots overflows some 4-way sets; their blocks miss
+    on every request, but the walk goes on past them. It used to stop after 4 misses in a
+    row and hash the rest: this 8,000-block prompt (a fresh user's case) was served 184
+    blocks per request."""
+    import numpy as np
+
+    hasher = H.get_request_block_hasher(16, H.sha256)
+    prompt = np.random.default_rng(100).integers(0, 150000, 8000 * 16).tolist()
+    ref = Request("r", prompt, block_hasher=R.get_request_block_hasher(16, R.sha256)).block_hashes
+    served = []
+    for _ in range(5):
+        before = hasher.digest_memo_info()[0]
+        assert Request("r", prompt, block_hasher=hasher).block_hashes == ref
+        served.append(hasher.digest_memo_info()[0] - before)
+    assert served[:2] == [0, 0] and min(served[2:]) >= 0.85 * 8000, served

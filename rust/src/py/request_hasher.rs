@@ -31,7 +31,9 @@ const PARALLEL_MIN_JOB_BLOCKS: usize = 32;
 /// left the cache, and the two workers share the CPUs with everything else.
 const PARALLEL_MIN_THREADS: usize = 3;
 
-/// Consecutive memo misses after which the rest of a prompt is hashed in bulk.
+/// Consecutive memo misses after which the rest of a prompt is hashed in bulk; a walk that
+/// has served `n` blocks goes on through `MEMO_MISS_RUN + n / 8` (a long shared prompt can
+/// miss a few blocks in a row where its memo sets overflow).
 const MEMO_MISS_RUN: usize = 4;
 
 /// Most slots a digest memo may be asked for (2^24); its keys must also fit in
@@ -120,10 +122,10 @@ impl PyRequestBlockHasher {
     /// Walk the chain of `tokens` (whole blocks, no extra keys) from `parent` through the
     /// memo, pushing each digest onto `out`: a memoized block is served, a missing one is
     /// hashed (with the GIL held) and offered. The walk stops after [`MEMO_MISS_RUN`] misses in
-    /// a row (the unshared rest of a prompt: the caller hashes it in bulk, cheaper than block
-    /// by block) or at the end; returns the number of blocks done. A block missing among
-    /// memoized ones (evicted from its full set, or not kept yet) costs one hash, not the rest
-    /// of the prompt.
+    /// a row, plus one per 8 blocks served so far (the unshared rest of a prompt: the caller
+    /// hashes it in bulk, cheaper than block by block), or at the end; returns the number of
+    /// blocks done. A block missing among memoized ones (evicted from its full set, or not
+    /// kept yet) costs one hash, not the rest of the prompt.
     fn memo_walk<'py>(
         &self,
         py: Python<'py>,
@@ -134,14 +136,15 @@ impl PyRequestBlockHasher {
         let bs = self.block_size;
         let mut memo = self.memo.borrow_mut(py)?;
         let mut p = parent.clone();
-        let (mut done, mut misses) = (0, 0);
+        let (mut done, mut served, mut misses) = (0, 0, 0);
         for block in tokens.chunks_exact(bs) {
-            if misses == MEMO_MISS_RUN {
+            if misses >= MEMO_MISS_RUN + served / 8 {
                 break;
             }
             let d = match memo.get(p.as_bytes(), block) {
                 Some(d) => {
                     misses = 0;
+                    served += 1;
                     d.bind(py).clone()
                 }
                 None => {
