@@ -73,7 +73,9 @@ fn parent_words(parent: &[u8]) -> Option<[u64; PARENT_WORDS]> {
     padded[..parent.len()].copy_from_slice(parent);
     let mut w = [parent.len() as u64, 0, 0, 0, 0];
     for (dst, chunk) in w[1..].iter_mut().zip(padded.chunks_exact(8)) {
-        *dst = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        *dst = u64::from_le_bytes(word);
     }
     Some(w)
 }
@@ -120,11 +122,6 @@ impl<V> DigestMemo<V> {
     /// Number of slots (blocks the memo can hold).
     pub fn capacity(&self) -> usize {
         self.values.len()
-    }
-
-    /// Tokens per block.
-    pub fn block_size(&self) -> usize {
-        self.block_size
     }
 
     /// Lookups that found their digest.
@@ -209,9 +206,9 @@ impl<V> DigestMemo<V> {
 
     /// Store the entry in its set: over the same key, else the least recently used slot.
     fn store(&mut self, tag: u64, first: usize, p: &[u64; PARENT_WORDS], tokens: &[i64], value: V) -> Option<V> {
-        let i = (first..first + WAYS)
-            .find(|&i| self.holds(i, tag, p, tokens))
-            .unwrap_or_else(|| (first..first + WAYS).min_by_key(|&i| self.used[i]).expect("WAYS > 0"));
+        let i = (first..first + WAYS).find(|&i| self.holds(i, tag, p, tokens)).unwrap_or_else(|| {
+            (first + 1..first + WAYS).fold(first, |lru, i| if self.used[i] < self.used[lru] { i } else { lru })
+        });
         let key = &mut self.keys[i * self.stride..(i + 1) * self.stride];
         key[..PARENT_WORDS].copy_from_slice(p);
         for (k, &t) in key[PARENT_WORDS..].iter_mut().zip(tokens) {

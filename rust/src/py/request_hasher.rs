@@ -149,16 +149,10 @@ impl PyRequestBlockHasher {
                 }
                 None => {
                     misses += 1;
-                    let mut digest = None;
-                    let pid = p.as_ptr() as usize as u64;
-                    with_hasher(self.algo, |h| {
-                        h.hash_chain_into(pid, p.as_bytes(), block, bs, |_| None, |d| digest = Some(d))
-                    })
-                    .py_err()?;
-                    let Some(digest) = digest else { break }; // a whole block gives one digest
-                    let d = bytes_object(py, digest.as_bytes())?;
-                    // the entry it replaces (or the value not kept) is released here: the GIL
-                    // is held, and a bytes object runs no Python code when freed
+                    let one = self.plain_chain(&p, block);
+                    let Some(d) = chain_objects(py, &one)?.pop() else { break }; // one block, one digest
+                                                                                 // the entry it replaces (or the value not kept) is released here: the GIL
+                                                                                 // is held, and a bytes object runs no Python code when freed
                     drop(memo.offer(p.as_bytes(), block, d.clone().unbind()));
                     d
                 }
@@ -168,6 +162,18 @@ impl PyRequestBlockHasher {
             done += 1;
         }
         Ok(done)
+    }
+
+    /// The chain of `tokens` from `parent`, without extra keys.
+    fn plain_chain<'a>(&self, parent: &'a Bound<'_, PyBytes>, tokens: &'a [i64]) -> ChainJob<'a> {
+        ChainJob {
+            algo: self.algo,
+            parent_id: parent.as_ptr() as usize as u64,
+            parent: parent.as_bytes(),
+            tokens,
+            block_size: self.block_size,
+            extras: None,
+        }
     }
 
     /// Offer the memo `digests`, the chain of `tokens` (whole blocks) from `parent` (each is
@@ -208,35 +214,7 @@ impl PyRequestBlockHasher {
             return Ok(out);
         }
         let from = out.last().cloned().unwrap_or_else(|| parent.clone());
-        let pid = from.as_ptr() as usize as u64;
-        if rest.len() / bs >= HASH_BLOCKS_DETACH_MIN_BLOCKS {
-            let p = from.as_bytes().to_vec();
-            let digests =
-                py.detach(|| with_hasher(self.algo, |h| h.hash_chain(pid, &p, rest, bs, |_| None))).py_err()?;
-            for d in &digests {
-                out.push(bytes_object(py, d.as_bytes())?);
-            }
-        } else {
-            // each bytes object is made while the next block hashes
-            let mut failed = None;
-            with_hasher(self.algo, |h| {
-                h.hash_chain_into(
-                    pid,
-                    from.as_bytes(),
-                    rest,
-                    bs,
-                    |_| None,
-                    |d| match bytes_object(py, d.as_bytes()) {
-                        Ok(b) => out.push(b),
-                        Err(e) => drop(failed.get_or_insert(e)),
-                    },
-                )
-            })
-            .py_err()?;
-            if let Some(e) = failed {
-                return Err(e);
-            }
-        }
+        out.extend(chain_objects(py, &self.plain_chain(&from, rest))?);
         self.memo_store(py, &from, rest, &out[done..])?;
         Ok(out)
     }
@@ -404,37 +382,40 @@ impl<'py> Job<'py> {
         Ok(())
     }
 
-    /// Hash `tokens` now: with the GIL held (each bytes object made while the next block
-    /// hashes), or without it from [`HASH_BLOCKS_DETACH_MIN_BLOCKS`] blocks on.
+    /// Hash `tokens` now (see [`chain_objects`]).
     fn hash_now(&mut self, py: Python<'py>) -> PyResult<()> {
-        let c = self.chain();
-        let n = c.tokens.len() / c.block_size;
-        if n >= HASH_BLOCKS_DETACH_MIN_BLOCKS {
-            let digests = py.detach(|| hash_chains(std::slice::from_ref(&c), None)).py_err()?;
-            let new = digests.iter().flatten().map(|d| bytes_object(py, d.as_bytes())).collect::<PyResult<_>>()?;
-            return self.finish(py, new);
-        }
-        let mut out = Vec::with_capacity(n);
-        let mut failed = None;
-        with_hasher(c.algo, |h| {
-            h.hash_chain_into(
-                c.parent_id,
-                c.parent,
-                c.tokens,
-                c.block_size,
-                |i| c.extras.and_then(|e| e[i].as_ref()),
-                |d| match bytes_object(py, d.as_bytes()) {
-                    Ok(b) => out.push(b),
-                    Err(e) => drop(failed.get_or_insert(e)),
-                },
-            )
-        })
-        .py_err()?;
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        self.finish(py, out)
+        let new = chain_objects(py, &self.chain())?;
+        self.finish(py, new)
     }
+}
+
+/// The digests of a chain as bytes objects: hashed with the GIL held, each bytes object made
+/// while the next block hashes, or without the GIL from [`HASH_BLOCKS_DETACH_MIN_BLOCKS`]
+/// blocks on (the caller owns the token ids, so they cannot change meanwhile). A bytes object
+/// that cannot be allocated is a `MemoryError`.
+fn chain_objects<'py>(py: Python<'py>, c: &ChainJob<'_>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let n = c.tokens.len() / c.block_size;
+    if n >= HASH_BLOCKS_DETACH_MIN_BLOCKS {
+        let digests = py.detach(|| hash_chains(std::slice::from_ref(c), None)).py_err()?;
+        return digests.iter().flatten().map(|d| bytes_object(py, d.as_bytes())).collect();
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut failed = None;
+    with_hasher(c.algo, |h| {
+        h.hash_chain_into(
+            c.parent_id,
+            c.parent,
+            c.tokens,
+            c.block_size,
+            |i| c.extras.and_then(|e| e[i].as_ref()),
+            |d| match bytes_object(py, d.as_bytes()) {
+                Ok(b) => out.push(b),
+                Err(e) => drop(failed.get_or_insert(e)),
+            },
+        )
+    })
+    .py_err()?;
+    failed.map_or(Ok(out), Err)
 }
 
 /// Bring the `block_hashes` of many requests up to date in one call (the batch form of
