@@ -47,8 +47,8 @@ fn bench_hashing(c: &mut Criterion) {
 criterion_group!(benches, bench_hashing);
 
 fn bench_pool(c: &mut Criterion) {
-    use _core::block_pool::BlockPool;
     use _core::hashing::Digest;
+    use _core::pool::block_pool::BlockPool;
     let mut pool = BlockPool::new(100_000, true, 16, false).unwrap();
     let hashes: Vec<Digest> = (0..256u64).map(|i| HashAlgo::Sha256.digest(&i.to_le_bytes())).collect();
     let mut ids = Vec::new();

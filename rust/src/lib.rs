@@ -2,20 +2,15 @@
 //!
 //! This crate has no Python dependency unless the `python` feature is on; the bindings live in
 //! [`py`] only.
+//!
+//! * [`hashing`]: chained block hashing (serializers, digests, the digest memo).
+//! * [`pool`]: the block pool (free queue, cache map, arena, events).
+//! * [`manager`]: the KV cache manager (per-request block tables, allocation, caching).
 
-pub mod block_pool;
-pub mod cache_map;
-pub mod cbor;
-pub mod digest_memo;
 pub mod error;
-pub mod events;
-pub mod free_queue;
 pub mod hashing;
 pub mod manager;
-pub mod pickle;
-pub mod requests;
-pub mod token_simd;
-pub mod value;
+pub mod pool;
 
 #[cfg(feature = "python")]
 mod py;

@@ -1,9 +1,9 @@
 //! Integration tests of the pure-Rust core against vLLM's golden vectors.
 
-use _core::cbor;
+use _core::hashing::cbor;
+use _core::hashing::pickle;
+use _core::hashing::value::{Int, Value};
 use _core::hashing::{BlockHasher, HashAlgo, ALGORITHM_NAMES};
-use _core::pickle;
-use _core::value::{Int, Value};
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -142,9 +142,9 @@ fn algorithm_names() {
 }
 
 mod pool_and_manager {
-    use _core::block_pool::BlockPool;
     use _core::hashing::{BlockHasher, Digest, HashAlgo};
     use _core::manager::{AllocArgs, Manager};
+    use _core::pool::block_pool::BlockPool;
 
     fn hashes(tokens: &[i64], bs: usize) -> Vec<Digest> {
         BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[7u8; 32], tokens, bs, |_| None).unwrap()
@@ -293,7 +293,7 @@ mod plain_blocks {
 }
 
 mod digest_memo {
-    use _core::digest_memo::DigestMemo;
+    use _core::hashing::digest_memo::DigestMemo;
     use proptest::prelude::*;
     use std::collections::HashMap;
 
@@ -400,7 +400,7 @@ mod digest_memo {
 }
 
 mod digest_memo_admission {
-    use _core::digest_memo::DigestMemo;
+    use _core::hashing::digest_memo::DigestMemo;
 
     #[test]
     fn a_block_is_kept_on_its_second_offer() {

@@ -2,7 +2,7 @@
 //! arrays and `array.array`, any other sequence) and hashable values.
 
 use super::errors::{type_err, value_err};
-use crate::value::{Int, ObjId, Value};
+use crate::hashing::value::{Int, ObjId, Value};
 use pyo3::buffer::{ElementType, PyBuffer, PyUntypedBuffer};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -79,7 +79,7 @@ macro_rules! with_token_slice {
                 $body
             }
             $crate::py::convert::Tokens::Big(v) => {
-                let $s: Vec<&$crate::value::Int> = v.iter().collect();
+                let $s: Vec<&$crate::hashing::value::Int> = v.iter().collect();
                 let $s = &$s[..];
                 $body
             }

@@ -3,8 +3,8 @@
 
 use super::convert::{extract_token_range, extract_tokens, to_value};
 use super::errors::{type_err, value_err, IntoPy};
+use crate::hashing::value::Value;
 use crate::hashing::{BlockHasher, HashAlgo};
-use crate::value::Value;
 use crate::with_token_slice;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
@@ -88,7 +88,11 @@ impl PyHashFunction {
     /// The bytes that are fed to the digest for `obj` (pickle protocol 5 or canonical CBOR).
     fn serialize<'py>(&self, py: Python<'py>, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
         let v = to_value(obj, "obj")?;
-        let data = if self.algo.uses_cbor() { crate::cbor::dumps(&v).py_err()? } else { crate::pickle::dumps(&v) };
+        let data = if self.algo.uses_cbor() {
+            crate::hashing::cbor::dumps(&v).py_err()?
+        } else {
+            crate::hashing::pickle::dumps(&v)
+        };
         Ok(PyBytes::new(py, &data))
     }
 

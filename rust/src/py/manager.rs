@@ -618,7 +618,7 @@ impl PyManager {
                 let v = super::convert::extract_tokens(x, "num_new_tokens", 0)?;
                 let v: Vec<Option<i64>> = crate::with_token_slice!(&v, |s| s
                     .iter()
-                    .map(|&t| crate::value::TokenId::as_i64(t).ok())
+                    .map(|&t| crate::hashing::value::TokenId::as_i64(t).ok())
                     .collect());
                 if v.len() != n {
                     return Err(value_err("num_new_tokens", format!("{} values for {n} requests", v.len())));

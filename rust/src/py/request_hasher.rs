@@ -6,9 +6,9 @@ use super::errors::{type_err, value_err, IntoPy};
 use super::fields::{Field, RequestFields};
 use super::gil_cell::GilCell;
 use super::hashing::{extra_of, hash_blocks, with_hasher, PyHashFunction, HASH_BLOCKS_DETACH_MIN_BLOCKS};
-use crate::digest_memo::DigestMemo;
+use crate::hashing::digest_memo::DigestMemo;
+use crate::hashing::value::Value;
 use crate::hashing::{hash_chains, ChainJob, HashAlgo};
-use crate::value::Value;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
@@ -37,7 +37,7 @@ const PARALLEL_MIN_THREADS: usize = 3;
 const MEMO_MISS_RUN: usize = 4;
 
 /// Most slots a digest memo may be asked for (2^24); its keys must also fit in
-/// `crate::digest_memo::MAX_KEY_BYTES` (at block size 16: up to 2^22 slots).
+/// `crate::hashing::digest_memo::MAX_KEY_BYTES` (at block size 16: up to 2^22 slots).
 const MAX_MEMO_BLOCKS: i64 = 1 << 24;
 
 /// The worker threads of `hash_requests`, started on first use; None if they could not be
@@ -56,7 +56,7 @@ fn worker_pool() -> Option<&'static rayon::ThreadPool> {
 /// can skip calls that cannot complete a block.
 ///
 /// Prompts (calls that hash a request's blocks from its first one) without extra keys go
-/// through a digest memo of `digest_memo_blocks` slots (`crate::digest_memo`): the longest
+/// through a digest memo of `digest_memo_blocks` slots (`crate::hashing::digest_memo`): the longest
 /// run of new blocks whose exact input (parent digest and token ids) is memoized is served
 /// from it, the same bytes objects, and the blocks hashed after that run are offered to it
 /// (kept the second time a block is hashed).

@@ -6,8 +6,8 @@
 //! 64 KiB of opcodes, checked at the start of each object, no FRAME for fewer than 4 bytes, and
 //! payloads of 64 KiB or more written outside any frame.
 
-use crate::token_simd;
-use crate::value::{Int, ObjId, TokenId, Value};
+use crate::hashing::token_simd;
+use crate::hashing::value::{Int, ObjId, TokenId, Value};
 
 const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;

@@ -5,11 +5,11 @@
 //! allocation pops them. Every fallible operation validates its whole input before it changes
 //! anything, so a failed call leaves the pool exactly as it was.
 
-use crate::cache_map::{CacheMap, Key};
 use crate::error::{Error, Result};
-use crate::events::Event;
-use crate::free_queue::FreeQueue;
 use crate::hashing::Digest;
+use crate::pool::cache_map::{CacheMap, Key};
+use crate::pool::events::Event;
+use crate::pool::free_queue::FreeQueue;
 
 /// The null block's id.
 pub const NULL_BLOCK: u32 = 0;

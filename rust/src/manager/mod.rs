@@ -5,10 +5,12 @@
 //! The group is full attention, or sliding-window attention when `sliding_window` is set. The
 //! block pool is passed in (it is shared with the pool's own Python face).
 
-use crate::block_pool::{BlockPool, NULL_BLOCK};
+pub mod requests;
+
 use crate::error::{Error, Result};
 use crate::hashing::Digest;
-use crate::requests::RequestTable;
+use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
+use requests::RequestTable;
 use std::sync::atomic::Ordering::Relaxed;
 
 /// A request's block hashes, read lazily (the binding reads them straight from the Python

@@ -3,8 +3,8 @@
 //! integers in their shortest form; integers beyond 64 bits as bignum tags 2 / 3.
 
 use crate::error::{Error, Result};
-use crate::token_simd;
-use crate::value::{Int, TokenId, Value};
+use crate::hashing::token_simd;
+use crate::hashing::value::{Int, TokenId, Value};
 
 #[inline(always)]
 fn head(out: &mut Vec<u8>, major: u8, v: u64) {

@@ -5,10 +5,10 @@
 //! (`sha256`, `xxhash`) or canonical CBOR (`sha256_cbor`, `xxhash_cbor`) and digested with
 //! SHA-256 (32 bytes) or XXH3-128 (16 bytes, big-endian).
 
-use crate::cbor;
 use crate::error::{Error, Result};
-use crate::pickle::Pickler;
-use crate::value::{ObjId, TokenId, Value};
+use crate::hashing::cbor;
+use crate::hashing::pickle::Pickler;
+use crate::hashing::value::{ObjId, TokenId, Value};
 use sha2::{Digest as _, Sha256};
 
 /// The four block-hash algorithms of vLLM 0.33.0 (`get_hash_fn_by_name`).
@@ -317,14 +317,14 @@ impl BlockHasher {
             return Err(Error::value("block_size", "must be > 0"));
         }
         #[cfg(target_arch = "x86_64")]
-        let simd = crate::token_simd::available();
+        let simd = crate::hashing::token_simd::available();
         let mut prev: Option<Digest> = None;
         let cbor = self.algo.uses_cbor();
-        let plain = cbor || crate::pickle::plain_block_fits(parent.len().max(32), block_size);
+        let plain = cbor || crate::hashing::pickle::plain_block_fits(parent.len().max(32), block_size);
         if cbor {
-            self.buf.reserve(crate::cbor::plain_block_capacity(parent.len().max(32), block_size));
+            self.buf.reserve(crate::hashing::cbor::plain_block_capacity(parent.len().max(32), block_size));
         } else if plain {
-            self.pickler.out.reserve(crate::pickle::plain_block_capacity(parent.len().max(32), block_size));
+            self.pickler.out.reserve(crate::hashing::pickle::plain_block_capacity(parent.len().max(32), block_size));
         }
         for (i, block) in tokens.chunks_exact(block_size).enumerate() {
             let e = extra(i);
@@ -351,10 +351,10 @@ impl BlockHasher {
     #[inline(always)]
     fn plain_block_digest(&mut self, parent: &[u8], tokens: &[i64]) -> Digest {
         if self.algo.uses_cbor() {
-            crate::cbor::dumps_plain_block(&mut self.buf, parent, tokens);
+            crate::hashing::cbor::dumps_plain_block(&mut self.buf, parent, tokens);
             self.algo.digest_buf(&mut self.buf)
         } else {
-            crate::pickle::dumps_plain_block(&mut self.pickler.out, parent, tokens);
+            crate::hashing::pickle::dumps_plain_block(&mut self.pickler.out, parent, tokens);
             self.algo.digest_buf(&mut self.pickler.out)
         }
     }
