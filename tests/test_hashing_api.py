@@ -80,13 +80,41 @@ def test_large_and_negative_tokens():
         (lambda: kvblock.hash_blocks([1, 2], 1.0), TypeError, "block_size"),
         (lambda: H.hash_block_tokens(H.sha256, "p", [1]), TypeError, "parent_block_hash"),
         (lambda: H.hash_block_tokens(H.sha256, ROOT, [1], [("lora",)]), TypeError, "extra_keys"),
-        (lambda: H.sha256(object()), TypeError, "object"),
+        # anything pickle cannot serialize (vLLM's sha256 pickles what it is given)
+        (lambda: H.sha256((lambda: 0,)), (pickle.PicklingError, AttributeError), "pickle"),
         (lambda: H.HashFunction("sha1"), ValueError, "valid algorithms"),
     ],
 )
 def test_bad_input_raises_clear_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+_ANY_OBJECTS = [(), ("abc",), (None,), {"a": 1}, 3.5, [1, (2, "x")]]
+
+
+@pytest.mark.parametrize(
+    "name,obj",
+    [(n, o) for n in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor") for o in _ANY_OBJECTS]
+    # a type object pickles (vLLM's own test hashes one) but has no CBOR form
+    + [("sha256", (None, bool, [1, 2, 3])), ("xxhash", (None, bool, [1, 2, 3]))],
+)
+def test_hash_functions_hash_any_object_as_vllm_does(name, obj):
+    """Beyond block-hash shapes, kvblock's hash functions serialize what vLLM's would
+    (pickle protocol 5, or canonical CBOR) and digest the same bytes."""
+    import hashlib
+    import pickle
+
+    import cbor2
+    import xxhash
+
+    fn = H.get_hash_fn_by_name(name)
+    if name.endswith("cbor"):
+        data = cbor2.dumps(obj, canonical=True)
+    else:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    want = hashlib.sha256(data).digest() if name.startswith("sha256") else xxhash.xxh3_128_digest(data)
+    assert fn(obj) == want
 
 
 def test_any_parent_bytes_and_falsy_parent(seed_env):

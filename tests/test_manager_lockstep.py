@@ -73,11 +73,11 @@ class ManagerLockstep(RuleBasedStateMachine):
     def _same(self, f_fast, f_ref):
         try:
             a = f_fast()
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, AssertionError) as e:
             a = e
         try:
             b = f_ref()
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, AssertionError) as e:
             b = e
         if isinstance(a, Exception) or isinstance(b, Exception):
             assert type(a) is type(b), (a, b)

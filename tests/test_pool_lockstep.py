@@ -46,7 +46,7 @@ class PoolLockstep(RuleBasedStateMachine):
     def _both(self, f_fast, f_ref):
         try:
             a = f_fast()
-        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        except (ValueError, RuntimeError, KeyError, TypeError, AssertionError) as e:
             a = e
         try:
             b = f_ref()

@@ -737,7 +737,7 @@ def test_block_pool_rejects_bad_input_without_changes():
             BlockPool(*args)
 
 
-def test_cache_full_blocks_rejects_bad_ranges_and_rekeys_cached_blocks(seed_env):
+def test_cache_full_blocks_rejects_bad_ranges_and_cached_blocks(seed_env):
     mgr = KVCacheManager(6, 4, enable_kv_cache_events=True)
     pool = mgr.block_pool
     req = Request("r", list(range(9)), block_hasher=mgr.request_block_hasher)
@@ -749,16 +749,15 @@ def test_cache_full_blocks_rejects_bad_ranges_and_rekeys_cached_blocks(seed_env)
         pool.cache_full_blocks(req, blocks[:1], 0, 2, 4, 0)  # only 1 block
     assert pool_state(pool) == before
     pool.cache_full_blocks(req, blocks, 0, 2, 4, 0)
-    pool.take_events()
-    pool.cache_full_blocks(req, blocks, 1, 2, 4, 1)  # block 2 moves to group 1
-    h1 = block_hash_to_event_int(req.block_hashes[1])
-    assert pool.take_events() == [
-        BlockRemoved(block_hashes=[h1], medium="GPU", group_idx=0),
-        BlockStored(block_hashes=[h1], parent_block_hash=block_hash_to_event_int(req.block_hashes[0]),
-                    token_ids=[4, 5, 6, 7], block_size=4, lora_id=None, medium="GPU",
-                    lora_name=None, extra_keys=[None], group_idx=1),
-    ]
-    assert blocks[1].block_hash == make_block_hash_with_group_id(req.block_hashes[1], 1)
+    events = pool.take_events()
+    assert [type(e) for e in events] == [BlockStored]
+    keyed = pool_state(pool)
+    # vLLM 0.33.0 asserts that a block already keyed for as many tokens is not cached again
+    # (only a partial entry is promoted); nothing changes
+    with pytest.raises(AssertionError):
+        pool.cache_full_blocks(req, blocks, 1, 2, 4, 1)
+    assert pool_state(pool) == keyed and pool.take_events() == []
+    assert blocks[1].block_hash == make_block_hash_with_group_id(req.block_hashes[1], 0)
     assert len(pool.cached_block_hash_to_block) == 2
 
 
@@ -783,7 +782,7 @@ def test_manager_rejects_bad_input_without_changes(seed_env):
         assert mgr.get_block_ids("r") == ([],)
     assert ids(mgr.allocate_slots(r, 9)) == [1, 2, 3]
     hit = KVCacheBlocks(([mgr.block_pool.blocks[1]],))
-    with pytest.raises(ValueError, match="already holds blocks"):
+    with pytest.raises(AssertionError, match="already holds blocks"):  # vLLM asserts
         mgr.allocate_slots(r, 1, 4, hit)
     for kwargs, exc in (
         ({"block_size": 0}, ValueError),

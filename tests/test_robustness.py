@@ -35,7 +35,7 @@ def test_pool_beyond_int32_ids_is_a_value_error():
 
 
 @pytest.mark.parametrize("running", [False, True])
-@pytest.mark.parametrize("bad", ["tuple", "short_hash", "not_bytes"])
+@pytest.mark.parametrize("bad", ["tuple", "empty_hash", "not_bytes"])
 def test_bad_block_hashes_fail_before_any_change(running, bad):
     mgr = KVCacheManager(num_blocks=20, block_size=16)
     r = Request("r", list(range(100)), block_hasher=mgr.request_block_hasher)
@@ -45,8 +45,8 @@ def test_bad_block_hashes_fail_before_any_change(running, bad):
     before = _snapshot(mgr)
     if bad == "tuple":
         r.block_hashes = tuple(r.block_hashes)
-    elif bad == "short_hash":
-        r.block_hashes[2] = b"x" * 5  # a block this call caches
+    elif bad == "empty_hash":
+        r.block_hashes[2] = b""  # a block this call caches (hashes are 1 to 32 bytes)
     else:
         r.block_hashes[2] = "not bytes"
     with pytest.raises((TypeError, ValueError)):
@@ -65,7 +65,7 @@ def _batch_of_three(mgr, running):
 
 
 @pytest.mark.parametrize("api", ["allocate_slots_batch", "admit_batch"])
-@pytest.mark.parametrize("bad", ["short_hash", "not_bytes", "tuple", "no_status"])
+@pytest.mark.parametrize("bad", ["empty_hash", "not_bytes", "tuple", "no_status"])
 def test_bad_request_in_a_batch_changes_nothing(api, bad):
     """The last request of the batch is bad: the first two must not be allocated either."""
     mgr = KVCacheManager(num_blocks=40, block_size=16, watermark=0.1)
@@ -75,8 +75,8 @@ def test_bad_request_in_a_batch_changes_nothing(api, bad):
             r.num_computed_tokens = 31
     before = _snapshot(mgr)
     bad_req = reqs[2]
-    if bad == "short_hash":
-        bad_req.block_hashes[1] = b"x" * 5
+    if bad == "empty_hash":
+        bad_req.block_hashes[1] = b""
     elif bad == "not_bytes":
         bad_req.block_hashes[1] = 7
     elif bad == "tuple":
@@ -263,9 +263,11 @@ def test_adopting_into_a_request_that_holds_blocks_is_refused_without_leaking():
     hit, n, _ = mgr.get_computed_blocks(b)
     assert n == 8
     before = _snapshot(mgr)
-    with pytest.raises(ValueError, match="already holds blocks"):
+    # vLLM asserts an empty table when a request adopts computed tokens (half way through);
+    # kvblock raises the same AssertionError before anything changes
+    with pytest.raises(AssertionError, match="already holds blocks"):
         mgr.allocate_slots(b, 1, n, hit)
-    with pytest.raises(ValueError, match="already holds blocks"):
+    with pytest.raises(AssertionError, match="already holds blocks"):
         mgr.allocate_slots(b, 4, num_external_computed_tokens=16)
     assert _snapshot(mgr) == before
     mgr.free(a)
@@ -482,14 +484,16 @@ def test_admit_batch_reads_every_request_before_admitting_any():
 def test_uninitialised_core_refuses_before_allocating():
     from kvblock import _core
 
-    core = _core.KVCacheManagerCore(_core.BlockPoolCore(10, True, 4), 4, 100)
+    core = _core.KVCacheManagerCore(
+        _core.BlockPoolCore(10, True, 4), [{"kind": "full_attention", "block_size": 4}], 100, 4, 4
+    )
     pool = core.block_pool
     free = pool.get_num_free_blocks()
     with pytest.raises(RuntimeError, match="not initialised"):
         core.allocate_slots(Request("z", [1, 2, 3, 4, 5]), 5)
     with pytest.raises(RuntimeError, match="not initialised"):
         core.get_computed_blocks(Request("z", [1, 2, 3, 4, 5]))
-    assert core._block_ids("z") == [] and pool.get_num_free_blocks() == free
+    assert core._block_ids("z") == [[]] and pool.get_num_free_blocks() == free
 
 
 def test_block_pool_cannot_be_replaced():

@@ -1,30 +1,38 @@
 """vLLM-compatible ``BlockPool`` over the Rust pool (spec §2–§4).
 
 :class:`BlockPool` *is* the Rust pool (it subclasses ``kvblock._core.BlockPoolCore``), with two
-faces: vLLM's methods taking and returning :class:`KVCacheBlock` objects, so code written
+faces: vLLM 0.33.0's methods taking and returning :class:`KVCacheBlock` objects, so code written
 against ``vllm.v1.core.block_pool.BlockPool`` runs unchanged, and the fast id API of the core
 (``allocate_ids``, ``free_ids``, ``touch_ids``, ``cache_ids``, ``lookup_prefix``, ...), one call
 per request-level action with ints or numpy arrays. Block ids and free-queue order are
 identical to vLLM 0.33.0's.
 
-A :class:`KVCacheBlock` is a view (block id + pool): reading ``ref_cnt`` or ``block_hash``
-asks the pool, so there is no per-block Python state to keep in sync.
+A :class:`KVCacheBlock` is a view (block id + pool), one object per block: reading
+``ref_cnt`` or ``block_hash`` asks the pool, so there is no per-block Python state to keep in
+sync. The pool's ``free_block_queue``, ``cached_block_hash_to_block`` (and its ``_cache``
+dict), ``cached_block_hashes_by_block`` and ``kv_event_queue`` are views of the Rust state
+with vLLM's shapes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from typing import Any
 
 from . import _core
-from .events import AllBlocksCleared, KVCacheEvent, block_removed, block_stored_for_request
-from .hashing import resolve_block_hashes
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored_for_request
 
-__all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 
 
 class KVCacheBlock:
     """A block of the pool, as vLLM's ``KVCacheBlock`` shows it: ``block_id``, ``ref_cnt``,
-    ``block_hash`` (``BlockHashWithGroupId`` bytes or None) and ``is_null``. Read-only view."""
+    ``block_hash`` (``BlockHashWithGroupId`` bytes or None), ``block_hash_num_tokens``,
+    ``prev_free_block`` / ``next_free_block`` (free-queue neighbours), ``is_null``, ``pool``.
+
+    A view: every field is read from (and ``ref_cnt`` / ``set_block_hash`` / ``reset_hash``
+    written to) the Rust pool. The pool keeps one view per block, so ``is`` and ``==`` agree.
+    """
 
     __slots__ = ("_pool", "block_id")
 
@@ -33,16 +41,55 @@ class KVCacheBlock:
         self.block_id = block_id
 
     @property
+    def pool(self) -> "BlockPool":
+        return self._pool
+
+    @property
     def ref_cnt(self) -> int:
         return self._pool.ref_cnt(self.block_id)
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        # vLLM code writes it to retain both ends of a copy-on-write copy
+        self._pool.set_ref_cnt(self.block_id, value)
 
     @property
     def block_hash(self) -> bytes | None:
         return self._pool.block_hash(self.block_id)
 
+    _block_hash = block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._pool.block_hash_num_tokens(self.block_id)
+
+    _block_hash_num_tokens = block_hash_num_tokens
+
+    def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
+        """Give the block a key (not in the map until inserted); AssertionError if it has one."""
+        self._pool.set_block_hash(self.block_id, block_hash, num_tokens)
+
+    def reset_hash(self) -> None:
+        """Forget the block's key."""
+        self._pool.reset_hash(self.block_id)
+
     @property
     def is_null(self) -> bool:
         return self.block_id == 0
+
+    @property
+    def prev_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        prev, _, linked = self._pool.queue_neighbours(self.block_id)
+        if not linked:
+            return None
+        return self._pool._view(prev) if prev is not None else self._pool._queue_head
+
+    @property
+    def next_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        _, nxt, linked = self._pool.queue_neighbours(self.block_id)
+        if not linked:
+            return None
+        return self._pool._view(nxt) if nxt is not None else self._pool._queue_tail
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KVCacheBlock) and other._pool is self._pool and other.block_id == self.block_id
@@ -51,12 +98,64 @@ class KVCacheBlock:
         return hash((id(self._pool), self.block_id))
 
     def __repr__(self) -> str:
-        h = self.block_hash
-        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, block_hash={None if h is None else h.hex()})"
+        prev = self.prev_free_block
+        nxt = self.next_free_block
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"_block_hash={self.block_hash!r}, _block_hash_num_tokens={self.block_hash_num_tokens}, "
+            f"prev_free_block={getattr(prev, 'block_id', None)}, next_free_block={getattr(nxt, 'block_id', None)})"
+        )
+
+
+class _QueueEnd:
+    """A sentinel of the free queue (vLLM's ``fake_free_list_head`` / ``_tail``, block id -1)."""
+
+    __slots__ = ("_pool", "_head")
+    block_id = -1
+    ref_cnt = 0
+    block_hash = None
+    is_null = False
+
+    def __init__(self, pool: "BlockPool", head: bool) -> None:
+        self._pool = pool
+        self._head = head
+
+    @property
+    def next_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        if not self._head:
+            return None
+        first, _ = self._pool.queue_ends()
+        return self._pool._view(first) if first is not None else self._pool._queue_tail
+
+    @property
+    def prev_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        if self._head:
+            return None
+        _, last = self._pool.queue_ends()
+        return self._pool._view(last) if last is not None else self._pool._queue_head
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(block_id=-1, {'head' if self._head else 'tail'} sentinel)"
 
 
 def _ids(blocks: Iterable[Any]) -> list[int]:
     return [b if isinstance(b, int) else b.block_id for b in blocks]
+
+
+def _own_ids(pool: "BlockPool", blocks: Iterable[Any], arg: str) -> list[int]:
+    """Ids of blocks that must be views of ``pool`` (or plain ids)."""
+    out = []
+    for b in blocks:
+        if isinstance(b, int):
+            out.append(b)
+        elif isinstance(b, KVCacheBlock) and b._pool is pool:
+            out.append(b.block_id)
+        else:
+            raise TypeError(
+                f"{arg}: {b!r} is not a block of this pool (kvblock's blocks are views of their pool's "
+                "state; use the pool's blocks)"
+            )
+    return out
 
 
 class FreeKVCacheBlockQueue:
@@ -71,8 +170,23 @@ class FreeKVCacheBlockQueue:
     def num_free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
 
+    @property
+    def fake_free_list_head(self) -> _QueueEnd:
+        return self._pool._queue_head
+
+    @property
+    def fake_free_list_tail(self) -> _QueueEnd:
+        return self._pool._queue_tail
+
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         return [self._pool._view(b) for b in self._pool.free_queue_ids()]
+
+    def iter_blocks_after(self, cursor: KVCacheBlock | None = None) -> Iterator[KVCacheBlock]:
+        """The free blocks after ``cursor`` (from the head if None)."""
+        ids = self._pool.free_queue_ids()
+        start = 0 if cursor is None else ids.index(cursor.block_id) + 1
+        for b in ids[start:]:
+            yield self._pool._view(b)
 
     def popleft(self) -> KVCacheBlock:
         """Pop the head. Raises ``ValueError("No free blocks available")`` when empty."""
@@ -97,27 +211,133 @@ class FreeKVCacheBlockQueue:
         self._pool._queue_insert(_ids(blocks), True)
 
 
-class _BlockHashToBlockMap:
-    """Read-only face of the hash -> block map (vLLM's ``BlockHashToBlockMap``)."""
+def _entry(pool: "BlockPool", ids: list[int], multi: bool) -> "KVCacheBlock | dict[int, KVCacheBlock]":
+    """A key's value as vLLM's map stores it: the block alone, or ``{block_id: block}`` once
+    the key has held two blocks."""
+    if not multi:
+        return pool._view(ids[0])
+    return {b: pool._view(b) for b in ids}
+
+
+def _entry_ids(value: Any) -> list[int]:
+    if isinstance(value, dict):
+        return [b.block_id if not isinstance(b, int) else b for b in value.values()]
+    return [value.block_id]
+
+
+class _CacheDict(MutableMapping):
+    """``cached_block_hash_to_block._cache``: the map as vLLM's dict of
+    ``{BlockHashWithGroupId: block | {block_id: block}}``. Popping a key takes it out of the
+    map while its blocks keep their hash (as popping vLLM's dict does); assigning the popped
+    value back restores it."""
 
     def __init__(self, pool: "BlockPool") -> None:
         self._pool = pool
+
+    def __getitem__(self, key: bytes) -> Any:
+        entry = self._pool.lookup_key_entry(key)
+        if entry is None:
+            raise KeyError(key)
+        return _entry(self._pool, *entry)
+
+    def __setitem__(self, key: bytes, value: Any) -> None:
+        self._pool.map_reattach(key, _entry_ids(value))
+
+    def __delitem__(self, key: bytes) -> None:
+        if not self._pool.map_detach(key):
+            raise KeyError(key)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._pool.cached_items()))
+
+    def __len__(self) -> int:
+        return self._pool.num_cached_keys()
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self._pool.lookup_key_all(key))
+
+    def clear(self) -> None:
+        self._pool.map_detach_all()
+
+    def __copy__(self) -> dict:
+        return {k: _entry(self._pool, ids, multi) for k, (ids, multi) in self._pool.cached_entries().items()}
+
+    copy = __copy__
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _CacheDict):
+            other = other.copy()
+        return isinstance(other, dict) and self.copy() == other
+
+    def __repr__(self) -> str:
+        return repr(self.copy())
+
+
+class BlockHashToBlockMap:
+    """vLLM's ``BlockHashToBlockMap`` face of the pool's hash -> block map."""
+
+    def __init__(self, pool: "BlockPool") -> None:
+        self._pool = pool
+        self._cache = _CacheDict(pool)
 
     def __len__(self) -> int:
         return self._pool.num_cached_keys()
 
     def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        """The first block cached under ``key``, or None."""
         b = self._pool.lookup_key(key)
         return None if b is None else self._pool._view(b)
 
     def contain(self, key: bytes, block_id: int) -> bool:
         return block_id in self._pool.lookup_key_all(key)
 
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        self._pool.map_insert(key, block.block_id)
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        """Take ``block_id`` off ``key``; the block, or None if it was not there."""
+        return self._pool._view(block_id) if self._pool.map_pop(key, block_id) else None
+
     def items(self) -> list[tuple[bytes, list[int]]]:
         return list(self._pool.cached_items().items())
 
     def __contains__(self, key: bytes) -> bool:
         return self._pool.lookup_key(key) is not None
+
+
+class _SecondaryKeys(MutableMapping):
+    """``cached_block_hashes_by_block``: ``{block_id: {keys}}`` of the blocks' further keys."""
+
+    def __init__(self, pool: "BlockPool") -> None:
+        self._pool = pool
+
+    def __getitem__(self, block_id: int) -> set[bytes]:
+        keys = self._pool.secondary_keys(block_id) if 0 <= block_id < self._pool.num_gpu_blocks else []
+        if not keys:
+            raise KeyError(block_id)
+        return set(keys)
+
+    def __setitem__(self, block_id: int, keys: Any) -> None:
+        raise TypeError("cached_block_hashes_by_block is a view of the pool; use cache_partial_block")
+
+    def __delitem__(self, block_id: int) -> None:
+        raise TypeError("cached_block_hashes_by_block is a view of the pool; use _maybe_evict_cached_block")
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._pool.secondary_items()))
+
+    def __len__(self) -> int:
+        return len(self._pool.secondary_items())
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self.items()) == other
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class _EventQueue(list):
+    """``kv_event_queue``: the pool's buffered events as a list (vLLM code may append)."""
 
 
 class _Blocks(Sequence[KVCacheBlock]):
@@ -137,6 +357,10 @@ class _Blocks(Sequence[KVCacheBlock]):
             raise IndexError("block id out of range")
         return self._pool._view(i)
 
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        view = self._pool._view
+        return (view(i) for i in range(len(self)))
+
 
 class BlockPool(_core.BlockPoolCore):
     """The block pool (vLLM 0.33.0 ``BlockPool``), in Rust.
@@ -147,13 +371,23 @@ class BlockPool(_core.BlockPoolCore):
         hash_block_size: tokens per hashed block (> 0).
         enable_kv_cache_events: record ``BlockStored`` / ``BlockRemoved`` /
             ``AllBlocksCleared`` for :meth:`take_events`.
+        metrics_collector: vLLM's ``KVCacheMetricsCollector`` (kept; kvblock's pool does not
+            report block residency to it).
+        num_hash_lookahead_tokens: tokens after each block its hash covers (events report
+            them as ``lookahead_token_ids``).
         medium: the ``medium`` field of events (``"GPU"``).
 
-    Per block the pool keeps 24 bytes (ref count, key slot, two free-queue links, two
-    duplicate-key links); building it is O(num_gpu_blocks) in Rust with no Python object per
-    block. The id API (``cache_ids``) knows no request: its ``BlockStored`` events carry the
-    hashes but empty ``token_ids``.
+    Per block the pool keeps 28 bytes (ref count, key slot, key token count, two free-queue
+    links, two key-list links); building it is O(num_gpu_blocks) in Rust with no Python
+    object per block. The id API (``cache_ids``) knows no request: its ``BlockStored`` events
+    carry the hashes but empty ``token_ids``.
+
+    Raises:
+        ValueError: ``num_gpu_blocks <= 0``, ``hash_block_size <= 0``.
     """
+
+    #: The KV event classes the pool builds (vLLM's own in :class:`kvblock.vllm.BlockPool`).
+    event_classes: tuple[Any, Any, Any] = (BlockStored, BlockRemoved, AllBlocksCleared)
 
     def __init__(
         self,
@@ -167,14 +401,25 @@ class BlockPool(_core.BlockPoolCore):
     ) -> None:
         self.medium = medium
         self.metrics_collector = metrics_collector
-        self._views: dict[int, KVCacheBlock] = {}
-        self._pending_events: list[KVCacheEvent] = []
+        self._views: list[KVCacheBlock | None] = []
+        self._events = _EventQueue()
+        self._watchers: dict[int, Callable[[KVCacheBlock], None]] = {}
+        self._next_watcher = 0
+        self._queue_head = _QueueEnd(self, True)
+        self._queue_tail = _QueueEnd(self, False)
 
     # -- views ---------------------------------------------------------------------------------
     def _view(self, block_id: int) -> KVCacheBlock:
-        v = self._views.get(block_id)
+        views = self._views
+        try:
+            v = views[block_id]
+        except IndexError:
+            if not 0 <= block_id < self.num_gpu_blocks:
+                raise IndexError(f"block id {block_id} out of range") from None
+            views.extend([None] * (block_id + 1 - len(views)))
+            v = None
         if v is None:
-            v = self._views[block_id] = KVCacheBlock(self, block_id)
+            v = views[block_id] = KVCacheBlock(self, block_id)
         return v
 
     @property
@@ -191,8 +436,18 @@ class BlockPool(_core.BlockPoolCore):
         return FreeKVCacheBlockQueue(self)
 
     @property
-    def cached_block_hash_to_block(self) -> _BlockHashToBlockMap:
-        return _BlockHashToBlockMap(self)
+    def cached_block_hash_to_block(self) -> BlockHashToBlockMap:
+        return BlockHashToBlockMap(self)
+
+    @property
+    def cached_block_hashes_by_block(self) -> _SecondaryKeys:
+        return _SecondaryKeys(self)
+
+    @property
+    def kv_event_queue(self) -> list[KVCacheEvent]:
+        """The buffered events (a list vLLM code may append to)."""
+        self._drain_events()
+        return self._events
 
     @property
     def num_gpu_blocks_total(self) -> int:
@@ -201,19 +456,17 @@ class BlockPool(_core.BlockPoolCore):
     # -- vLLM's BlockPool API ----------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
-        out = []
-        for g in kv_cache_group_ids:
-            b = self.lookup_key(block_hash + int(g).to_bytes(4, "big"))
-            if b is None:
-                return None
-            out.append(self._view(b))
-        return out
+        ids = self.get_cached_block_ids(block_hash, list(kv_cache_group_ids))
+        return None if ids is None else [self._view(b) for b in ids]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks (evicting cached ones), each with ref_cnt 1. Raises
         ``ValueError("Cannot get {n} free blocks from the pool")``, changing nothing, if fewer
         are free."""
-        return [self._view(b) for b in self.allocate_ids(num_blocks).tolist()]
+        out = [self._view(b) for b in self.allocate_ids(num_blocks).tolist()]
+        if self._watchers:
+            self._notify_reuse()
+        return out
 
     def touch(self, blocks: Any) -> None:
         """Take a reference on each block (a flat sequence, or one sequence per group); free
@@ -221,15 +474,32 @@ class BlockPool(_core.BlockPoolCore):
         ids: list[int] = []
         for b in blocks:
             if isinstance(b, (list, tuple)):
-                ids.extend(_ids(b))
+                ids.extend(_own_ids(self, b, "blocks"))
             else:
-                ids.append(b.block_id)
-        self.touch_ids([i for i in ids if i != 0])
+                ids.extend(_own_ids(self, (b,), "blocks"))
+        self.touch_ids(ids, skip_null=True)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block in the given order; blocks reaching 0 are queued
-        (unhashed to the head, hashed to the tail). The null block is skipped."""
-        self.free_ids([i for i in _ids(ordered_blocks) if i != 0])
+        (unhashed to the head, hashed to the tail). The null block is skipped; blocks of
+        another pool are freed into theirs, as vLLM forwards them. Raises ValueError,
+        changing nothing, if a block holds fewer references than dropped."""
+        own: list[int] = []
+        others: dict[int, tuple[Any, list[Any]]] = {}
+        for b in ordered_blocks:
+            pool = getattr(b, "pool", None)
+            if isinstance(b, KVCacheBlock) and pool is not self:
+                others.setdefault(id(pool), (pool, []))[1].append(b)
+            elif isinstance(b, KVCacheBlock) or isinstance(b, int):
+                own.append(b if isinstance(b, int) else b.block_id)
+            else:
+                raise TypeError(
+                    f"ordered_blocks: {b!r} is not a block of this pool (kvblock's blocks are views of "
+                    "their pool's state)"
+                )
+        self.free_ids(own, skip_null=True)
+        for pool, blocks in others.values():
+            pool.free_blocks(blocks)
 
     def cache_full_blocks(
         self,
@@ -242,39 +512,111 @@ class BlockPool(_core.BlockPoolCore):
         block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes
-        (at ``block_size``, from the hash-block-size hashes) and group ``kv_cache_group_id``;
-        null blocks and masked-out blocks are skipped."""
-        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
-        if not isinstance(hashes, list):
-            hashes = list(hashes)
-        ids = _ids(blocks)
-        if block_mask is not None:
-            ids = [b if keep else 0 for b, keep in zip(ids, block_mask)] + ids[len(block_mask):]
-        self._cache_for_request(request, ids, hashes, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id)
+        (viewed at ``block_size``) and group ``kv_cache_group_id``; null blocks and blocks
+        ``block_mask`` (aligned with the range) rules out are skipped. With events on, one
+        ``BlockStored`` covers the range."""
+        # only the range is read (as vLLM's does)
+        ids = [0] * num_cached_blocks + _own_ids(self, blocks[num_cached_blocks:num_full_blocks], "blocks")
+        self._cache_full_blocks(
+            request,
+            ids,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            None if block_mask is None else [bool(m) for m in block_mask],
+        )
+
+    def emit_cached_block_events(
+        self, request: Any, num_cached_blocks: int, block_size: int, kv_cache_group_id: int
+    ) -> None:
+        """A ``BlockStored`` for the first ``num_cached_blocks`` blocks of a prefix hit (for
+        ``kv_cache_report_mode == "full"``); no state changes."""
+        self._emit_cached_block_events(request, num_cached_blocks, block_size, kv_cache_group_id)
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> bytes | None:
+        """Make ``block`` reachable from the prefix boundary at ``num_tokens`` (a positive
+        multiple of the hash block size): the key registered, or None for the null block."""
+        return self._cache_partial_block(
+            request, block.block_id, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+        )
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point ``src_block``'s cache keys to ``dst_block`` (which has none); no events."""
+        self.move_block_hash_ids(src_block.block_id, dst_block.block_id)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """Drop a reference on each block; blocks reaching 0 join the tail of the free queue
+        as last-resort candidates. ``on_reuse(block)`` fires when ``get_new_blocks`` hands a
+        block out or the cache is reset."""
+        w = self._next_watcher
+        self._next_watcher += 1
+        self._watchers[w] = on_reuse
+        self.unpin_ids(_own_ids(self, blocks, "blocks"), w)
+
+    def _notify_reuse(self) -> None:
+        for block_id, w in self._take_fired_watchers():
+            cb = self._watchers.get(w)
+            if cb is not None:
+                cb(self._view(block_id))
+        if not self._has_watchers():
+            self._watchers.clear()
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop the block's cache keys (one ``BlockRemoved`` each); False if it had none."""
+        return self.maybe_evict_id(block.block_id)
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:  # type: ignore[override]
+        """Not null, one reference, no hash."""
+        return super().is_block_writable(block.block_id)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cache keys of these blocks (ref counts and queue positions unchanged)."""
         self.evict_ids(list(block_ids))
 
+    def reset_prefix_cache(self) -> bool:
+        """Clear every cache key if no block is in use; False, changing nothing, otherwise."""
+        ok = super().reset_prefix_cache()
+        if ok and self._watchers:
+            self._notify_reuse()
+        return ok
+
     def take_events(self) -> list[KVCacheEvent]:
         """The KV events since the last call, oldest first (``[]`` with events off)."""
+        if not self.enable_kv_cache_events:
+            return []
         self._drain_events()
-        out, self._pending_events = self._pending_events, []
-        return out
+        out, self._events = self._events, _EventQueue()
+        return list(out)
 
     def _drain_events(self) -> None:
+        stored, removed, cleared = self.event_classes
         for raw in self.take_raw_events():
             kind = raw[0]
             if kind == "stored":
-                _, hashes, parent, first, bs, group, req, end, nulls, tokens = raw
-                self._pending_events.append(
+                _, hashes, parent, start, end, bs, group, req, ranges, tokens = raw
+                self._events.append(
                     block_stored_for_request(
-                        req, hashes, parent, first, bs, group, self.medium, end_block=end, null_blocks=nulls,
-                        token_ids=tokens,
+                        req, hashes, parent, start, end, bs, group, ranges, tokens,
+                        medium=self.medium, lookahead=self.num_hash_lookahead_tokens, cls=stored,
                     )
                 )
             elif kind == "removed":
-                self._pending_events.append(block_removed(raw[1], raw[2], self.medium))
+                self._events.append(block_removed(raw[1], raw[2], self.medium, cls=removed))
             else:
-                self._pending_events.append(AllBlocksCleared())
+                self._events.append(cleared())
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_gpu_blocks={self.num_gpu_blocks}, free={self.get_num_free_blocks()}, "
+            f"cached_keys={self.num_cached_keys()})"
+        )
 

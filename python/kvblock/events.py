@@ -101,72 +101,94 @@ def block_stored_for_request(
     request: Any,
     block_hashes: list[bytes],
     parent_block_hash: bytes | None,
-    first_block: int,
+    token_start: int,
+    token_end: int,
     block_size: int,
     group_idx: int,
+    key_ranges: Sequence[tuple[int, int]],
+    tokens: tuple[Sequence[int], int] | None = None,
+    *,
     medium: str | None = "GPU",
     use_int: bool | None = None,
-    end_block: int | None = None,
-    null_blocks: Sequence[int] = (),
-    token_ids: Sequence[int] | None = None,
+    lookahead: int = 0,
+    cls: Any = None,
 ) -> BlockStored:
-    """The ``BlockStored`` vLLM publishes when blocks ``first_block .. end_block`` of
-    ``request`` are cached (``end_block`` defaults to ``first_block + len(block_hashes)``).
+    """The ``BlockStored`` vLLM 0.33.0 publishes when blocks of ``request`` are cached.
 
-    As in vLLM's ``cache_full_blocks``, ``token_ids`` covers the whole range, while
-    ``block_hashes`` and the per-block untagged ``extra_keys`` skip the range's null blocks
-    (sliding-window blocks outside the window, table indices ``null_blocks``). Also the LoRA
-    identity. ``token_ids``, when given, are the range's token ids as they were when the
-    blocks were cached (kvblock's pool copies them then, as vLLM builds the event then);
-    otherwise they are read from ``request.all_token_ids`` now. Without a request (blocks
-    cached through the pool's id API) the token ids are unknown: ``token_ids`` is empty and
-    every block's extra keys are None."""
+    Args:
+        request: the request (or the snapshot of its fields kvblock's pool took when the
+            blocks were cached); None for blocks cached through the pool's id API, whose
+            events have empty ``token_ids`` and no extra keys.
+        block_hashes: the stored blocks' hashes (null and masked-out blocks have none).
+        parent_block_hash: the hash before the first block of the range, or None.
+        token_start, token_end: the event's ``token_ids`` are ``all_token_ids[token_start:
+            token_end]`` (null blocks of the range included, as vLLM's are).
+        block_size: the event's ``block_size``.
+        group_idx: the KV-cache group.
+        key_ranges: the ``[start, end)`` token range of each stored block: its untagged extra
+            keys, and with lookahead hashing its ``lookahead`` following tokens, come from
+            there.
+        tokens: ``(token_ids, first_index)``: the request's tokens from ``first_index`` on,
+            as they were when the blocks were cached (kvblock's pool copies them then, as vLLM
+            builds the event then); otherwise ``request.all_token_ids`` is read now.
+        medium: the event's ``medium``.
+        use_int: hashes as 64-bit ints (default: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+        lookahead: the pool's ``num_hash_lookahead_tokens``.
+        cls: the event class (default :class:`BlockStored`; vLLM's own for
+            :mod:`kvblock.vllm`).
+    """
     from .hashing import maybe_convert_block_hash
-    from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window, to_event_extra_keys
+    from .multimodal import generate_block_hash_extra_keys, to_event_extra_keys
 
-    n = len(block_hashes)
+    if cls is None:
+        cls = BlockStored
+    hashes = [maybe_convert_block_hash(h, use_int) for h in block_hashes]
+    parent = None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int)
     if request is None:
-        return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
-            parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
+        return cls(
+            block_hashes=hashes,
+            parent_block_hash=parent,
             token_ids=[],
             block_size=block_size,
             lora_id=None,
             medium=medium,
             lora_name=None,
-            extra_keys=[None] * n,
+            extra_keys=[None] * len(block_hashes) or None,
             group_idx=group_idx,
         )
-    if end_block is None:
-        end_block = first_block + n
-    skip = set(null_blocks)
-    indices = [i for i in range(first_block, end_block) if i not in skip]
-    extra: list = []
-    if indices:
-        s0 = indices[0] * block_size
-        mm_idx = get_mm_features_in_window(request.mm_features, s0, s0 + block_size) if s0 > 0 else 0
-        for i in indices:
-            s = i * block_size
-            keys, mm_idx = generate_block_hash_extra_keys(request, s, s + block_size, mm_idx)
-            extra.append(to_event_extra_keys(keys))
+    if tokens is not None:
+        toks, first = tokens
+
+        def span(a: int, b: int) -> list[int]:
+            return list(toks[a - first : b - first])
+    else:
+        all_ids = request.all_token_ids
+
+        def span(a: int, b: int) -> list[int]:
+            return list(all_ids[a:b])
+
+    extra = [to_event_extra_keys(generate_block_hash_extra_keys(request, s, e + lookahead, 0)[0]) for s, e in key_ranges]
     lora = request.lora_request
-    return BlockStored(
-        block_hashes=[maybe_convert_block_hash(h, use_int) for h in block_hashes],
-        parent_block_hash=None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int),
-        token_ids=list(
-            token_ids if token_ids is not None else request.all_token_ids[first_block * block_size : end_block * block_size]
-        ),
+    return cls(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=span(token_start, token_end),
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
         medium=medium,
-        lora_name=lora.lora_name if lora else None,
-        extra_keys=extra,
+        lora_name=lora.name if lora else None,
+        extra_keys=extra or None,
         group_idx=group_idx,
+        session_id=getattr(request, "session_id", None),
+        lookahead_token_ids=[span(e, e + lookahead) for _, e in key_ranges] if lookahead else None,
     )
 
 
-def block_removed(block_hash: bytes, group_idx: int, medium: str | None = "GPU", use_int: bool | None = None) -> BlockRemoved:
-    """The ``BlockRemoved`` vLLM publishes when a cached block loses its key."""
+def block_removed(
+    block_hash: bytes, group_idx: int, medium: str | None = "GPU", use_int: bool | None = None, cls: Any = None
+) -> BlockRemoved:
+    """The ``BlockRemoved`` vLLM publishes when a cached block loses its key (``cls``: the
+    event class, default :class:`BlockRemoved`)."""
     from .hashing import maybe_convert_block_hash
 
-    return BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash, use_int)], medium=medium, group_idx=group_idx)
+    return (cls or BlockRemoved)(block_hashes=[maybe_convert_block_hash(block_hash, use_int)], medium=medium, group_idx=group_idx)

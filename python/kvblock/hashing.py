@@ -163,6 +163,15 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     _NONE_HASH_ALGO = _algo_name(hash_fn)
 
 
+def _set_none_hash(value: bytes, seed: str | None, hash_fn: Any) -> None:
+    """Set the root to ``value`` (derived elsewhere from ``seed`` with ``hash_fn``): how
+    :mod:`kvblock.vllm` keeps kvblock's root equal to vLLM's."""
+    global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
+    NONE_HASH = BlockHash(value)
+    _NONE_HASH_SEED = seed
+    _NONE_HASH_ALGO = _algo_name(hash_fn) if hash_fn is not None else _NONE_HASH_ALGO
+
+
 def get_none_hash_seed() -> str:
     """The seed actually used for :data:`NONE_HASH` (the default string before init)."""
     return _NONE_HASH_SEED if _NONE_HASH_SEED is not None else DEFAULT_NONE_HASH_SEED
@@ -350,8 +359,9 @@ def get_request_block_hasher(
         out: list[BlockHash] = []
         for i in range(num_new):
             s = start + i * block_size
-            parent = hash_block_tokens(
-                caching_hash_fn, parent, tokens[s : s + block_size], None if extra is None else extra[i]
+            # vLLM calls any other function on the 3-tuple, whatever it returns
+            parent = BlockHash(
+                caching_hash_fn((parent, tuple(tokens[s : s + block_size]), None if extra is None else extra[i]))
             )
             out.append(parent)
         return out

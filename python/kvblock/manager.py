@@ -1,10 +1,13 @@
-"""``KVCacheManager``: a drop-in for vLLM 0.33.0's manager of one KV-cache group (spec §5).
+"""``KVCacheManager``: vLLM 0.33.0's KV cache manager for any engine (spec §5, §6): one block
+pool shared by every KV-cache group of a model (full attention, sliding window, chunked local
+attention, Mamba, cross attention), with vLLM's coordinator rules.
 
 The scheduler-facing calls (``get_computed_blocks``, ``allocate_slots``, ``free``) are Rust
 methods inherited from ``kvblock._core.KVCacheManagerCore``: each reads the request's
-``request_id``, ``num_computed_tokens``, token count and ``block_hashes`` and performs the whole
-action in one boundary crossing; per-request block tables live in Rust. Stats, events and the
-vLLM result types are Python.
+``request_id``, ``num_computed_tokens``, token counts and ``block_hashes`` and performs the
+whole action, for every group, in one boundary crossing; per-request block tables live in
+Rust. Stats, events and the result types are Python. ``kvblock.vllm.KVCacheManager`` is the
+same core behind vLLM's own constructor and result types.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from . import _core, hashing
 from .block_pool import BlockPool, KVCacheBlock
 from .events import BlockStored, KVCacheEvent
 from .request import Request, RequestStatus
+from .specs import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec, _groups, core_groups, resolve_block_sizes
 from .stats import PrefixCacheStats
 
 __all__ = ["KVCacheBlocks", "KVCacheManager"]
@@ -89,75 +93,141 @@ class KVCacheBlocks:
 
 
 class KVCacheManager(_core.KVCacheManagerCore):
-    """vLLM 0.33.0's ``KVCacheManager`` for one full-attention (or sliding-window) group.
+    """vLLM 0.33.0's ``KVCacheManager`` over kvblock's Rust core, for any engine.
+
+    Two ways to build one:
+
+    * one group: ``KVCacheManager(num_blocks, block_size)`` (full attention, or sliding
+      window with ``sliding_window=``);
+    * any model: ``KVCacheManager(num_blocks, kv_cache_groups=[FullAttentionSpec(16),
+      SlidingWindowSpec(16, sliding_window=4096), MambaSpec(64, mamba_cache_mode="align")])``
+      (:mod:`kvblock.specs`): one pool, one manager per group, a hit is the longest prefix
+      every group agrees on.
 
     Args:
-        num_blocks: blocks in the pool (block 0 is the null block).
-        block_size: tokens per block (= the hash block size).
+        num_blocks: blocks in the pool (block 0 is the null block), shared by all groups.
+        block_size: tokens per block of the one group (with no ``kv_cache_groups``).
+        kv_cache_groups: the groups' specs (or :class:`kvblock.specs.KVCacheGroupSpec`).
+        hash_block_size: tokens per block hash (default: vLLM's rule, see
+            :func:`kvblock.specs.resolve_block_sizes`; must divide every cacheable group's
+            block size).
+        scheduler_block_size: the scheduling granularity (default: the LCM of the groups'
+            block sizes).
         enable_caching: prefix caching on/off.
         hash_algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or
             ``"xxhash_cbor"``; sets :attr:`request_block_hasher` and initialises
             :data:`kvblock.hashing.NONE_HASH` as vLLM's engine does.
-        max_model_len: longest sequence (tokens); a longer request raises ValueError.
+        max_model_len: longest sequence (tokens); a longer request is refused (ValueError);
+            slots asked for past it (lookahead) are not allocated.
+        max_in_flight_tokens: tokens scheduled but not yet settled (the sliding-window and
+            chunked-local admission cap; default ``max_model_len``).
         log_stats: keep :class:`PrefixCacheStats`.
         enable_kv_cache_events: record KV events for :meth:`take_events`.
-        use_eagle: drop the last hit block (EAGLE needs its hidden states).
+        use_eagle: drop the last hit block of EAGLE groups (EAGLE needs its hidden states).
         watermark: fraction of blocks (in [0, 1]) kept free when admitting waiting/preempted
             requests.
-        sliding_window: make the group sliding-window attention with this window (tokens).
+        sliding_window: with one group, make it sliding-window attention of this window.
         digest_memo_blocks: slots of :attr:`request_block_hasher`'s digest memo (None: the
-            default for the block size; 0: none; see
-            :func:`kvblock.hashing.get_request_block_hasher`).
+            default for the block size; 0: none).
+        num_hash_lookahead_tokens: tokens after each block its hash covers (EAGLE successor
+            hashing).
+        num_prefill_lookahead: multi-module MTP's prefill lookahead.
+        prefix_cache_retention_interval: sparse sliding-window / Mamba retention (vLLM's
+            ``kv_cache_config.prefix_cache_retention_interval``).
+        dcp_world_size, pcp_world_size: context-parallel world sizes (full attention).
+        enable_mamba_shared_prefix_checkpoint: checkpoint Mamba states at shared-prefix
+            junctions (EAGLE Mamba "align" groups).
 
     Raises:
-        ValueError: ``num_blocks <= 0``, ``block_size <= 0``, an unknown ``hash_algo``, a
-            ``digest_memo_blocks`` out of range...
+        ValueError: ``num_blocks <= 0``, a spec or argument vLLM rejects (block sizes that do
+            not divide, an empty group list, Mamba prefix caching outside "align" mode, ...),
+            an unknown ``hash_algo``, a ``digest_memo_blocks`` out of range; nothing is built
+            and no global state changes.
+        TypeError: ``kv_cache_groups`` that are not kvblock specs.
     """
 
     def __new__(
         cls,
         num_blocks: int,
-        block_size: int,
+        block_size: int | None = None,
         *,
+        kv_cache_groups: Sequence[Any] | None = None,
+        hash_block_size: int | None = None,
+        scheduler_block_size: int | None = None,
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         max_model_len: int | None = None,
+        max_in_flight_tokens: int | None = None,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
         use_eagle: bool = False,
         watermark: float = 0.0,
         sliding_window: int | None = None,
         digest_memo_blocks: int | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        prefix_cache_retention_interval: int | None = None,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> "KVCacheManager":
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
+        if kv_cache_groups is None:
+            if block_size is None:
+                raise TypeError("KVCacheManager: give block_size (one group) or kv_cache_groups")
+            spec = SlidingWindowSpec(block_size, sliding_window) if sliding_window is not None else FullAttentionSpec(block_size)
+            groups = [KVCacheGroupSpec(spec)]
+        else:
+            if block_size is not None or sliding_window is not None:
+                raise ValueError("block_size / sliding_window: give them in kv_cache_groups' specs")
+            groups = _groups(kv_cache_groups)
+        sched, h = resolve_block_sizes(groups, enable_caching, hash_block_size)
+        if scheduler_block_size is not None:
+            sched = scheduler_block_size
         hash_fn = hashing.get_hash_fn_by_name(hash_algo)
-        pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
+        pool = BlockPool(
+            num_blocks, enable_caching, h, enable_kv_cache_events, num_hash_lookahead_tokens=num_hash_lookahead_tokens
+        )
         # built before anything global changes (NONE_HASH below): it checks its arguments
         request_block_hasher = hashing.get_request_block_hasher(
-            int(block_size), hash_fn, digest_memo_blocks=digest_memo_blocks
+            int(h), hash_fn, num_hash_lookahead_tokens, digest_memo_blocks=digest_memo_blocks
         )
+        mml = DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len
         self = super().__new__(
             cls,
             pool,
-            block_size,
-            DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len,
-            enable_caching,
-            use_eagle,
-            sliding_window,
-            int(watermark * num_blocks),
+            core_groups(groups),
+            mml,
+            sched,
+            h,
+            max_in_flight_tokens=max_in_flight_tokens,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            watermark_blocks=int(watermark * num_blocks),
+            needs_kv_cache_zeroing=any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups),
+            retention_interval=prefix_cache_retention_interval,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+            strict_inputs=True,
         )
         self.hash_fn = hash_fn
+        self.kv_cache_groups = groups
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.use_eagle = use_eagle
         self.sliding_window = sliding_window
-        self.num_kv_cache_groups = 1
-        self.hash_block_size = block_size
-        self.kv_cache_spec_kind = "sliding_window" if sliding_window else "full_attention"
+        self.hash_block_size = h
+        self.scheduler_block_size = sched
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(self.block_pool, ((),))
+        self.kv_cache_event_metadata = tuple(
+            (g.kv_cache_spec.spec_kind, g.kv_cache_spec.sliding_window) for g in groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(self.block_pool, tuple(() for _ in groups))
         self._init_python(
             self.empty_kv_cache_blocks,
             KVCacheBlocks,
@@ -206,29 +276,43 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The pool's KV events, each ``BlockStored`` annotated with the group's spec kind."""
+        """The pool's KV events, each ``BlockStored`` annotated with its group's spec kind and
+        sliding window (as vLLM's manager does)."""
         events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
         for e in events:
-            if isinstance(e, BlockStored) and e.group_idx == 0:
-                e.kv_cache_spec_kind = self.kv_cache_spec_kind
-                e.kv_cache_spec_sliding_window = self.sliding_window
+            if isinstance(e, BlockStored) and e.group_idx is not None and 0 <= e.group_idx < len(meta):
+                e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window = meta[e.group_idx]
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's blocks (empty if unknown)."""
-        return self.create_kv_cache_blocks((self._block_ids(request_id),))
+        """The request's blocks, one list per group (empty if unknown)."""
+        return self.create_kv_cache_blocks(tuple(self._block_ids(request_id)))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block ids per group, in table order."""
-        return (self._block_ids(request_id),)
+        return tuple(self._block_ids(request_id))
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33.0 (cascade attention was removed): always ``[0]``."""
+        """Deprecated in vLLM 0.33.0 (cascade attention was removed): always zeros."""
         return [0] * self.num_kv_cache_groups
 
     def evict_blocks(self, block_ids: Any) -> None:
         """Drop the cache keys of these blocks."""
         self.block_pool.evict_blocks(block_ids)
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """The request's blocks (every group, allocation order, leading null blocks trimmed);
+        the request is forgotten and the caller frees the blocks (reversed)."""
+        view = self.block_pool._view
+        return [view(b) for b in self._pop_blocks_for_free(request)]
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[KVCacheBlock]]:
+        """The pending copy-on-write copies ``(src_block_id, dst_block_id)`` of partial hits,
+        and the blocks retained until they ran (both ends of each copy)."""
+        pairs = self._take_kv_cache_block_copies()
+        view = self.block_pool._view
+        return list(pairs), [view(b) for pair in pairs for b in pair]
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
         """``KVCacheBlocks`` of these per-group blocks (or ids); the shared empty instance when
@@ -240,6 +324,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
 
     def __repr__(self) -> str:
         return (
-            f"KVCacheManager(num_blocks={self.block_pool.num_gpu_blocks}, block_size={self.block_size}, "
-            f"free={self.block_pool.get_num_free_blocks()}, requests={self.num_requests})"
+            f"KVCacheManager(num_blocks={self.block_pool.num_gpu_blocks}, groups={self.num_kv_cache_groups}, "
+            f"block_size={self.block_size}, free={self.block_pool.get_num_free_blocks()}, "
+            f"requests={self.num_requests})"
         )

@@ -59,6 +59,10 @@ class LoRARequest:
     def adapter_id(self) -> int:
         return self.lora_int_id
 
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
 
 @dataclass(frozen=True)
 class PlaceholderRange:
@@ -165,6 +169,7 @@ class Request:
         prompt_embeds: a ``[num_tokens, hidden]`` torch tensor or numpy array, or None.
         block_hasher: from :func:`kvblock.hashing.get_request_block_hasher`; None means no
             block hashes (prefix caching off).
+        session_id: reported in KV events (vLLM's ``session_id``).
         max_tokens: overrides ``sampling_params.max_tokens``.
 
     Raises:
@@ -179,7 +184,7 @@ class Request:
         "_output_token_ids", "_all_token_ids", "max_tokens", "status", "num_computed_tokens",
         "num_in_flight_tokens", "num_preemptions", "skip_reading_prefix_cache",
         "kv_cache_report_mode", "block_hashes", "_block_hasher", "_hash_block_size",
-        "_hash_lookahead", "_next_hash_at", "__dict__",
+        "_hash_lookahead", "_next_hash_at", "shared_prefix_boundary", "session_id", "__dict__",
     )
 
     def __init__(
@@ -197,6 +202,7 @@ class Request:
         block_hasher: Callable[["Request"], list[bytes]] | None = None,
         priority: int = 0,
         *,
+        session_id: str | None = None,
         max_tokens: int | None = None,
         validate_cache_salt: bool = True,
     ) -> None:
@@ -235,6 +241,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_in_flight_tokens = 0
         self.num_preemptions = 0
+        self.shared_prefix_boundary = 0
+        self.session_id: str | None = session_id
         self.skip_reading_prefix_cache = self._skip_reading_prefix_cache()
         extra_args = getattr(sampling_params, "extra_args", None) or {}
         self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")

@@ -53,7 +53,7 @@ fn bench_pool(c: &mut Criterion) {
     let hashes: Vec<Digest> = (0..256u64).map(|i| HashAlgo::Sha256.digest(&i.to_le_bytes())).collect();
     let mut ids = Vec::new();
     pool.get_new_blocks(256, &mut ids).unwrap();
-    pool.cache_blocks(&ids, 0, &hashes, None, 16, 0, false, 0).unwrap();
+    pool.cache_full_blocks(&ids, 0, 256, &hashes, 16, 0, None, 0).unwrap();
     let mut g = c.benchmark_group("pool");
     g.throughput(Throughput::Elements(256));
     g.bench_function("lookup_hit_256", |b| {

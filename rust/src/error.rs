@@ -25,6 +25,9 @@ pub enum Error {
     /// An operation that is illegal in the current state (maps to `RuntimeError`).
     #[error("{0}")]
     State(String),
+    /// A precondition vLLM asserts (maps to `AssertionError`, as vLLM's `assert` raises).
+    #[error("{0}")]
+    Assertion(String),
     /// Memory for the structure could not be allocated (maps to `MemoryError`).
     #[error("{0}")]
     Memory(String),

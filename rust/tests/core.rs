@@ -143,39 +143,92 @@ fn algorithm_names() {
 
 mod pool_and_manager {
     use _core::hashing::{BlockHasher, Digest, HashAlgo};
-    use _core::manager::{AllocArgs, Manager};
+    use _core::manager::spec::{GroupSpec, Kind, ManagerConfig};
+    use _core::manager::{AllocArgs, KVCacheManager, RequestView};
     use _core::pool::block_pool::BlockPool;
 
     fn hashes(tokens: &[i64], bs: usize) -> Vec<Digest> {
         BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[7u8; 32], tokens, bs, |_| None).unwrap()
     }
 
-    fn admit(m: &mut Manager, p: &mut BlockPool, id: &str, tokens: &[i64], bs: usize) -> (Vec<u32>, Vec<u32>) {
-        let h = hashes(tokens, bs);
-        let hit = m.find_longest_cache_hit(p, &h[..], tokens.len() - 1).unwrap();
-        let n = hit.len() * bs;
-        let args = AllocArgs {
+    fn group(kind: Kind, block_size: usize, class: u32) -> GroupSpec {
+        GroupSpec {
+            kind,
+            block_size,
+            prefix_cacheable: true,
+            dcp_sharded: true,
+            is_eagle_group: false,
+            zeroed: true,
+            spec_class: class,
+        }
+    }
+
+    fn config(groups: Vec<GroupSpec>, num_blocks: usize, h: usize) -> ManagerConfig {
+        let sched = _core::manager::spec::lcm_of(groups.iter().map(|g| g.block_size));
+        ManagerConfig {
+            groups,
+            num_blocks,
+            max_model_len: 4096,
+            max_in_flight_tokens: 4096,
+            scheduler_block_size: sched,
+            hash_block_size: h,
+            enable_caching: true,
+            use_eagle: false,
+            num_hash_lookahead_tokens: 0,
+            num_prefill_lookahead: 0,
+            dcp_world_size: 1,
+            pcp_world_size: 1,
+            watermark_blocks: 0,
+            enable_kv_cache_events: false,
+            needs_kv_cache_zeroing: false,
+            retention_interval: None,
+            enable_mamba_shared_prefix_checkpoint: false,
+            strict_inputs: true,
+        }
+    }
+
+    fn one_group(block_size: usize, num_blocks: usize) -> (KVCacheManager, BlockPool) {
+        let cfg = config(vec![group(Kind::FullAttention, block_size, 0)], num_blocks, block_size);
+        (KVCacheManager::new(&cfg).unwrap(), BlockPool::new(num_blocks, true, block_size, false).unwrap())
+    }
+
+    /// Admit `tokens` as request `id`: the hit blocks and the new blocks per group.
+    fn admit(
+        m: &mut KVCacheManager,
+        p: &mut BlockPool,
+        id: &str,
+        tokens: &[i64],
+        h: usize,
+    ) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+        let hs = hashes(tokens, h);
+        let (hit, n, _) = m.get_computed_blocks(p, true, tokens.len(), &hs, None).unwrap();
+        let req = RequestView {
+            request_id: id,
             num_tokens: tokens.len(),
-            num_new_tokens: tokens.len() - n,
-            num_new_computed_tokens: n,
-            new_computed: &hit,
-            has_new_computed: !hit.is_empty(),
+            num_prompt_tokens: tokens.len(),
             ..Default::default()
         };
-        let new = m.allocate_slots(p, id, &args, || Ok(h.clone())).unwrap().unwrap();
+        let has_hit = hit.iter().any(|g| !g.is_empty());
+        let args = AllocArgs {
+            num_new_tokens: tokens.len() - n,
+            num_new_computed_tokens: n,
+            new_computed: if has_hit { Some(&hit) } else { None },
+            has_scheduled_reqs: true,
+            ..Default::default()
+        };
+        let new = m.allocate_slots(p, &req, &hs, &args).unwrap().unwrap();
         (hit, new)
     }
 
     #[test]
     fn spec_4_1_free_order() {
         // block size 16, 11 blocks: req0 = 48 common + 7, req1 = same 48 + 5 (spec §4.1)
-        let mut p = BlockPool::new(11, true, 16, false).unwrap();
-        let mut m = Manager::new(16, 4096, true, false, None, 0).unwrap();
+        let (mut m, mut p) = one_group(16, 11);
         let common: Vec<i64> = (0..48).collect();
         let r0: Vec<i64> = common.iter().copied().chain(100..107).collect();
         let r1: Vec<i64> = common.iter().copied().chain(200..205).collect();
-        assert_eq!(admit(&mut m, &mut p, "r0", &r0, 16), (vec![], vec![1, 2, 3, 4]));
-        assert_eq!(admit(&mut m, &mut p, "r1", &r1, 16), (vec![1, 2, 3], vec![5]));
+        assert_eq!(admit(&mut m, &mut p, "r0", &r0, 16), (vec![vec![]], vec![vec![1, 2, 3, 4]]));
+        assert_eq!(admit(&mut m, &mut p, "r1", &r1, 16), (vec![vec![1, 2, 3]], vec![vec![5]]));
         m.free(&mut p, "r0").unwrap();
         m.free(&mut p, "r1").unwrap();
         assert_eq!(p.free_queue().collect::<Vec<_>>(), vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
@@ -188,27 +241,77 @@ mod pool_and_manager {
     #[test]
     fn failed_allocation_changes_nothing() {
         // CASES C10: a hit block that is also the only free block cannot double as the new block
-        let mut p = BlockPool::new(4, true, 4, false).unwrap();
-        let mut m = Manager::new(4, 4096, true, false, None, 0).unwrap();
+        let (mut m, mut p) = one_group(4, 4);
         admit(&mut m, &mut p, "a", &[1, 2, 3, 4], 4);
         m.free(&mut p, "a").unwrap();
         admit(&mut m, &mut p, "c", &(20..28).collect::<Vec<_>>(), 4);
         let b: Vec<i64> = vec![1, 2, 3, 4, 9];
         let h = hashes(&b, 4);
-        let hit = m.find_longest_cache_hit(&p, &h[..], 4).unwrap();
-        assert_eq!(hit, vec![1]);
+        let (hit, n, _) = m.get_computed_blocks(&p, true, 5, &h, None).unwrap();
+        assert_eq!((hit.clone(), n), (vec![vec![1]], 4));
+        let req = RequestView { request_id: "b", num_tokens: 5, num_prompt_tokens: 5, ..Default::default() };
+        let args =
+            AllocArgs { num_new_tokens: 1, num_new_computed_tokens: 4, new_computed: Some(&hit), ..Default::default() };
+        assert_eq!(m.allocate_slots(&mut p, &req, &h, &args).unwrap(), None);
+        assert_eq!((p.num_free_blocks(), p.ref_cnt(1).unwrap()), (1, 0));
+        assert!(m.coord.get_blocks("b")[0].is_empty());
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn external_tokens_past_the_pool_fail_before_any_change() {
+        // issue 13: KVCacheManager(40, 4, max_model_len=64); a 12-token request, then a
+        // 13-token one with the same prefix and 200 external tokens
+        let cfg = ManagerConfig { max_model_len: 64, ..config(vec![group(Kind::FullAttention, 4, 0)], 40, 4) };
+        let mut m = KVCacheManager::new(&cfg).unwrap();
+        let mut p = BlockPool::new(40, true, 4, false).unwrap();
+        admit(&mut m, &mut p, "a", &(0..12).collect::<Vec<_>>(), 4);
+        m.free(&mut p, "a").unwrap();
+        let b: Vec<i64> = (0..13).collect();
+        let h = hashes(&b, 4);
+        let (hit, n, _) = m.get_computed_blocks(&p, true, 13, &h, None).unwrap();
+        assert_eq!(n, 12);
+        let req = RequestView { request_id: "b", num_tokens: 13, num_prompt_tokens: 13, ..Default::default() };
         let args = AllocArgs {
-            num_tokens: 5,
             num_new_tokens: 1,
-            num_new_computed_tokens: 4,
-            new_computed: &hit,
-            has_new_computed: true,
+            num_new_computed_tokens: 12,
+            new_computed: Some(&hit),
+            num_external_computed_tokens: 200,
             ..Default::default()
         };
-        assert_eq!(m.allocate_slots(&mut p, "b", &args, || Ok(h.clone())).unwrap(), None);
-        assert_eq!((p.num_free_blocks(), p.ref_cnt(1).unwrap()), (1, 0));
-        assert!(m.block_ids("b").is_empty());
+        let before = (p.num_free_blocks(), p.free_queue().collect::<Vec<_>>());
+        assert!(m.allocate_slots(&mut p, &req, &h, &args).is_err());
+        assert_eq!((p.num_free_blocks(), p.free_queue().collect::<Vec<_>>()), before);
+        assert_eq!(p.num_free_blocks(), 39);
+        assert!(p.reset_prefix_cache());
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn hybrid_full_and_sliding_window_agree_on_a_hit() {
+        // full attention + a 5-token window over 4-token blocks: a second request with the same
+        // 12-token prefix hits 8 tokens in both groups (the last token is recomputed; the
+        // window group needs only the block before the next token)
+        let cfg = config(
+            vec![
+                group(Kind::FullAttention, 4, 0),
+                group(Kind::SlidingWindow { window: 5, extra_retained_tokens: 0 }, 4, 1),
+            ],
+            30,
+            4,
+        );
+        let mut m = KVCacheManager::new(&cfg).unwrap();
+        let mut p = BlockPool::new(30, true, 4, false).unwrap();
+        let t: Vec<i64> = (0..12).collect();
+        let (_, new) = admit(&mut m, &mut p, "a", &t, 4);
+        assert_eq!(new, vec![vec![1, 2, 3], vec![4, 5, 6]]);
+        let (hit, new) = admit(&mut m, &mut p, "b", &t, 4);
+        assert_eq!(hit, vec![vec![1, 2], vec![0, 5]]); // the window group pads with the null block
+        assert_eq!(new, vec![vec![7], vec![8]]);
+        m.free(&mut p, "a").unwrap();
+        m.free(&mut p, "b").unwrap();
+        p.check_invariants().unwrap();
+        assert_eq!(p.num_free_blocks(), 29);
     }
 
     #[test]
@@ -225,7 +328,19 @@ mod pool_and_manager {
         assert!(p.touch(&[0], false).is_err());
         p.check_invariants().unwrap();
         assert!(BlockPool::new(0, true, 4, false).is_err());
-        assert!(Manager::new(0, 16, true, false, None, 0).is_err());
+        assert!(KVCacheManager::new(&config(vec![group(Kind::FullAttention, 0, 0)], 4, 4)).is_err());
+        // block sizes that do not divide the scheduler block size, an empty window
+        assert!(KVCacheManager::new(&ManagerConfig {
+            scheduler_block_size: 6,
+            ..config(vec![group(Kind::FullAttention, 4, 0)], 4, 4)
+        })
+        .is_err());
+        assert!(KVCacheManager::new(&config(
+            vec![group(Kind::SlidingWindow { window: 0, extra_retained_tokens: 0 }, 4, 0)],
+            4,
+            4
+        ))
+        .is_err());
     }
 }
 

@@ -73,6 +73,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     _block_hash: bytes | None = None
+    _block_hash_num_tokens: int | None = None
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
     is_null: bool = False
@@ -81,6 +82,11 @@ class KVCacheBlock:
     def block_hash(self) -> bytes | None:
         """The block's cache key (block hash + 4-byte group id), or None if not cached."""
         return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """The prefix length (tokens) the block's key covers, or None."""
+        return self._block_hash_num_tokens
 
     @block_hash.setter
     def block_hash(self, block_hash: bytes) -> None:
@@ -97,6 +103,7 @@ class KVCacheBlock:
     def reset_hash(self) -> None:
         """Forget the block's cache key (used on eviction and on prefix-cache reset)."""
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         # The free-list neighbours are shown by id: printing them in full would walk the list.
@@ -407,13 +414,16 @@ class BlockPool:
         ``request.block_hashes`` viewed at ``block_size`` (spec §1.9); null blocks are skipped.
         With events on, one ``BlockStored`` covers the whole range: parent = hash of block
         ``num_cached_blocks - 1`` (None for 0), ``token_ids`` = the range's tokens, one
-        untagged ``extra_keys`` entry per cached block. A block that already has a key loses
-        it first (``BlockRemoved``), as vLLM 0.33.0 does when it re-keys a block. Nothing
-        happens when ``num_cached_blocks >= num_full_blocks``.
+        untagged ``extra_keys`` entry per cached block (an empty ``BlockStored`` when every
+        block of the range is null, as vLLM 0.33.0 emits). Nothing happens when
+        ``num_cached_blocks >= num_full_blocks``.
 
         Raises:
             ValueError: negative counts, or a range past ``blocks`` or past the request's
                 hashes; nothing is changed.
+            AssertionError: a block of the range already has a key covering as many tokens
+                (vLLM 0.33.0 asserts that only a partial entry is re-keyed); nothing is
+                changed.
         """
         _check_count("num_cached_blocks", num_cached_blocks)
         _check_count("num_full_blocks", num_full_blocks)
@@ -426,6 +436,17 @@ class BlockPool:
                 f"or block hashes ({len(block_hashes)})"
             )
         new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        # vLLM 0.33.0 asserts that a block already keyed is a partial entry being promoted
+        # to the full block (a shorter prefix); checked before anything changes
+        for i, block in enumerate(new_full_blocks, start=num_cached_blocks):
+            if block.is_null or block.block_hash is None:
+                continue
+            covered = block.block_hash_num_tokens
+            if covered is None or covered >= (i + 1) * block_size:
+                raise AssertionError(
+                    f"block {block.block_id} already holds a key covering {covered} tokens; "
+                    f"cannot cache it for {(i + 1) * block_size}"
+                )
 
         events = self.enable_kv_cache_events
         stored_hashes: list[int] = []
@@ -435,11 +456,12 @@ class BlockPool:
             key = make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id)
             self._maybe_evict_cached_block(block)
             block.block_hash = key
+            block._block_hash_num_tokens = (i + 1) * block_size
             self.cached_block_hash_to_block.insert(key, block)
             if events:
                 stored_hashes.append(block_hash_to_event_int(block_hashes[i]))
 
-        if events and stored_hashes:
+        if events:
             parent = (
                 block_hash_to_event_int(block_hashes[num_cached_blocks - 1])
                 if num_cached_blocks > 0

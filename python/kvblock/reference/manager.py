@@ -319,9 +319,10 @@ class KVCacheManager:
         Raises:
             TypeError / ValueError: negative or non-int counts; ``num_new_tokens == 0`` with
                 nothing to adopt; a request longer than ``max_model_len``; hit blocks whose
-                count does not match ``num_new_computed_tokens``, or given for a request that
-                already holds blocks; external tokens for a request that holds blocks but has
-                not adopted computed tokens (vLLM asserts an empty table). Nothing is changed.
+                count does not match ``num_new_computed_tokens``. Nothing is changed.
+            AssertionError: hit blocks for a request that already holds blocks, or external
+                tokens for one that holds blocks but has not adopted computed tokens (vLLM
+                asserts an empty table). Nothing is changed.
         """
         for name, value in (
             ("num_new_tokens", num_new_tokens),
@@ -352,13 +353,24 @@ class KVCacheManager:
         adopts_hit = (
             new_computed_blocks is not None and new_computed_blocks is not self.empty_kv_cache_blocks
         )
+        if hit_blocks and request_id not in self.num_cached_block:
+            local = request.num_computed_tokens + num_new_computed_tokens
+            skipped = self.get_num_skipped_tokens(local + num_external_computed_tokens) // self.block_size
+            kept = len(hit_blocks) - min(skipped, len(hit_blocks))
+            if kept and local % self.block_size and local // self.block_size + 1 != skipped + kept:
+                # vLLM's copy-on-write redirect of a partial hit asserts the tail block sits
+                # at index local // block_size (checked here before anything changes)
+                raise AssertionError(
+                    f"a hit ending at token {local} puts its tail block at index {local // self.block_size}, "
+                    f"but the table would hold {skipped + kept} blocks"
+                )
         if (
             num_external_computed_tokens > 0
             and self.req_to_blocks.get(request_id)
             and request_id not in self.num_cached_block
         ):
             # vLLM asserts the table is empty when it adopts computed tokens
-            raise ValueError(
+            raise AssertionError(
                 f"request {request_id} already holds blocks and cannot adopt external computed tokens"
             )
 
@@ -377,7 +389,7 @@ class KVCacheManager:
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
             needed = self._get_num_blocks_to_allocate(
-                request_id, full_num_tokens, hit_blocks, total_computed_tokens
+                request_id, full_num_tokens, hit_blocks, total_computed_tokens, num_local_computed_tokens
             )
             if needed + watermark_blocks > free_blocks:
                 return None
@@ -394,7 +406,7 @@ class KVCacheManager:
 
         # 7-8. Capacity check before any state change.
         needed = self._get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hit_blocks, num_uncapped_computed_tokens
+            request_id, num_tokens_need_slot, hit_blocks, num_uncapped_computed_tokens, num_local_computed_tokens
         )
         if needed + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
@@ -430,7 +442,7 @@ class KVCacheManager:
         # vLLM: a running request (in num_cached_block) adopts no hits; any other must have an
         # empty table (an allocation that raised may have left an empty one behind)
         if blocks and (request_id in self.num_cached_block or self.req_to_blocks.get(request_id)):
-            raise ValueError(
+            raise AssertionError(
                 f"request {request_id} already holds blocks and cannot adopt new computed blocks"
             )
         return blocks
@@ -448,12 +460,15 @@ class KVCacheManager:
         num_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
+        num_local_computed_tokens: int = 0,
     ) -> int:
         """Blocks ``allocate_slots`` would take from the free pool for ``num_tokens`` slots.
 
         A running request needs ``cdiv(num_tokens, B) - len(table)``. A new one needs the
         blocks not covered by its hit (or by skipped out-of-window positions), plus each hit
-        block inside the window that is currently free: adopting it removes it from the pool.
+        block inside the window that is currently free: adopting it removes it from the pool,
+        plus one when the local computed tokens end inside a block (vLLM 0.33.0 reserves a
+        copy-on-write block for a partial hit).
         """
         num_required_blocks = _cdiv(num_tokens, self.block_size)
         num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
@@ -468,6 +483,8 @@ class KVCacheManager:
             for block in new_computed_blocks[num_skipped_hit_blocks:]
             if block.ref_cnt == 0 and not block.is_null
         )
+        if new_computed_blocks and num_local_computed_tokens % self.block_size:
+            num_new_blocks += 1
         return num_new_blocks + num_evictable_blocks
 
     def _allocate_new_computed_blocks(

@@ -140,17 +140,17 @@ pub struct Digest {
 }
 
 impl Digest {
-    /// Wrap raw bytes; `None` unless the length is 16 or 32.
+    /// Longest hash a key holds (a SHA-256 digest).
+    pub const MAX_LEN: usize = 32;
+
+    /// Wrap raw bytes: a digest (16 bytes for xxhash*, 32 for sha256*), or any other hash of
+    /// 1 to 32 bytes (keys built by hand); `None` for an empty or longer one.
     pub fn from_slice(b: &[u8]) -> Option<Digest> {
-        if b.len() != 16 && b.len() != 32 {
+        if b.is_empty() || b.len() > Self::MAX_LEN {
             return None;
         }
         let mut bytes = [0u8; 32];
-        if b.len() == 32 {
-            bytes.copy_from_slice(b);
-        } else {
-            bytes[..16].copy_from_slice(b);
-        }
+        bytes[..b.len()].copy_from_slice(b);
         Some(Digest { len: b.len() as u8, bytes })
     }
     /// The digest bytes.
@@ -165,12 +165,15 @@ impl Digest {
         &self.bytes
     }
 
-    /// True if `b` holds the same digest bytes (fixed-size compares, no call).
+    /// True if `b` holds the same digest bytes (fixed-size compares for digests, no call).
     #[inline(always)]
     pub fn eq_bytes(&self, b: &[u8]) -> bool {
         let n = self.len as usize;
         if b.len() != n {
             return false;
+        }
+        if n != 16 && n != 32 {
+            return self.as_bytes() == b;
         }
         // SAFETY: both buffers hold at least `n` (16 or 32) bytes; unaligned reads.
         unsafe {
@@ -183,12 +186,12 @@ impl Digest {
         }
     }
 
-    /// vLLM's KV-event integer form: the last 8 bytes, big-endian, as u64.
+    /// vLLM's KV-event integer form: `int.from_bytes(hash, "big") & (2**64 - 1)`, i.e. the
+    /// last 8 bytes (fewer for a shorter hash), big-endian.
     pub fn event_int(&self) -> u64 {
         let b = self.as_bytes();
-        let mut x = [0u8; 8];
-        x.copy_from_slice(&b[b.len() - 8..]);
-        u64::from_be_bytes(x)
+        let tail = &b[b.len().saturating_sub(8)..];
+        tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64)
     }
 }
 

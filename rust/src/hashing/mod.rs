@@ -6,6 +6,7 @@ pub mod cbor;
 mod chain;
 pub mod digest_memo;
 pub mod pickle;
+pub mod source;
 pub mod token_simd;
 pub mod value;
 

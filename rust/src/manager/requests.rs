@@ -84,6 +84,11 @@ impl<T: Default> RequestTable<T> {
         Some(std::mem::take(&mut self.slots[s as usize]))
     }
 
+    /// Every id present (any order).
+    pub fn ids(&self) -> Vec<String> {
+        self.index.keys().cloned().collect()
+    }
+
     /// Remove every entry.
     pub fn clear(&mut self) {
         self.index.clear();

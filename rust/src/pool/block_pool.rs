@@ -2,18 +2,23 @@
 //!
 //! Block 0 is the null block. A block is free iff it is linked into the free queue; free blocks
 //! may still carry a hash (they are eviction candidates) and are evicted lazily when
-//! allocation pops them. Every fallible operation validates its whole input before it changes
-//! anything, so a failed call leaves the pool exactly as it was.
+//! allocation pops them. A block has at most one *primary* key (vLLM's `block.block_hash`, with
+//! `block_hash_num_tokens`) and, rarely, further keys (vLLM's `cached_block_hashes_by_block`:
+//! partial-prefix entries of fine-grained hybrid models). Every fallible operation validates
+//! its whole input before it changes anything, so a failed call leaves the pool as it was.
 
 use crate::error::{Error, Result};
+use crate::hashing::source::HashSource;
 use crate::hashing::Digest;
 use crate::pool::cache_map::{CacheMap, Key};
 use crate::pool::events::Event;
-use crate::pool::free_queue::FreeQueue;
+use crate::pool::free_queue::{FreeQueue, UNLINKED};
+use hashbrown::HashMap;
 
 /// The null block's id.
 pub const NULL_BLOCK: u32 = 0;
 const NO_KEY: u32 = u32::MAX;
+const NO_TOKENS: u32 = u32::MAX;
 
 /// The block pool.
 #[derive(Clone)]
@@ -21,9 +26,18 @@ pub struct BlockPool {
     num_blocks: usize,
     enable_caching: bool,
     hash_block_size: usize,
+    num_hash_lookahead_tokens: usize,
     ref_cnt: Vec<u32>,
-    /// Slot of the block's key in `map`, or `NO_KEY`.
+    /// Slot of the block's primary key in `map`, or `NO_KEY`.
     key_slot: Vec<u32>,
+    /// `block_hash_num_tokens` of the primary key, or `NO_TOKENS` (None).
+    key_tokens: Vec<u32>,
+    /// Further keys of a block: `(slot, overflow node)`, in insertion order.
+    secondary: HashMap<u32, Vec<(u32, u32)>>,
+    /// `unpin_blocks` reuse watchers: block -> caller's watcher id.
+    watchers: HashMap<u32, u64>,
+    /// Watchers that fired (block, watcher id), for the caller to notify.
+    fired: Vec<(u32, u64)>,
     queue: FreeQueue,
     map: CacheMap,
     events_enabled: bool,
@@ -56,8 +70,13 @@ impl BlockPool {
             num_blocks,
             enable_caching,
             hash_block_size,
+            num_hash_lookahead_tokens: 0,
             ref_cnt: Error::try_vec("the block arena", num_blocks, 0)?,
             key_slot: Error::try_vec("the block arena", num_blocks, NO_KEY)?,
+            key_tokens: Error::try_vec("the block arena", num_blocks, NO_TOKENS)?,
+            secondary: HashMap::new(),
+            watchers: HashMap::new(),
+            fired: Vec::new(),
             queue,
             map: CacheMap::new(num_blocks)?,
             events_enabled: enable_kv_cache_events,
@@ -65,6 +84,17 @@ impl BlockPool {
             scratch: Vec::new(),
             scratch2: Vec::new(),
         })
+    }
+
+    /// Set `num_hash_lookahead_tokens` (tokens after each block covered by its hash; events
+    /// report them).
+    pub fn set_num_hash_lookahead_tokens(&mut self, n: usize) {
+        self.num_hash_lookahead_tokens = n;
+    }
+
+    /// Tokens after each block covered by its hash.
+    pub fn num_hash_lookahead_tokens(&self) -> usize {
+        self.num_hash_lookahead_tokens
     }
 
     /// Number of blocks, the null block included.
@@ -80,6 +110,7 @@ impl BlockPool {
     }
 
     /// The hash granularity in tokens.
+    #[inline]
     pub fn hash_block_size(&self) -> usize {
         self.hash_block_size
     }
@@ -104,10 +135,10 @@ impl BlockPool {
         1.0 - self.num_free_blocks() as f64 / total as f64
     }
 
-    /// Bytes of per-block metadata: the arena, the free-queue links and the duplicate-key links
+    /// Bytes of per-block metadata: the arena, the free-queue links and the primary-key links
     /// (the hash map's own table and key slab excluded).
     pub fn bytes_per_block() -> usize {
-        2 * std::mem::size_of::<u32>() + FreeQueue::bytes_per_block() + CacheMap::bytes_per_block()
+        3 * std::mem::size_of::<u32>() + FreeQueue::bytes_per_block() + CacheMap::bytes_per_block()
     }
 
     #[inline(always)]
@@ -119,16 +150,43 @@ impl BlockPool {
         }
     }
 
+    /// Check that every id is a block of this pool.
+    #[inline]
+    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        ids.iter().try_for_each(|&b| self.check_id(b))
+    }
+
     /// A block's reference count.
     pub fn ref_cnt(&self, b: u32) -> Result<u32> {
         self.check_id(b)?;
         Ok(self.ref_cnt[b as usize])
     }
 
-    /// Check that every id is a block of this pool.
-    #[inline]
-    pub fn check_ids(&self, ids: &[u32]) -> Result<()> {
-        ids.iter().try_for_each(|&b| self.check_id(b))
+    /// A block's reference count, for a valid id.
+    #[inline(always)]
+    pub fn ref_of(&self, b: u32) -> u32 {
+        self.ref_cnt[b as usize]
+    }
+
+    /// Set a block's reference count (vLLM code writes `block.ref_cnt` directly, e.g. to
+    /// retain both ends of a copy-on-write copy). The free queue is not touched, so the
+    /// count may only change between positive values, or to 0 for a block in the queue.
+    pub fn set_ref_cnt(&mut self, b: u32, v: u32) -> Result<()> {
+        self.check_id(b)?;
+        if b == NULL_BLOCK {
+            self.ref_cnt[0] = v; // never maintained, as in vLLM
+            return Ok(());
+        }
+        let queued = self.queue.contains(b);
+        if (v == 0) != queued {
+            return Err(Error::State(format!(
+                "block {b}: ref_cnt {v} would disagree with the free queue (the block is {}in it); \
+                 use touch / free_blocks to take or drop references",
+                if queued { "" } else { "not " }
+            )));
+        }
+        self.ref_cnt[b as usize] = v;
+        Ok(())
     }
 
     /// Number of these (valid) blocks that are free, the null block not counted.
@@ -136,11 +194,39 @@ impl BlockPool {
         ids.iter().filter(|&&b| b != NULL_BLOCK && self.ref_cnt[b as usize] == 0).count()
     }
 
-    /// A block's cache key, if it has one.
+    /// A block's primary cache key (vLLM's `block.block_hash`), if it has one.
     pub fn block_key(&self, b: u32) -> Result<Option<Key>> {
         self.check_id(b)?;
+        Ok(self.key_of_block(b))
+    }
+
+    #[inline(always)]
+    fn key_of_block(&self, b: u32) -> Option<Key> {
         let s = self.key_slot[b as usize];
-        Ok((s != NO_KEY).then(|| self.map.key_of(s)))
+        (s != NO_KEY).then(|| self.map.key_of(s))
+    }
+
+    /// True if the (valid) block has a primary key.
+    #[inline(always)]
+    pub fn has_hash(&self, b: u32) -> bool {
+        self.key_slot[b as usize] != NO_KEY
+    }
+
+    /// `block_hash_num_tokens`: the prefix length the primary key covers.
+    pub fn block_hash_num_tokens(&self, b: u32) -> Result<Option<usize>> {
+        self.check_id(b)?;
+        let t = self.key_tokens[b as usize];
+        Ok((t != NO_TOKENS).then_some(t as usize))
+    }
+
+    /// The further keys of a block (vLLM's `cached_block_hashes_by_block[block_id]`).
+    pub fn secondary_keys(&self, b: u32) -> Vec<Key> {
+        self.secondary.get(&b).map(|v| v.iter().map(|&(s, _)| self.map.key_of(s)).collect()).unwrap_or_default()
+    }
+
+    /// Blocks that have further keys, with them.
+    pub fn secondary_items(&self) -> Vec<(u32, Vec<Key>)> {
+        self.secondary.keys().map(|&b| (b, self.secondary_keys(b))).collect()
     }
 
     /// True if the block is in the free queue.
@@ -151,6 +237,23 @@ impl BlockPool {
     /// The free queue, head (next to allocate) first.
     pub fn free_queue(&self) -> impl Iterator<Item = u32> + '_ {
         self.queue.iter()
+    }
+
+    /// A free block's neighbours in the queue (`prev_free_block`, `next_free_block`), `None`
+    /// for a sentinel end or a block not in the queue; `(None, None)` and false when not
+    /// linked.
+    pub fn queue_neighbours(&self, b: u32) -> (Option<u32>, Option<u32>, bool) {
+        let (p, n) = self.queue.links(b);
+        if n == UNLINKED {
+            return (None, None, false);
+        }
+        let real = |x: u32| ((x as usize) < self.num_blocks).then_some(x);
+        (real(p), real(n), true)
+    }
+
+    /// The first and last free blocks (the sentinels' neighbours).
+    pub fn queue_ends(&self) -> (Option<u32>, Option<u32>) {
+        (self.queue.front(), self.queue.back())
     }
 
     /// The hash -> block map.
@@ -171,24 +274,83 @@ impl BlockPool {
     }
 
     /// `get_cached_block`: one block per group, or `None` if any group misses.
-    pub fn get_cached_block(&self, hash: &Digest, groups: &[u32]) -> Option<Vec<u32>> {
-        groups.iter().map(|&g| self.lookup(hash, g)).collect()
+    #[inline]
+    pub fn get_cached_block(&self, hash: &[u8], groups: &[u32], out: &mut Vec<u32>) -> bool {
+        out.clear();
+        for &g in groups {
+            match self.map.get_one_bytes(hash, g) {
+                Some(b) => out.push(b),
+                None => return false,
+            }
+        }
+        true
     }
 
+    /// `_remove_cached_block_hashes`: drop every key of block `b` (primary first, then the
+    /// further ones) and reset its hash; the keys that were in the map (attached) are
+    /// returned, for `BlockRemoved` events.
+    fn remove_cached_block_hashes(&mut self, b: u32, removed: &mut Vec<Key>) {
+        let s = self.key_slot[b as usize];
+        if s != NO_KEY {
+            self.key_slot[b as usize] = NO_KEY;
+            self.key_tokens[b as usize] = NO_TOKENS;
+            if let Some((key, true)) = self.map.remove(s, b) {
+                removed.push(key);
+            }
+        }
+        if let Some(more) = self.secondary.remove(&b) {
+            for (slot, node) in more {
+                if let Some((key, true)) = self.map.remove(slot, node) {
+                    removed.push(key);
+                }
+            }
+        }
+    }
+
+    fn emit_removed(&mut self, removed: &[Key]) {
+        if self.events_enabled {
+            for k in removed {
+                self.events.push(Event::BlockRemoved { block_hash: k.hash, group: k.group });
+            }
+        }
+    }
+
+    /// `_maybe_evict_cached_block`: drop the block's keys (one `BlockRemoved` each); false if
+    /// it had none in the map.
+    pub fn maybe_evict_cached_block(&mut self, b: u32) -> Result<bool> {
+        self.check_id(b)?;
+        Ok(self.evict(b))
+    }
+
+    #[inline]
     fn evict(&mut self, b: u32) -> bool {
-        let slot = self.key_slot[b as usize];
-        if slot == NO_KEY {
+        if self.key_slot[b as usize] == NO_KEY && !self.secondary.contains_key(&b) {
             return false;
         }
-        self.key_slot[b as usize] = NO_KEY;
-        match self.map.remove(slot, b) {
-            Some(key) => {
-                if self.events_enabled {
-                    self.events.push(Event::BlockRemoved { block_hash: key.hash, group: key.group });
-                }
-                true
-            }
-            None => false,
+        let mut removed = Vec::new();
+        self.remove_cached_block_hashes(b, &mut removed);
+        self.emit_removed(&removed);
+        !removed.is_empty()
+    }
+
+    /// `_insert_block_hash`: key `key` for block `b` (primary if it has none, else a further
+    /// key), unless it already holds it.
+    fn insert_block_hash(&mut self, key: Key, b: u32, num_tokens: Option<usize>) {
+        let s = self.key_slot[b as usize];
+        if s != NO_KEY && self.map.key_of(s) == key {
+            return;
+        }
+        if self.map.contains(&key, b) {
+            return;
+        }
+        if s == NO_KEY {
+            let slot = self.map.insert(key, b);
+            self.key_slot[b as usize] = slot;
+            self.key_tokens[b as usize] = num_tokens.map_or(NO_TOKENS, |t| t as u32);
+        } else {
+            let node = self.map.new_overflow_node(b);
+            let slot = self.map.insert_node(key, node);
+            self.secondary.entry(b).or_default().push((slot, node));
         }
     }
 
@@ -219,11 +381,17 @@ impl BlockPool {
                 "block {b} is in the free queue but in use (put there by a raw free-queue call)"
             )));
         }
+        if !self.watchers.is_empty() {
+            for &b in &out[start..] {
+                if let Some(w) = self.watchers.remove(&b) {
+                    self.fired.push((b, w));
+                }
+            }
+        }
         for &b in &out[start..] {
             if self.enable_caching {
                 self.evict(b);
             }
-            debug_assert_eq!(self.ref_cnt[b as usize], 0);
             self.ref_cnt[b as usize] = 1;
         }
         Ok(())
@@ -265,7 +433,7 @@ impl BlockPool {
     /// `free_blocks(ordered_blocks)`: drop one reference per listed block (null skipped when
     /// `skip_null`). Blocks reaching 0 are queued: unhashed ones (or all, with caching off)
     /// prepended to the head in the given order, hashed ones appended to the tail in the given
-    /// order. Freeing a block whose `ref_cnt` is already 0 fails and changes nothing.
+    /// order. Dropping more references than a block holds fails and changes nothing.
     pub fn free_blocks(&mut self, ids: &[u32], skip_null: bool) -> Result<()> {
         for &b in ids {
             self.check_id(b)?;
@@ -285,7 +453,12 @@ impl BlockPool {
             if *rc == 0 {
                 self.undo_decrements(&ids[..i]);
                 self.scratch = reached;
-                return Err(Error::Value(format!("block_ids: block {b} is already free (ref_cnt 0): double free")));
+                let listed = ids.iter().filter(|&&x| x == b).count();
+                return Err(Error::Value(if listed > 1 {
+                    format!("block_ids: block {b} is listed {listed} times but holds fewer references")
+                } else {
+                    format!("block_ids: block {b} is already free (ref_cnt 0): double free")
+                }));
             }
             *rc -= 1;
             if *rc == 0 {
@@ -322,78 +495,399 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Cache blocks `table[first..first + hashes.len()]` under `(hashes[i], group)`
-    /// (`cache_full_blocks`). Null blocks are skipped (`skip_null`) or rejected. A block that
-    /// already has a key loses it first (`BlockRemoved`). With events on, one `BlockStored`
-    /// covers the newly cached blocks.
+    /// `unpin_blocks(blocks, on_reuse)`: drop a reference on each block (each must hold one,
+    /// the null block is refused); blocks reaching 0 join the tail of the free queue whatever
+    /// their hash. `watcher` is recorded for every block: it fires when `get_new_blocks` hands
+    /// the block out or the cache is reset ([`BlockPool::take_fired_watchers`]).
+    pub fn unpin_blocks(&mut self, ids: &[u32], watcher: u64) -> Result<()> {
+        let mut need: HashMap<u32, u32> = HashMap::new();
+        for &b in ids {
+            self.check_id(b)?;
+            if b == NULL_BLOCK {
+                return Err(Error::Assertion("unpin_blocks: the null block is never pinned".into()));
+            }
+            *need.entry(b).or_default() += 1;
+        }
+        for (&b, &n) in &need {
+            if self.ref_cnt[b as usize] < n {
+                return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
+            }
+        }
+        let mut released = Vec::new();
+        for &b in ids {
+            self.ref_cnt[b as usize] -= 1;
+            self.watchers.insert(b, watcher);
+            if self.ref_cnt[b as usize] == 0 {
+                released.push(b);
+            }
+        }
+        self.queue.append_n(&released);
+        Ok(())
+    }
+
+    /// Watchers fired since the last call: `(block, watcher id)`, in firing order.
+    pub fn take_fired_watchers(&mut self) -> Vec<(u32, u64)> {
+        std::mem::take(&mut self.fired)
+    }
+
+    /// True if some reuse watcher is recorded.
+    pub fn has_watchers(&self) -> bool {
+        !self.watchers.is_empty()
+    }
+
+    /// `cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+    /// kv_cache_group_id, block_mask)`: key blocks `table[num_cached..num_full]` under the
+    /// request's hashes at `block_size` (`hashes`, already viewed at that size), skipping null
+    /// blocks and those `mask` (aligned with the range) rules out. A block that already has a
+    /// shorter (partial) key loses its keys first (`BlockRemoved`). With events on, one
+    /// `BlockStored` covers the range. Everything is checked before anything changes.
     #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the event tag
-    pub fn cache_blocks(
+    pub fn cache_full_blocks(
         &mut self,
         table: &[u32],
-        first: usize,
-        hashes: &[Digest],
-        parent: Option<Digest>,
+        num_cached: usize,
+        num_full: usize,
+        hashes: &dyn HashSource,
         block_size: usize,
         group: u32,
-        skip_null: bool,
+        mask: Option<&[bool]>,
         tag: u64,
     ) -> Result<()> {
-        let end = first + hashes.len();
-        if end > table.len() {
-            return Err(Error::value("num_full_blocks", format!("{end} exceeds the {} blocks given", table.len())));
+        if num_cached >= num_full {
+            return Ok(());
         }
-        for &b in &table[first..end] {
-            self.check_id(b)?;
-            if b == NULL_BLOCK && !skip_null {
-                return Err(Error::value("blocks", "cannot cache the null block"));
+        if num_full > table.len() {
+            return Err(Error::value(
+                "num_full_blocks",
+                format!("{num_full} exceeds the {} blocks given", table.len()),
+            ));
+        }
+        if num_full > hashes.len() {
+            return Err(Error::value(
+                "num_full_blocks",
+                format!("{num_full} exceeds the request's {} block hashes at block size {block_size}", hashes.len()),
+            ));
+        }
+        if let Some(m) = mask {
+            if m.len() != num_full - num_cached {
+                return Err(Error::Assertion(format!(
+                    "block_mask has {} entries for {} blocks",
+                    m.len(),
+                    num_full - num_cached
+                )));
             }
         }
-        let mut stored = Vec::new();
-        let mut null_offsets = Vec::new();
-        for (i, &b) in table[first..end].iter().enumerate() {
-            if b == NULL_BLOCK {
-                if self.events_enabled {
-                    null_offsets.push(i as u32);
-                }
+        let keep = |i: usize| mask.is_none_or(|m| m[i - num_cached]);
+        let mut keys = Vec::with_capacity(num_full - num_cached);
+        for (i, &b) in table.iter().enumerate().take(num_full).skip(num_cached) {
+            self.check_id(b)?;
+            if b == NULL_BLOCK || !keep(i) {
                 continue;
             }
-            self.evict(b);
-            let slot = self.map.insert(Key { hash: hashes[i], group }, b);
-            self.key_slot[b as usize] = slot;
+            let num_tokens = (i + 1) * block_size;
+            if self.key_slot[b as usize] != NO_KEY {
+                let t = self.key_tokens[b as usize];
+                // the only block that can already have a key is a partial entry being
+                // promoted to the full block
+                if t == NO_TOKENS || t as usize >= num_tokens {
+                    return Err(Error::Assertion(format!(
+                        "block {b} already holds a key covering {} tokens; cannot cache it for {num_tokens}",
+                        if t == NO_TOKENS { "an unknown number of".to_string() } else { t.to_string() }
+                    )));
+                }
+            }
+            keys.push((b, hashes.digest(i)?, num_tokens));
+        }
+        let parent = if self.events_enabled && num_cached > 0 { Some(hashes.digest(num_cached - 1)?) } else { None };
+        let mut stored = Vec::new();
+        let mut removed = Vec::new();
+        for &(b, hash, num_tokens) in &keys {
+            if self.key_slot[b as usize] != NO_KEY {
+                removed.clear();
+                self.remove_cached_block_hashes(b, &mut removed);
+                self.emit_removed(&removed);
+            }
+            self.insert_block_hash(Key { hash, group }, b, Some(num_tokens));
             if self.events_enabled {
-                stored.push(hashes[i]);
+                stored.push(hash);
             }
         }
-        if self.events_enabled && !stored.is_empty() {
+        if self.events_enabled {
+            let key_ranges = keys.iter().map(|&(_, _, t)| (t - block_size, t)).collect();
             self.events.push(Event::BlockStored {
                 block_hashes: stored,
                 parent_block_hash: parent,
-                first_block: first,
-                num_blocks: end - first,
-                null_offsets,
+                token_start: num_cached * block_size,
+                token_end: num_full * block_size,
                 block_size,
                 group,
+                key_ranges,
                 tag,
             });
         }
         Ok(())
     }
 
-    /// Record a `BlockStored` for blocks that were already cached (vLLM's
-    /// `emit_cached_block_events`, for `kv_cache_report_mode == "full"`); no state change.
-    pub fn record_stored(&mut self, hashes: Vec<Digest>, block_size: usize, group: u32, tag: u64) {
-        if self.events_enabled && !hashes.is_empty() {
+    /// `emit_cached_block_events(request, num_cached_blocks, block_size, kv_cache_group_id)`:
+    /// a `BlockStored` for the first `num_cached` blocks of a prefix hit (parent None, tokens
+    /// from 0); nothing changes. `hashes` is viewed at `block_size`.
+    pub fn emit_cached_block_events(
+        &mut self,
+        hashes: &dyn HashSource,
+        num_cached: usize,
+        block_size: usize,
+        group: u32,
+        tag: u64,
+    ) -> Result<()> {
+        if !self.events_enabled || num_cached == 0 {
+            return Ok(());
+        }
+        let block_hashes = (0..num_cached).map(|i| hashes.digest(i)).collect::<Result<Vec<_>>>()?;
+        self.events.push(Event::BlockStored {
+            block_hashes,
+            parent_block_hash: None,
+            token_start: 0,
+            token_end: num_cached * block_size,
+            block_size,
+            group,
+            key_ranges: (0..num_cached).map(|i| (i * block_size, (i + 1) * block_size)).collect(),
+            tag,
+        });
+        Ok(())
+    }
+
+    /// `cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
+    /// replace_existing_hashes)`: make block `b` reachable from the prefix boundary at
+    /// `num_tokens` (a positive multiple of the hash block size, within the request's
+    /// `hashes`): key `hashes[num_tokens / H - 1]` becomes its primary key if it has none, else
+    /// a further key; a shorter primary key it had (or, with `replace`, every key) is dropped
+    /// first. Returns the key, or `None` for the null block.
+    #[allow(clippy::too_many_arguments)] // vLLM's cache_partial_block arguments, plus the event tag
+    pub fn cache_partial_block(
+        &mut self,
+        b: u32,
+        hashes: &dyn HashSource,
+        num_tokens: usize,
+        group: u32,
+        block_size: usize,
+        replace: bool,
+        tag: u64,
+    ) -> Result<Option<Key>> {
+        self.check_id(b)?;
+        if b == NULL_BLOCK {
+            return Ok(None);
+        }
+        let h = self.hash_block_size;
+        if !block_size.is_multiple_of(h) {
+            return Err(Error::Assertion(format!("block_size {block_size} is not a multiple of {h}")));
+        }
+        if !num_tokens.is_multiple_of(h) {
+            return Err(Error::Assertion(format!("num_tokens {num_tokens} is not a multiple of {h}")));
+        }
+        let n_hash = num_tokens / h;
+        if n_hash == 0 || n_hash > hashes.len() {
+            return Err(Error::Assertion(format!(
+                "num_tokens {num_tokens} is outside the request's {} block hashes",
+                hashes.len()
+            )));
+        }
+        let key = Key { hash: hashes.digest(n_hash - 1)?, group };
+        let parent = if self.events_enabled && n_hash > 1 { Some(hashes.digest(n_hash - 2)?) } else { None };
+        let primary = self.key_of_block(b);
+        let mut already = primary == Some(key) || self.map.contains(&key, b);
+        let mut removed = Vec::new();
+        if replace {
+            self.remove_cached_block_hashes(b, &mut removed);
+            already = false;
+        } else if !already && primary.is_some() {
+            let t = self.key_tokens[b as usize];
+            if t != NO_TOKENS && (t as usize) < n_hash * h {
+                self.remove_cached_block_hashes(b, &mut removed);
+            }
+        }
+        self.emit_removed(&removed);
+        self.insert_block_hash(key, b, Some(n_hash * h));
+        if self.events_enabled && !already {
+            let start = (n_hash - 1) * h;
             self.events.push(Event::BlockStored {
-                num_blocks: hashes.len(),
-                block_hashes: hashes,
-                parent_block_hash: None,
-                first_block: 0,
-                null_offsets: Vec::new(),
-                block_size,
+                block_hashes: vec![key.hash],
+                parent_block_hash: parent,
+                token_start: start,
+                token_end: num_tokens,
+                block_size: num_tokens - start,
                 group,
+                key_ranges: vec![(start, num_tokens)],
                 tag,
             });
         }
+        Ok(Some(key))
+    }
+
+    /// `move_block_hashes(src, dst)`: re-point every key of `src` that is in the map to `dst`
+    /// (which must have none); no events.
+    pub fn move_block_hashes(&mut self, src: u32, dst: u32) -> Result<()> {
+        self.check_id(src)?;
+        self.check_id(dst)?;
+        if self.key_slot[dst as usize] != NO_KEY || self.secondary.contains_key(&dst) {
+            return Err(Error::Assertion(format!("move_block_hashes: block {dst} already has a hash")));
+        }
+        let t = self.key_tokens[src as usize];
+        let mut removed = Vec::new();
+        self.remove_cached_block_hashes(src, &mut removed);
+        for key in removed {
+            // the token count applies to the first (primary) insertion only
+            self.insert_block_hash(key, dst, (t != NO_TOKENS).then_some(t as usize));
+        }
+        Ok(())
+    }
+
+    /// `is_block_writable(block)`: not null, one reference, no hash.
+    pub fn is_block_writable(&self, b: u32) -> Result<bool> {
+        self.check_id(b)?;
+        Ok(b != NULL_BLOCK && self.ref_cnt[b as usize] == 1 && self.key_slot[b as usize] == NO_KEY)
+    }
+
+    /// `evict_blocks(ids)`: drop the cache keys of these blocks (ref counts and queue position
+    /// unchanged).
+    pub fn evict_blocks(&mut self, ids: &[u32]) -> Result<()> {
+        for &b in ids {
+            self.check_id(b)?;
+        }
+        for &b in ids {
+            self.evict(b);
+        }
+        Ok(())
+    }
+
+    /// `reset_prefix_cache()`: only when every non-null block is free; clears every key, fires
+    /// every reuse watcher and records `AllBlocksCleared`. Returns false (changing nothing)
+    /// otherwise.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_blocks - self.num_free_blocks() != 1 {
+            return false;
+        }
+        self.map.clear();
+        self.secondary.clear();
+        let mut w: Vec<(u32, u64)> = self.watchers.drain().collect();
+        w.sort_unstable();
+        self.fired.extend(w);
+        self.key_slot.iter_mut().for_each(|s| *s = NO_KEY);
+        self.key_tokens.iter_mut().for_each(|s| *s = NO_TOKENS);
+        if self.events_enabled {
+            self.events.push(Event::AllBlocksCleared);
+        }
+        true
+    }
+
+    // ---- the map's and blocks' raw faces (vLLM code and tests that reach inside) ----
+
+    /// `block.set_block_hash(key, num_tokens)`: give a block without a hash a primary key,
+    /// not (yet) in the map.
+    pub fn set_block_hash(&mut self, b: u32, key: Key, num_tokens: Option<usize>) -> Result<()> {
+        self.check_id(b)?;
+        if self.key_slot[b as usize] != NO_KEY {
+            return Err(Error::Assertion("The block already has a hash. This should not happen.".into()));
+        }
+        let slot = self.map.insert_detached(key, b);
+        self.key_slot[b as usize] = slot;
+        self.key_tokens[b as usize] = num_tokens.map_or(NO_TOKENS, |t| t as u32);
+        Ok(())
+    }
+
+    /// `block.reset_hash()`: the block forgets its primary key (and leaves the map under it).
+    pub fn reset_hash(&mut self, b: u32) -> Result<()> {
+        self.check_id(b)?;
+        let s = self.key_slot[b as usize];
+        if s != NO_KEY {
+            self.key_slot[b as usize] = NO_KEY;
+            self.key_tokens[b as usize] = NO_TOKENS;
+            self.map.remove(s, b);
+        }
+        Ok(())
+    }
+
+    /// `cached_block_hash_to_block.insert(key, block)`: list `b` under `key` (its primary key
+    /// if it has none, or the detached primary key it was given by hand; else a further key).
+    pub fn map_insert(&mut self, key: Key, b: u32) -> Result<()> {
+        self.check_id(b)?;
+        let s = self.key_slot[b as usize];
+        if s != NO_KEY && self.map.key_of(s) == key {
+            if self.map.is_detached(s) {
+                if self.map.find(&key).is_some() {
+                    // join the attached key's list
+                    self.map.remove(s, b);
+                    self.key_slot[b as usize] = self.map.insert(key, b);
+                } else {
+                    self.map.reattach(s)?;
+                }
+            }
+            return Ok(());
+        }
+        self.insert_block_hash(key, b, None);
+        Ok(())
+    }
+
+    /// `cached_block_hash_to_block.pop(key, block_id)`: take `b` off `key`'s list; returns
+    /// whether it was there. A primary key taken off leaves the block without a hash.
+    pub fn map_pop(&mut self, key: Key, b: u32) -> Result<bool> {
+        self.check_id(b)?;
+        if !self.map.contains(&key, b) {
+            return Ok(false);
+        }
+        let s = self.key_slot[b as usize];
+        if s != NO_KEY && self.map.key_of(s) == key && !self.map.is_detached(s) {
+            self.key_slot[b as usize] = NO_KEY;
+            self.key_tokens[b as usize] = NO_TOKENS;
+            self.map.remove(s, b);
+            return Ok(true);
+        }
+        if let Some(list) = self.secondary.get_mut(&b) {
+            if let Some(pos) = list.iter().position(|&(slot, _)| self.map.key_of(slot) == key) {
+                let (slot, node) = list.remove(pos);
+                if list.is_empty() {
+                    self.secondary.remove(&b);
+                }
+                self.map.remove(slot, node);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// `del cached_block_hash_to_block._cache[key]` / `.pop(key)`: the key stops being found,
+    /// its blocks keep it. Returns its blocks (first first), empty if it was not there.
+    pub fn map_detach(&mut self, key: &Key) -> Vec<u32> {
+        match self.map.detach(key) {
+            Some(slot) => self.map.blocks_of_slot(slot),
+            None => Vec::new(),
+        }
+    }
+
+    /// `cached_block_hash_to_block._cache.clear()`: every key stops being found.
+    pub fn map_detach_all(&mut self) {
+        self.map.detach_all();
+    }
+
+    /// `cached_block_hash_to_block._cache[key] = value`, restoring a detached key with exactly
+    /// the blocks it still has (`blocks`, first first).
+    pub fn map_reattach(&mut self, key: &Key, blocks: &[u32]) -> Result<()> {
+        if let Some(slot) = self.map.find(key) {
+            if self.map.blocks_of_slot(slot) == blocks {
+                return Ok(());
+            }
+        }
+        let Some(slot) = self.map.detached_slot(key) else {
+            return Err(Error::State(
+                "kvblock's map can only restore a key popped from it with the blocks it had".into(),
+            ));
+        };
+        if self.map.blocks_of_slot(slot) != blocks {
+            return Err(Error::State(format!(
+                "cannot restore the key with blocks {blocks:?}: its blocks are now {:?}",
+                self.map.blocks_of_slot(slot)
+            )));
+        }
+        self.map.reattach(slot)
     }
 
     /// Raw free-queue access with vLLM's `FreeKVCacheBlockQueue` semantics (no ref counting):
@@ -424,32 +918,6 @@ impl BlockPool {
         Ok(())
     }
 
-    /// `evict_blocks(ids)`: drop the cache keys of these blocks (ref counts and queue position
-    /// unchanged).
-    pub fn evict_blocks(&mut self, ids: &[u32]) -> Result<()> {
-        for &b in ids {
-            self.check_id(b)?;
-        }
-        for &b in ids {
-            self.evict(b);
-        }
-        Ok(())
-    }
-
-    /// `reset_prefix_cache()`: only when every non-null block is free; clears every key and
-    /// records `AllBlocksCleared`. Returns false (changing nothing) otherwise.
-    pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_blocks - self.num_free_blocks() != 1 {
-            return false;
-        }
-        self.map.clear();
-        self.key_slot.iter_mut().for_each(|s| *s = NO_KEY);
-        if self.events_enabled {
-            self.events.push(Event::AllBlocksCleared);
-        }
-        true
-    }
-
     /// `take_events()`: the buffered events, oldest first.
     pub fn take_events(&mut self) -> Vec<Event> {
         std::mem::take(&mut self.events)
@@ -465,6 +933,11 @@ impl BlockPool {
         self.events.len()
     }
 
+    /// Append an event (vLLM code appending to `kv_event_queue` directly).
+    pub fn push_event(&mut self, e: Event) {
+        self.events.push(e);
+    }
+
     /// Check the pool's invariants (for tests): queue membership matches `ref_cnt == 0`, keys
     /// and the map agree.
     pub fn check_invariants(&self) -> Result<()> {
@@ -476,7 +949,7 @@ impl BlockPool {
             }
             free += in_q as usize;
             let s = self.key_slot[b as usize];
-            if s != NO_KEY && !self.map.contains(&self.map.key_of(s), b) {
+            if s != NO_KEY && !self.map.is_detached(s) && !self.map.contains(&self.map.key_of(s), b) {
                 return Err(Error::State(format!("block {b} has a key the map does not hold")));
             }
         }

@@ -2,15 +2,21 @@
 //!
 //! Several blocks may hold the same key (a request that computed a block without hitting it
 //! caches its own copy); lookups return the first one inserted (spec §2). A slab holds each
-//! key with the ends of its list of blocks, linked through per-block arrays; each cached block
-//! remembers its key's slot. The lookup table holds only slot numbers (4 bytes a bucket, so
-//! it stays in cache at a million keys' worth of blocks), and compares keys in the slab.
-//! Evicting a block therefore touches its slab entry, which the pool prefetches for a whole
-//! allocation at once, and a cache-resident bucket. Insert, lookup and remove are O(1)
-//! however many duplicates a key has.
+//! key with the ends of its list of *nodes*, linked through per-node arrays. Node `b` (below
+//! the number of blocks) is block `b`'s entry under its primary key; the rare further keys of
+//! a block (vLLM's partial-prefix entries, `cached_block_hashes_by_block`) get overflow nodes
+//! numbered from the block count up. The lookup table holds only slot numbers (4 bytes a
+//! bucket, so it stays in cache at a million keys' worth of blocks) and compares keys in the
+//! slab. Insert, lookup and remove are O(1) however many duplicates a key has.
+//!
+//! A key can also be *detached*: taken out of the lookup table while its blocks keep it (what
+//! vLLM code sees when a key is popped from the map's inner dict without resetting the blocks,
+//! and what a block's hash set by hand is before it is inserted). A detached key finds nothing;
+//! removing its last node frees it; re-attaching puts it back.
 
+use crate::error::{Error, Result};
 use crate::hashing::Digest;
-use hashbrown::HashTable;
+use hashbrown::{HashMap, HashTable};
 use std::hash::{BuildHasher, Hasher};
 
 /// Four secret 64-bit seeds, different in every map (from the standard library's randomly
@@ -53,45 +59,78 @@ impl Key {
         v.extend_from_slice(&self.group.to_be_bytes());
         v
     }
+
+    /// Parse vLLM's byte layout (`get_block_hash(key) = key[:-4]`, `get_group_id(key) =
+    /// key[-4:]` big-endian).
+    pub fn from_bytes(b: &[u8]) -> Result<Key> {
+        if b.len() < 5 {
+            return Err(Error::value(
+                "key",
+                format!("a BlockHashWithGroupId has a hash and 4 group bytes, got {} bytes", b.len()),
+            ));
+        }
+        let (h, g) = b.split_at(b.len() - 4);
+        let hash = Digest::from_slice(h).ok_or_else(|| {
+            Error::value("key", format!("the hash part must be 1 to {} bytes, got {}", Digest::MAX_LEN, h.len()))
+        })?;
+        Ok(Key { hash, group: u32::from_be_bytes([g[0], g[1], g[2], g[3]]) })
+    }
 }
 
-const NONE: u32 = u32::MAX;
+/// No node / no slot.
+pub const NONE: u32 = u32::MAX;
 
-/// A key's blocks: a doubly linked list through per-block links, in insertion order.
+/// A key's nodes: a doubly linked list through per-node links, in insertion order.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     key: Key,
     head: u32,
     tail: u32,
+    /// Out of the lookup table (see the module doc).
+    detached: bool,
+    /// The key has held two blocks at once (vLLM's map then keeps the key's blocks in a dict
+    /// until the key goes, even when one is left).
+    multi: bool,
 }
 
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
-    /// Slot numbers, hashed by their entry's key.
+    /// Slot numbers of the attached keys, hashed by their entry's key.
     table: HashTable<u32>,
     slots: Vec<Entry>,
     free_slots: Vec<u32>,
-    /// Links between blocks cached under the same key (`NONE` at the ends).
-    dup_prev: Vec<u32>,
-    dup_next: Vec<u32>,
+    /// Links between the nodes of one key (`NONE` at the ends); nodes `0..num_blocks` are the
+    /// blocks' primary nodes, the rest overflow nodes.
+    node_prev: Vec<u32>,
+    node_next: Vec<u32>,
+    /// Block of overflow node `num_blocks + i`, or `NONE` for a vacant one.
+    overflow_block: Vec<u32>,
+    free_overflow: Vec<u32>,
+    /// Detached keys, by key, for re-attaching.
+    detached: HashMap<Key, u32>,
+    num_blocks: u32,
     seed: [u64; 4],
 }
 
 impl CacheMap {
     /// An empty map for block ids below `num_blocks`.
-    pub fn new(num_blocks: usize) -> crate::error::Result<Self> {
+    pub fn new(num_blocks: usize) -> Result<Self> {
         Ok(CacheMap {
             table: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            dup_prev: crate::error::Error::try_vec("the hash map", num_blocks, NONE)?,
-            dup_next: crate::error::Error::try_vec("the hash map", num_blocks, NONE)?,
+            node_prev: Error::try_vec("the hash map", num_blocks, NONE)?,
+            node_next: Error::try_vec("the hash map", num_blocks, NONE)?,
+            overflow_block: Vec::new(),
+            free_overflow: Vec::new(),
+            detached: HashMap::new(),
+            num_blocks: num_blocks as u32,
             seed: random_seed(),
         })
     }
 
-    /// Bytes of per-block state (the duplicate-list links).
+    /// Bytes of per-block state (the primary nodes' links).
     pub fn bytes_per_block() -> usize {
         2 * std::mem::size_of::<u32>()
     }
@@ -100,7 +139,7 @@ impl CacheMap {
     /// id API need not be uniform digests: small integers written big-endian share their
     /// first bytes), mixed 16 bytes at a time with this map's secret random seeds by folded
     /// multiplies, so keys crafted to collide would have to know the seeds.
-    /// `padded`: the hash bytes zero-padded to 32, `len` their number (16 or 32).
+    /// `padded`: the hash bytes zero-padded to 32, `len` their number.
     #[inline(always)]
     fn mix(seed: &[u64; 4], padded: &[u8; 32], len: usize, group: u32) -> u64 {
         let a = folded_multiply(word(padded, 0) ^ seed[0], word(padded, 1) ^ seed[1]);
@@ -118,19 +157,29 @@ impl CacheMap {
         Self::hash_with(&self.seed, key)
     }
 
-    /// Number of keys (`len(cached_block_hash_to_block)`).
+    /// The block a node stands for.
+    #[inline(always)]
+    pub fn block_of(&self, node: u32) -> u32 {
+        if node < self.num_blocks {
+            node
+        } else {
+            self.overflow_block[(node - self.num_blocks) as usize]
+        }
+    }
+
+    /// Number of attached keys (`len(cached_block_hash_to_block)`).
     pub fn len(&self) -> usize {
         self.table.len()
     }
 
-    /// True if no key is cached.
+    /// True if no key is attached.
     pub fn is_empty(&self) -> bool {
         self.table.is_empty()
     }
 
-    /// The slot of `key`.
+    /// The slot of attached `key`.
     #[inline]
-    fn find(&self, key: &Key) -> Option<u32> {
+    pub fn find(&self, key: &Key) -> Option<u32> {
         let slots = &self.slots;
         self.table.find(self.hash_of(key), |&s| slots[s as usize].key == *key).copied()
     }
@@ -138,17 +187,7 @@ impl CacheMap {
     /// The first block cached under `key` (`get_one_block`).
     #[inline]
     pub fn get_one(&self, key: &Key) -> Option<u32> {
-        self.find(key).map(|s| self.slots[s as usize].head)
-    }
-
-    fn blocks_from(&self, head: u32) -> Vec<u32> {
-        let mut out = Vec::new();
-        let mut b = head;
-        while b != NONE {
-            out.push(b);
-            b = self.dup_next[b as usize];
-        }
-        out
+        self.find(key).map(|s| self.block_of(self.slots[s as usize].head))
     }
 
     /// [`CacheMap::get_one`] for raw digest bytes (no key copy).
@@ -162,10 +201,20 @@ impl CacheMap {
                 let k = &slots[s as usize].key;
                 k.group == group && k.hash.eq_bytes(hash)
             })
-            .map(|&s| slots[s as usize].head)
+            .map(|&s| self.block_of(slots[s as usize].head))
     }
 
-    /// Every block cached under `key`, in insertion order.
+    fn blocks_from(&self, head: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut n = head;
+        while n != NONE {
+            out.push(self.block_of(n));
+            n = self.node_next[n as usize];
+        }
+        out
+    }
+
+    /// Every block cached under attached `key`, in insertion order.
     pub fn get_all(&self, key: &Key) -> Vec<u32> {
         match self.find(key) {
             Some(s) => self.blocks_from(self.slots[s as usize].head),
@@ -173,17 +222,70 @@ impl CacheMap {
         }
     }
 
-    /// True if `block` is cached under `key`.
-    pub fn contains(&self, key: &Key, block: u32) -> bool {
-        self.get_all(key).contains(&block)
+    /// Every block of `slot`'s key, in insertion order (attached or not).
+    pub fn blocks_of_slot(&self, slot: u32) -> Vec<u32> {
+        self.blocks_from(self.slots[slot as usize].head)
     }
 
-    /// Cache `block` (which holds no key) under `key`, after any blocks already there; returns
-    /// the key's slot (to be remembered by the block). O(1).
-    pub fn insert(&mut self, key: Key, block: u32) -> u32 {
-        debug_assert!(self.dup_prev[block as usize] == NONE && self.dup_next[block as usize] == NONE);
+    /// True if `block` is cached under attached `key` (`contain`).
+    pub fn contains(&self, key: &Key, block: u32) -> bool {
+        match self.find(key) {
+            Some(s) => {
+                let mut n = self.slots[s as usize].head;
+                while n != NONE {
+                    if self.block_of(n) == block {
+                        return true;
+                    }
+                    n = self.node_next[n as usize];
+                }
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// A fresh overflow node for `block` (a further key of a block that has a primary one).
+    pub fn new_overflow_node(&mut self, block: u32) -> u32 {
+        match self.free_overflow.pop() {
+            Some(n) => {
+                self.overflow_block[(n - self.num_blocks) as usize] = block;
+                n
+            }
+            None => {
+                self.overflow_block.push(block);
+                self.node_prev.push(NONE);
+                self.node_next.push(NONE);
+                self.num_blocks + (self.overflow_block.len() - 1) as u32
+            }
+        }
+    }
+
+    fn release_node(&mut self, node: u32) {
+        if node >= self.num_blocks {
+            self.overflow_block[(node - self.num_blocks) as usize] = NONE;
+            self.free_overflow.push(node);
+        }
+    }
+
+    fn new_slot(&mut self, entry: Entry) -> u32 {
+        match self.free_slots.pop() {
+            Some(s) => {
+                self.slots[s as usize] = entry;
+                s
+            }
+            None => {
+                self.slots.push(entry);
+                (self.slots.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Cache `node` (linked nowhere) under `key`, after any nodes already there; returns the
+    /// key's slot. O(1).
+    pub fn insert_node(&mut self, key: Key, node: u32) -> u32 {
+        debug_assert!(self.node_prev[node as usize] == NONE && self.node_next[node as usize] == NONE);
         let h = self.hash_of(&key);
-        let CacheMap { table, slots, free_slots, dup_prev, dup_next, seed } = self;
+        let CacheMap { table, slots, free_slots, node_prev, node_next, seed, .. } = self;
         // one probe finds the key or the bucket it goes in
         let entry =
             table.entry(h, |&s| slots[s as usize].key == key, |&s| Self::hash_with(seed, &slots[s as usize].key));
@@ -191,13 +293,14 @@ impl CacheMap {
             hashbrown::hash_table::Entry::Occupied(o) => {
                 let s = *o.get();
                 let e = &mut slots[s as usize];
-                dup_next[e.tail as usize] = block;
-                dup_prev[block as usize] = e.tail;
-                e.tail = block;
+                node_next[e.tail as usize] = node;
+                node_prev[node as usize] = e.tail;
+                e.tail = node;
+                e.multi = true;
                 s
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
-                let entry = Entry { key, head: block, tail: block };
+                let entry = Entry { key, head: node, tail: node, detached: false, multi: false };
                 let slot = match free_slots.pop() {
                     Some(s) => {
                         slots[s as usize] = entry;
@@ -214,10 +317,33 @@ impl CacheMap {
         }
     }
 
+    /// Cache `block`'s primary node under `key`; returns the key's slot.
+    #[inline]
+    pub fn insert(&mut self, key: Key, block: u32) -> u32 {
+        self.insert_node(key, block)
+    }
+
+    /// A detached key holding only `node` (a hash set on a block without inserting it).
+    pub fn insert_detached(&mut self, key: Key, node: u32) -> u32 {
+        let slot = self.new_slot(Entry { key, head: node, tail: node, detached: true, multi: false });
+        self.detached.insert(key, slot);
+        slot
+    }
+
     /// The key stored in `slot`.
     #[inline]
     pub fn key_of(&self, slot: u32) -> Key {
         self.slots[slot as usize].key
+    }
+
+    /// True if `slot`'s key has held two blocks at once (see [`Entry`]).
+    pub fn is_multi(&self, slot: u32) -> bool {
+        self.slots[slot as usize].multi
+    }
+
+    /// True if `slot`'s key is detached.
+    pub fn is_detached(&self, slot: u32) -> bool {
+        self.slots[slot as usize].detached
     }
 
     /// Start loading the slab entry of `slot` (what [`CacheMap::remove`] reads first) without
@@ -240,36 +366,96 @@ impl CacheMap {
         let _ = slot;
     }
 
-    /// Remove `block` from `slot`'s key (`pop(key, block_id)`); the key goes when its last block
-    /// does. Returns the key. O(1).
-    pub fn remove(&mut self, slot: u32, block: u32) -> Option<Key> {
-        let (p, n) = (self.dup_prev[block as usize], self.dup_next[block as usize]);
+    /// Unlink `node` from `slot`'s key; the key goes when its last node does (an overflow
+    /// node is released). Returns the key and whether it was attached (vLLM's `pop(key,
+    /// block_id)` found the block: a `BlockRemoved`), or `None` if the node is not under that
+    /// key. O(1).
+    pub fn remove(&mut self, slot: u32, node: u32) -> Option<(Key, bool)> {
+        let (p, n) = (self.node_prev[node as usize], self.node_next[node as usize]);
         let e = &mut self.slots[slot as usize];
-        if p == NONE && e.head != block {
-            return None; // not cached under this key
+        if p == NONE && e.head != node {
+            return None; // not under this key
         }
-        self.dup_prev[block as usize] = NONE;
-        self.dup_next[block as usize] = NONE;
+        self.node_prev[node as usize] = NONE;
+        self.node_next[node as usize] = NONE;
         if p != NONE {
-            self.dup_next[p as usize] = n;
+            self.node_next[p as usize] = n;
         } else {
             e.head = n;
         }
         if n != NONE {
-            self.dup_prev[n as usize] = p;
+            self.node_prev[n as usize] = p;
         } else {
             e.tail = p;
         }
-        let (key, head) = (e.key, e.head);
+        let (key, head, detached) = (e.key, e.head, e.detached);
         if head == NONE {
-            // the key's last block went: drop the key
-            let h = self.hash_of(&key);
-            if let Ok(occ) = self.table.find_entry(h, |&s| s == slot) {
-                occ.remove();
-                self.free_slots.push(slot);
+            // the key's last node went: drop the key
+            if detached {
+                if self.detached.get(&key) == Some(&slot) {
+                    self.detached.remove(&key);
+                }
+            } else {
+                let h = self.hash_of(&key);
+                if let Ok(occ) = self.table.find_entry(h, |&s| s == slot) {
+                    occ.remove();
+                }
             }
+            self.free_slots.push(slot);
         }
-        Some(key)
+        self.release_node(node);
+        Some((key, !detached))
+    }
+
+    /// Take attached `key` out of the lookup table, its blocks keeping it (vLLM code popping
+    /// the key from the map's dict). Returns its slot.
+    pub fn detach(&mut self, key: &Key) -> Option<u32> {
+        let h = self.hash_of(key);
+        let slots = &self.slots;
+        let slot = match self.table.find_entry(h, |&s| slots[s as usize].key == *key) {
+            Ok(occ) => occ.remove().0,
+            Err(_) => return None,
+        };
+        self.slots[slot as usize].detached = true;
+        // a key detached twice (detach, re-cache, detach) keeps the later slot findable
+        self.detached.insert(*key, slot);
+        Some(slot)
+    }
+
+    /// Detach every attached key.
+    pub fn detach_all(&mut self) {
+        let slots: Vec<u32> = self.table.iter().copied().collect();
+        self.table.clear();
+        for s in slots {
+            let e = &mut self.slots[s as usize];
+            e.detached = true;
+            self.detached.insert(e.key, s);
+        }
+    }
+
+    /// The detached slot of `key`, if any.
+    pub fn detached_slot(&self, key: &Key) -> Option<u32> {
+        self.detached.get(key).copied()
+    }
+
+    /// Put detached `slot` back in the lookup table. Fails (changing nothing) if its key is
+    /// attached meanwhile.
+    pub fn reattach(&mut self, slot: u32) -> Result<()> {
+        let key = self.slots[slot as usize].key;
+        if !self.slots[slot as usize].detached {
+            return Ok(());
+        }
+        if self.find(&key).is_some() {
+            return Err(Error::State("cannot restore the key: it was cached again meanwhile".into()));
+        }
+        if self.detached.get(&key) == Some(&slot) {
+            self.detached.remove(&key);
+        }
+        self.slots[slot as usize].detached = false;
+        let h = self.hash_of(&key);
+        let CacheMap { table, slots, seed, .. } = self;
+        table.insert_unique(h, slot, |&s| Self::hash_with(seed, &slots[s as usize].key));
+        Ok(())
     }
 
     /// Forget everything.
@@ -277,11 +463,24 @@ impl CacheMap {
         self.table.clear();
         self.slots.clear();
         self.free_slots.clear();
-        self.dup_prev.iter_mut().for_each(|x| *x = NONE);
-        self.dup_next.iter_mut().for_each(|x| *x = NONE);
+        self.detached.clear();
+        self.node_prev.truncate(self.num_blocks as usize);
+        self.node_next.truncate(self.num_blocks as usize);
+        self.node_prev.iter_mut().for_each(|x| *x = NONE);
+        self.node_next.iter_mut().for_each(|x| *x = NONE);
+        self.overflow_block.clear();
+        self.free_overflow.clear();
     }
 
-    /// Every `(key, blocks)` pair (unordered).
+    /// Every attached `(key, blocks, multi)` (unordered).
+    pub fn entries(&self) -> impl Iterator<Item = (Key, Vec<u32>, bool)> + '_ {
+        self.table.iter().map(move |&s| {
+            let e = &self.slots[s as usize];
+            (e.key, self.blocks_from(e.head), e.multi)
+        })
+    }
+
+    /// Every attached `(key, blocks)` pair (unordered).
     pub fn iter(&self) -> impl Iterator<Item = (Key, Vec<u32>)> + '_ {
         self.table.iter().map(move |&s| {
             let e = &self.slots[s as usize];

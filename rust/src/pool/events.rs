@@ -1,37 +1,37 @@
 //! KV cache events as the block pool emits them (spec §8): `BlockStored`, `BlockRemoved`,
 //! `AllBlocksCleared`, buffered in order and drained in batches.
 //!
-//! A `BlockStored` here carries what the pool knows (hashes, parent, the block range and size,
-//! the group). The request-derived fields (token ids, extra keys, LoRA) are added by the
-//! caller, which passes an opaque `tag` to find the request again.
+//! A `BlockStored` here carries what the pool knows (hashes, parent, token ranges, block size,
+//! group). The request-derived fields (token ids, extra keys, LoRA, lookahead tokens) are
+//! added by the caller, which passes an opaque `tag` to find the request again.
 
 use crate::hashing::Digest;
 
 /// One KV cache event.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// Full blocks were cached: one event per `cache_full_blocks` call.
+    /// Blocks were cached: one event per `cache_full_blocks`, `cache_partial_block` or
+    /// `emit_cached_block_events` call.
     BlockStored {
-        /// New block hashes, in block order.
+        /// New block hashes, in block order (null and masked-out blocks have none).
         block_hashes: Vec<Digest>,
         /// Hash of the block before the first one (from the request's hashes), if any.
         parent_block_hash: Option<Digest>,
-        /// Index of the first block of the range in the request's table (`num_cached_blocks`).
-        first_block: usize,
-        /// Blocks in the range (`num_full_blocks - num_cached_blocks`); the event's token ids
-        /// cover all of them, null ones included (as vLLM's do).
-        num_blocks: usize,
-        /// Offsets in the range of the null blocks that were skipped (sliding window), in
-        /// order; `block_hashes` holds one hash per other block.
-        null_offsets: Vec<u32>,
-        /// Tokens per block.
+        /// The event's token ids are `all_token_ids[token_start..token_end]` (null blocks of
+        /// the range included, as vLLM's are).
+        token_start: usize,
+        token_end: usize,
+        /// The event's `block_size`.
         block_size: usize,
         /// KV-cache group.
         group: u32,
+        /// Token range `[start, end)` of each block in `block_hashes`: its extra keys (and,
+        /// with lookahead hashing, its lookahead tokens) come from there.
+        key_ranges: Vec<(usize, usize)>,
         /// Caller-defined handle of the request the blocks belong to.
         tag: u64,
     },
-    /// A cached block lost its key (eviction): one event per key.
+    /// A cached block lost a key (eviction): one event per key.
     BlockRemoved {
         /// The removed hash.
         block_hash: Digest,

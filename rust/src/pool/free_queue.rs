@@ -78,6 +78,23 @@ impl FreeQueue {
         (h != self.tail()).then_some(h)
     }
 
+    /// The last free block, if any.
+    #[inline]
+    pub fn back(&self) -> Option<u32> {
+        let t = self.prev[self.tail() as usize];
+        (t != self.head()).then_some(t)
+    }
+
+    /// Block `b`'s neighbours `(prev, next)`: block ids, or ids `>= capacity()` for the
+    /// sentinels, or `UNLINKED` when `b` is not in the queue.
+    #[inline]
+    pub fn links(&self, b: u32) -> (u32, u32) {
+        if (b as usize) >= self.capacity() {
+            return (UNLINKED, UNLINKED);
+        }
+        (self.prev[b as usize], self.next[b as usize])
+    }
+
     #[inline(always)]
     fn unlink(&mut self, b: u32) {
         let (p, n) = (self.prev[b as usize], self.next[b as usize]);

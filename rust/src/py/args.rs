@@ -72,8 +72,8 @@ named!(int64 -> i64:
     num_new_tokens = "num_new_tokens", num_new_computed_tokens = "num_new_computed_tokens",
     num_lookahead_tokens = "num_lookahead_tokens", num_external_computed_tokens = "num_external_computed_tokens",
     num_encoder_tokens = "num_encoder_tokens", reserved_blocks = "reserved_blocks",
-    num_computed_tokens = "num_computed_tokens", max_model_len = "max_model_len",
-    watermark_blocks = "watermark_blocks", num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
+    num_computed_tokens = "num_computed_tokens",
+    num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
     digest_memo_blocks = "digest_memo_blocks",
 );
 named!(uint32 -> u32: block_id_u32 = "block_id", group_id = "group_id");
@@ -82,4 +82,4 @@ named!(count -> usize:
     block_size_count = "block_size",
 );
 named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
-named!(opt_int64 -> Option<i64>: end = "end", sliding_window = "sliding_window");
+named!(opt_int64 -> Option<i64>: end = "end");

@@ -7,6 +7,8 @@ use super::errors::{type_err, value_err, IntoPy};
 use super::events::EventInputs;
 use super::fields::RequestFields;
 use super::gil_cell::GilCell;
+use super::hashes::PyHashes;
+use crate::hashing::source::ScaledHashes;
 use crate::hashing::Digest;
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 use crate::pool::cache_map::Key;
@@ -81,10 +83,11 @@ fn narrow<T: Copy + Into<i128>>(ids: &[T], bad: &impl Fn(usize, i128) -> PyErr) 
 #[inline]
 pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<Digest> {
     let b = list_hash_bytes(list, i, arg)?;
-    Digest::from_slice(b).ok_or_else(|| crate::error::Error::value(arg, "a block hash must be 16 or 32 bytes"))
+    Digest::from_slice(b).ok_or_else(|| crate::error::Error::value(arg, "a block hash must be 1 to 32 bytes"))
 }
 
-/// The raw bytes of `hashes[i]` (a 16- or 32-byte bytes object), borrowed from the list item.
+/// The raw bytes of `hashes[i]` (a bytes object of 1 to 32 bytes: a 16- or 32-byte digest,
+/// or a hash made by hand), borrowed from the list item.
 ///
 /// # Safety-relevant contract
 /// The slice is valid while the list holds the item and no Python code runs.
@@ -100,8 +103,8 @@ pub fn list_hash_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize, arg: &str) -> 
             return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
         }
         let n = pyo3::ffi::Py_SIZE(item) as usize;
-        if n != 16 && n != 32 {
-            return Err(crate::error::Error::value(arg, format!("a block hash must be 16 or 32 bytes, got {n}")));
+        if n == 0 || n > Digest::MAX_LEN {
+            return Err(crate::error::Error::value(arg, format!("a block hash must be 1 to 32 bytes, got {n}")));
         }
         Ok(std::slice::from_raw_parts(pyo3::ffi::PyBytes_AS_STRING(item) as *const u8, n))
     }
@@ -123,21 +126,23 @@ pub fn ids_array<'py>(py: Python<'py>, ids: Vec<u32>) -> Bound<'py, PyArray1<i32
 /// The Rust block pool (vLLM 0.33.0 semantics: block ids and free-queue order identical).
 ///
 /// Args: `num_gpu_blocks` (> 0; block 0 is the null block), `enable_caching`,
-/// `hash_block_size` (> 0, tokens per hashed block), `enable_kv_cache_events`.
+/// `hash_block_size` (> 0, tokens per hashed block), `enable_kv_cache_events`,
+/// `num_hash_lookahead_tokens` (tokens after a block its hash covers; events report them).
 #[pyclass(module = "kvblock._core", name = "BlockPoolCore", subclass, frozen)]
 pub struct PyBlockPool {
     pub state: GilCell<PoolState>,
 }
 
-/// The request behind a pending `BlockStored`: the request, and the token ids and field
-/// snapshot taken when its blocks were cached (None when they could not be).
-type StoredRequest = (Py<PyAny>, Option<Py<PyList>>, Option<Py<PyAny>>);
+/// The request behind pending `BlockStored` events: the request, the token ids of the span
+/// the events report with the span's first token index (copied when the blocks were
+/// cached), and the request fields snapshot (None when they could not be taken).
+type StoredRequest = (Py<PyAny>, Option<(Py<PyList>, usize)>, Option<Py<PyAny>>);
 
 /// The mutable state behind a `BlockPoolCore`.
 pub struct PoolState {
     pub inner: BlockPool,
-    /// Requests behind pending `BlockStored` events, by event tag, with the token ids the
-    /// event reports, copied when the blocks were cached (vLLM builds the event then).
+    /// Requests behind pending `BlockStored` events, by event tag, with what the events
+    /// report, copied when the blocks were cached (vLLM builds the events then).
     tags: HashMap<u64, StoredRequest>,
     next_tag: u64,
 }
@@ -146,9 +151,9 @@ impl PoolState {
     /// Run `f` (a caching call) with a fresh event tag standing for `request`, so that the
     /// `BlockStored` events it buffers can name the request; the tag (0 when events are off)
     /// is dropped again unless `f` buffered an event, whether `f` succeeded or not. `inputs`
-    /// (read by the caller before anything changed) give the event its token ids and request
-    /// fields as they are now, as vLLM builds the event when it caches; without them they
-    /// are read when the events are taken.
+    /// (read by the caller before anything changed) give the events their token ids and
+    /// request fields as they are now, as vLLM builds the event when it caches; without them
+    /// they are read when the events are taken.
     #[inline(always)]
     pub fn tagged<'py, R>(
         &mut self,
@@ -163,18 +168,27 @@ impl PoolState {
         let tag = self.next_tag;
         let pending = self.inner.num_pending_events();
         let res = f(&mut self.inner, tag);
-        let stored = self.inner.pending_events()[pending..].iter().find_map(|e| match e {
-            Event::BlockStored { first_block, num_blocks, block_size, tag: t, .. } if *t == tag => {
-                Some((first_block * block_size, (first_block + num_blocks) * block_size))
+        let lookahead = self.inner.num_hash_lookahead_tokens();
+        let mut span: Option<(usize, usize)> = None;
+        for e in &self.inner.pending_events()[pending..] {
+            if let Event::BlockStored { token_start, token_end, key_ranges, tag: t, .. } = e {
+                if *t != tag {
+                    continue;
+                }
+                let hi = key_ranges.iter().map(|r| r.1 + lookahead).max().unwrap_or(0).max(*token_end);
+                let lo = key_ranges.iter().map(|r| r.0).min().unwrap_or(*token_start).min(*token_start);
+                span = Some(match span {
+                    None => (lo, hi),
+                    Some((a, b)) => (a.min(lo), b.max(hi)),
+                });
             }
-            _ => None,
-        });
-        if let Some((start, end)) = stored {
+        }
+        if let Some((lo, hi)) = span {
             // list slices and a SimpleNamespace: no Python code runs; they can only fail for
-            // lack of memory, and then the event reads the request when taken
-            let (tokens, fields) = match inputs.map(|i| i.snapshot(request.py(), start, end)) {
-                Some(Ok((Some(t), ns))) => (Some(t), Some(ns)),
-                _ => (None, None), // no token list known: the event reads the request
+            // lack of memory, and then the events read the request when taken
+            let (tokens, fields) = match inputs.map(|i| i.snapshot(request.py(), lo, hi)) {
+                Some(Ok((Some(t), ns))) => (Some((t, lo)), Some(ns)),
+                _ => (None, None),
             };
             self.tags.insert(tag, (request.clone().unbind(), tokens, fields));
         }
@@ -182,18 +196,37 @@ impl PoolState {
     }
 }
 
+/// A `BlockHashWithGroupId` argument.
+fn key_arg(key: &Bound<'_, PyAny>) -> PyResult<Key> {
+    let b = key.cast::<PyBytes>().map_err(|_| type_err("key", "a BlockHashWithGroupId is bytes"))?;
+    Key::from_bytes(b.as_bytes()).py_err()
+}
+
+/// An optional token count argument.
+fn opt_tokens(v: Option<i64>, arg: &str) -> PyResult<Option<usize>> {
+    match v {
+        None => Ok(None),
+        Some(t) if t >= 0 => Ok(Some(t as usize)),
+        Some(t) => Err(value_err(arg, format!("must be >= 0, got {t}"))),
+    }
+}
+
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=false, *_args, **_kwargs))]
+    #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=false, metrics_collector=None, num_hash_lookahead_tokens=0, *_args, **_kwargs))]
+    #[allow(clippy::too_many_arguments)] // vLLM's BlockPool arguments
     fn new(
         #[pyo3(from_py_with = super::args::num_gpu_blocks)] num_gpu_blocks: i64,
         enable_caching: bool,
         #[pyo3(from_py_with = super::args::hash_block_size)] hash_block_size: i64,
         enable_kv_cache_events: bool,
+        metrics_collector: Option<&Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = super::args::num_hash_lookahead_tokens)] num_hash_lookahead_tokens: i64,
         _args: &Bound<'_, PyTuple>,
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
+        let _ = metrics_collector; // kept by the Python face
         if num_gpu_blocks <= 0 {
             return Err(value_err(
                 "num_gpu_blocks",
@@ -203,9 +236,16 @@ impl PyBlockPool {
         if hash_block_size <= 0 {
             return Err(value_err("hash_block_size", format!("must be > 0, got {hash_block_size}")));
         }
-        let inner =
+        if num_hash_lookahead_tokens < 0 {
+            return Err(value_err(
+                "num_hash_lookahead_tokens",
+                format!("must be >= 0, got {num_hash_lookahead_tokens}"),
+            ));
+        }
+        let mut inner =
             BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events)
                 .py_err()?;
+        inner.set_num_hash_lookahead_tokens(num_hash_lookahead_tokens as usize);
         Ok(PyBlockPool { state: GilCell::new(PoolState { inner, tags: HashMap::new(), next_tag: 0 }, "BlockPoolCore") })
     }
 
@@ -230,17 +270,23 @@ impl PyBlockPool {
         self.state.with(py, |me| me.inner.events_enabled())
     }
 
-    /// Free blocks, cached-but-free ones included (vLLM `get_num_free_blocks`).
+    /// Tokens after each block its hash covers (events report them as lookahead tokens).
+    #[getter]
+    fn num_hash_lookahead_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state.with(py, |me| me.inner.num_hash_lookahead_tokens())
+    }
+
+    /// Free blocks, cached-but-free ones included (vLLM's `get_num_free_blocks`).
     fn get_num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.state.with(py, |me| me.inner.num_free_blocks())
     }
 
-    /// `1 - free / (num_gpu_blocks - 1)` (vLLM `get_usage`).
+    /// KV cache usage in [0, 1]: `1 - free / (num_gpu_blocks - 1)`.
     fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
         self.state.with(py, |me| me.inner.usage())
     }
 
-    /// Bytes of per-block metadata (arena + free queue; the hash map excluded).
+    /// Bytes of per-block metadata kept by the pool.
     #[staticmethod]
     fn bytes_per_block() -> usize {
         BlockPool::bytes_per_block()
@@ -268,29 +314,30 @@ impl PyBlockPool {
 
     /// Drop one reference per block, in the given order (pass a request's blocks reversed).
     /// Blocks reaching 0 return to the free queue: unhashed to the head, hashed to the tail.
-    /// Raises ValueError, changing nothing, for an id out of range, the null block or a double
-    /// free.
+    /// Raises ValueError, changing nothing, for an id out of range, the null block, or more
+    /// references dropped than a block holds.
     /// With `reverse=True` the ids are freed last to first (pass a request's table as is).
-    #[pyo3(signature = (ids, reverse=false))]
-    fn free_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, reverse: bool) -> PyResult<()> {
+    #[pyo3(signature = (ids, reverse=false, skip_null=false))]
+    fn free_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, reverse: bool, skip_null: bool) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         let inner = &mut me.inner;
         with_block_ids(ids, "block_ids", |s| {
             if reverse {
                 let r: Vec<u32> = s.iter().rev().copied().collect();
-                inner.free_blocks(&r, false).py_err()
+                inner.free_blocks(&r, skip_null).py_err()
             } else {
-                inner.free_blocks(s, false).py_err()
+                inner.free_blocks(s, skip_null).py_err()
             }
         })
     }
 
     /// Take one reference per block; free (cached) blocks leave the free queue. Raises for
-    /// the null block or an id out of range, changing nothing.
-    fn touch_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// the null block (unless `skip_null`) or an id out of range, changing nothing.
+    #[pyo3(signature = (ids, skip_null=false))]
+    fn touch_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, skip_null: bool) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         let inner = &mut me.inner;
-        with_block_ids(ids, "block_ids", |s| inner.touch(s, false).py_err())
+        with_block_ids(ids, "block_ids", |s| inner.touch(s, skip_null).py_err())
     }
 
     /// Allocate one block and return its id (`allocate_ids(1)` without the array).
@@ -312,11 +359,10 @@ impl PyBlockPool {
     /// `num_cached_blocks <= i < num_full_blocks` (vLLM's `cache_full_blocks` on ids).
     ///
     /// `block_ids`: ints or a 1-D integer array (the request's block table); `block_hashes`: a
-    /// list of 16- or 32-byte bytes (at least `num_full_blocks` of them; the hash before the
-    /// first cached one is the events' parent); `block_size`: tokens per block for events
-    /// (default: the pool's `hash_block_size`). A block already cached keeps its key, as in
-    /// vLLM. Raises ValueError / TypeError, changing nothing, for bad ids, the null block,
-    /// hashes of the wrong type or length, too few hashes or negative counts.
+    /// list of bytes (at least `num_full_blocks` of them; the hash before the first cached one
+    /// is the events' parent); `block_size`: tokens per block for events (default: the pool's
+    /// `hash_block_size`). Raises ValueError / TypeError, changing nothing, for bad ids, the
+    /// null block, hashes of the wrong type or length, too few hashes or negative counts.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
     #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the GIL token
     fn cache_ids(
@@ -342,20 +388,25 @@ impl PyBlockPool {
         if hashes.len() < end {
             return Err(value_err("block_hashes", format!("{} hashes for {end} full blocks", hashes.len())));
         }
-        let mut hs = Vec::with_capacity(end - first);
-        for i in first..end {
-            hs.push(list_digest(hashes, i, "block_hashes").py_err()?);
+        if ids.len() < end {
+            return Err(value_err("num_full_blocks", format!("{end} exceeds the {} blocks given", ids.len())));
         }
-        let parent = if first > 0 { Some(list_digest(hashes, first - 1, "block_hashes").py_err()?) } else { None };
+        if ids[first..end].contains(&NULL_BLOCK) {
+            return Err(value_err("blocks", "cannot cache the null block"));
+        }
+        let hs = (0..end)
+            .map(|i| list_digest(hashes, i, "block_hashes"))
+            .collect::<crate::error::Result<Vec<_>>>()
+            .py_err()?;
         let bs = block_size.unwrap_or(me.inner.hash_block_size());
-        me.inner.cache_blocks(&ids, first, &hs, parent, bs, group_id, false, 0).py_err()
+        me.inner.cache_full_blocks(&ids, first, end, &hs, bs, group_id, None, 0).py_err()
     }
 
     /// The longest cached prefix of `block_hashes` in group `group_id`: the hit block ids,
     /// int32 `[k]` (k <= `max_blocks`), stopping at the first miss — the lookup of vLLM's
     /// `find_longest_cache_hit` for one full-attention group. No reference counts change.
-    /// `block_hashes`: a list of 16- or 32-byte bytes. Raises TypeError for a non-list or a
-    /// non-bytes hash, ValueError for a hash of another length or a negative `max_blocks` /
+    /// `block_hashes`: a list of bytes. Raises TypeError for a non-list or a non-bytes hash,
+    /// ValueError for an empty hash or one over 32 bytes, or a negative `max_blocks` /
     /// `group_id`.
     #[pyo3(signature = (block_hashes, group_id=0, max_blocks=None))]
     fn lookup_prefix<'py>(
@@ -398,6 +449,19 @@ impl PyBlockPool {
         Ok(PyArray1::from_vec(py, out))
     }
 
+    /// `get_cached_block(block_hash, kv_cache_group_ids)` on ids: one block per group, or None
+    /// if any group misses.
+    fn get_cached_block_ids(
+        &self,
+        py: Python<'_>,
+        block_hash: &Bound<'_, PyBytes>,
+        kv_cache_group_ids: Vec<u32>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let me = self.state.borrow(py)?;
+        let mut out = Vec::with_capacity(kv_cache_group_ids.len());
+        Ok(me.inner.get_cached_block(block_hash.as_bytes(), &kv_cache_group_ids, &mut out).then_some(out))
+    }
+
     /// Drop the cache keys of these blocks (vLLM's `evict_blocks`): ref counts and queue
     /// positions are unchanged; an uncached block is skipped. `ids`: ints or a 1-D integer
     /// array. Raises ValueError, changing nothing, for an id out of range.
@@ -407,6 +471,17 @@ impl PyBlockPool {
         me.inner.evict_blocks(&ids).py_err()
     }
 
+    /// `_maybe_evict_cached_block(block)` on an id: drop the block's keys; False if it had
+    /// none in the map.
+    fn maybe_evict_id(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<bool> {
+        let mut me = self.state.borrow_mut(py)?;
+        me.inner.maybe_evict_cached_block(block_id).py_err()
+    }
+
     /// Clear every cache key if no block is in use (vLLM `reset_prefix_cache`); False, with no
     /// change, while any non-null block is allocated.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
@@ -414,7 +489,37 @@ impl PyBlockPool {
         Ok(me.inner.reset_prefix_cache())
     }
 
-    // ---- inspection --------------------------------------------------------------------------
+    /// `move_block_hashes(src_block, dst_block)` on ids.
+    fn move_block_hash_ids(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] src: u32,
+        #[pyo3(from_py_with = super::args::block_id_u32)] dst: u32,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        me.inner.move_block_hashes(src, dst).py_err()
+    }
+
+    /// `unpin_blocks` on ids: drop a reference on each; blocks reaching 0 join the tail of the
+    /// free queue; `watcher` (the caller's id for its callback) fires when the pool reuses
+    /// them (`_take_fired_watchers`).
+    fn unpin_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, watcher: u64) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        let ids = block_ids_of(ids, "blocks")?;
+        me.inner.unpin_blocks(&ids, watcher).py_err()
+    }
+
+    /// The `(block id, watcher id)` pairs of the reuse watchers that fired since the last call.
+    fn _take_fired_watchers(&self, py: Python<'_>) -> PyResult<Vec<(u32, u64)>> {
+        Ok(self.state.borrow_mut(py)?.inner.take_fired_watchers())
+    }
+
+    /// True if reuse watchers are recorded.
+    fn _has_watchers(&self, py: Python<'_>) -> PyResult<bool> {
+        self.state.with(py, |me| me.inner.has_watchers())
+    }
+
+    // ---- inspection and the blocks' own fields -----------------------------------------------
 
     /// A block's reference count (`KVCacheBlock.ref_cnt`). Raises ValueError for an id
     /// outside `[0, num_gpu_blocks)`.
@@ -427,6 +532,18 @@ impl PyBlockPool {
         me.inner.ref_cnt(block_id).py_err()
     }
 
+    /// Set a block's reference count (vLLM code writing `block.ref_cnt`): only between
+    /// positive values, or to 0 for a block in the free queue (RuntimeError otherwise).
+    fn set_ref_cnt(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+        value: i64,
+    ) -> PyResult<()> {
+        let v = u32::try_from(value).map_err(|_| value_err("ref_cnt", format!("{value} is out of range")))?;
+        self.state.borrow_mut(py)?.inner.set_ref_cnt(block_id, v).py_err()
+    }
+
     /// A block's `BlockHashWithGroupId` (hash + 4-byte big-endian group), or None.
     fn block_hash<'py>(
         &self,
@@ -435,6 +552,69 @@ impl PyBlockPool {
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let key = self.state.with(py, |me| me.inner.block_key(block_id))?.py_err()?;
         Ok(key.map(|k| key_bytes(py, &k)))
+    }
+
+    /// A block's `block_hash_num_tokens` (the prefix length its key covers), or None.
+    fn block_hash_num_tokens(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<Option<usize>> {
+        self.state.with(py, |me| me.inner.block_hash_num_tokens(block_id))?.py_err()
+    }
+
+    /// `block.set_block_hash(key, num_tokens)`: give a block without a hash a key (not in the
+    /// map until inserted). AssertionError if it has one.
+    #[pyo3(signature = (block_id, key, num_tokens=None))]
+    fn set_block_hash(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+        key: &Bound<'_, PyAny>,
+        num_tokens: Option<i64>,
+    ) -> PyResult<()> {
+        let key = key_arg(key)?;
+        let t = opt_tokens(num_tokens, "num_tokens")?;
+        self.state.borrow_mut(py)?.inner.set_block_hash(block_id, key, t).py_err()
+    }
+
+    /// `block.reset_hash()`: the block forgets its key.
+    fn reset_hash(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.reset_hash(block_id).py_err()
+    }
+
+    /// The further keys of a block (vLLM's `cached_block_hashes_by_block[block_id]`).
+    fn secondary_keys<'py>(
+        &self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let keys = self.state.with(py, |me| me.inner.secondary_keys(block_id))?;
+        Ok(keys.iter().map(|k| key_bytes(py, k)).collect())
+    }
+
+    /// `{block_id: [further keys]}` for every block that has further keys.
+    fn secondary_items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let items = self.state.with(py, |me| me.inner.secondary_items())?;
+        let d = PyDict::new(py);
+        for (b, keys) in items {
+            let ks: Vec<Bound<'py, PyBytes>> = keys.iter().map(|k| key_bytes(py, k)).collect();
+            d.set_item(b, ks)?;
+        }
+        Ok(d)
+    }
+
+    /// `is_block_writable(block)` on an id.
+    fn is_block_writable(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<bool> {
+        self.state.with(py, |me| me.inner.is_block_writable(block_id))?.py_err()
     }
 
     /// True if the block is in the free queue.
@@ -446,6 +626,23 @@ impl PyBlockPool {
         let me = self.state.borrow(py)?;
         me.inner.ref_cnt(block_id).py_err()?;
         Ok(me.inner.is_free(block_id))
+    }
+
+    /// A block's free-queue neighbours `(prev, next, linked)`: ids, None at an end (a
+    /// sentinel), and whether the block is in the queue.
+    fn queue_neighbours(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<(Option<u32>, Option<u32>, bool)> {
+        let me = self.state.borrow(py)?;
+        me.inner.ref_cnt(block_id).py_err()?;
+        Ok(me.inner.queue_neighbours(block_id))
+    }
+
+    /// The first and last free blocks (None when the queue is empty).
+    fn queue_ends(&self, py: Python<'_>) -> PyResult<(Option<u32>, Option<u32>)> {
+        self.state.with(py, |me| me.inner.queue_ends())
     }
 
     /// The free queue's block ids, head (next to allocate) first.
@@ -468,30 +665,76 @@ impl PyBlockPool {
         Ok(d)
     }
 
-    /// The first block cached under a `BlockHashWithGroupId` key, or None.
-    fn lookup_key(&self, py: Python<'_>, key: &Bound<'_, PyBytes>) -> PyResult<Option<u32>> {
+    /// `{key: (block ids, held two blocks at once)}`: the map as vLLM's dict shapes it (a
+    /// key that has held two blocks keeps a dict of them).
+    fn cached_entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let me = self.state.borrow(py)?;
-        let b = key.as_bytes();
-        if b.len() < 5 {
-            return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
+        let d = PyDict::new(py);
+        for (k, blocks, multi) in me.inner.cache_map().entries() {
+            d.set_item(key_bytes(py, &k), (blocks, multi))?;
         }
-        let (h, g) = b.split_at(b.len() - 4);
-        let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
-        let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
-        Ok(me.inner.lookup(&hash, group))
+        Ok(d)
+    }
+
+    /// A key's `(block ids, held two blocks at once)`, or None.
+    fn lookup_key_entry(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u32>, bool)>> {
+        let key = key_arg(key)?;
+        self.state.with(py, |me| {
+            let m = me.inner.cache_map();
+            m.find(&key).map(|s| (m.blocks_of_slot(s), m.is_multi(s)))
+        })
+    }
+
+    /// The first block cached under a `BlockHashWithGroupId` key, or None.
+    fn lookup_key(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        let key = key_arg(key)?;
+        self.state.with(py, |me| me.inner.lookup(&key.hash, key.group))
     }
 
     /// Every block cached under a `BlockHashWithGroupId` key, in insertion order.
-    fn lookup_key_all(&self, py: Python<'_>, key: &Bound<'_, PyBytes>) -> PyResult<Vec<u32>> {
-        let me = self.state.borrow(py)?;
-        let b = key.as_bytes();
-        if b.len() < 5 {
-            return Err(value_err("key", "a BlockHashWithGroupId is a hash plus 4 group bytes"));
-        }
-        let (h, g) = b.split_at(b.len() - 4);
-        let hash = Digest::from_slice(h).ok_or_else(|| value_err("key", "the hash part must be 16 or 32 bytes"))?;
-        let group = u32::from_be_bytes([g[0], g[1], g[2], g[3]]);
-        Ok(me.inner.cache_map().get_all(&Key { hash, group }))
+    fn lookup_key_all(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let key = key_arg(key)?;
+        self.state.with(py, |me| me.inner.cache_map().get_all(&key))
+    }
+
+    /// `cached_block_hash_to_block.insert(key, block)` on an id.
+    fn map_insert(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<()> {
+        let key = key_arg(key)?;
+        self.state.borrow_mut(py)?.inner.map_insert(key, block_id).py_err()
+    }
+
+    /// `cached_block_hash_to_block.pop(key, block_id)`: True if the block was under the key.
+    fn map_pop(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<bool> {
+        let key = key_arg(key)?;
+        self.state.borrow_mut(py)?.inner.map_pop(key, block_id).py_err()
+    }
+
+    /// Take a key out of the map, its blocks keeping it (`_cache.pop(key)`); its block ids.
+    fn map_detach(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let key = key_arg(key)?;
+        Ok(self.state.borrow_mut(py)?.inner.map_detach(&key))
+    }
+
+    /// Take every key out of the map (`_cache.clear()`).
+    fn map_detach_all(&self, py: Python<'_>) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.map_detach_all();
+        Ok(())
+    }
+
+    /// Restore a key taken out with `map_detach`, with the blocks it had.
+    fn map_reattach(&self, py: Python<'_>, key: &Bound<'_, PyAny>, block_ids: Vec<u32>) -> PyResult<()> {
+        let key = key_arg(key)?;
+        self.state.borrow_mut(py)?.inner.map_reattach(&key, &block_ids).py_err()
     }
 
     /// Check internal invariants; raises RuntimeError on a violation (for tests).
@@ -527,54 +770,119 @@ impl PyBlockPool {
         me.inner.queue_insert(&ids, at_head).py_err()
     }
 
-    /// Cache blocks for a request (the facade's `cache_full_blocks`): ids of the request's
-    /// table, its hash list, and the request for event enrichment.
+    // ---- caching for a request (the facade's vLLM methods) --------------------------------
+
+    /// `cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+    /// kv_cache_group_id, block_mask)` on the table's ids: the request's hashes are viewed at
+    /// `block_size`; `block_mask` (aligned with the range) skips blocks.
+    #[pyo3(signature = (request, block_ids, num_cached_blocks, num_full_blocks, block_size, group_id, block_mask=None))]
     #[allow(clippy::too_many_arguments)] // the facade's cache_full_blocks arguments
-    fn _cache_for_request(
+    fn _cache_full_blocks(
         &self,
         py: Python<'_>,
         request: &Bound<'_, PyAny>,
         block_ids: &Bound<'_, PyAny>,
-        block_hashes: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: usize,
         #[pyo3(from_py_with = super::args::num_full_blocks)] num_full_blocks: usize,
         #[pyo3(from_py_with = super::args::block_size_count)] block_size: usize,
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
+        block_mask: Option<Vec<bool>>,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         if num_cached_blocks >= num_full_blocks {
             return Ok(());
         }
         let ids = block_ids_of(block_ids, "blocks")?;
-        let hashes = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
-        if hashes.len() < num_full_blocks {
-            return Err(value_err("num_full_blocks", format!("the request has {} block hashes", hashes.len())));
-        }
-        let hs = (num_cached_blocks..num_full_blocks)
-            .map(|i| list_digest(hashes, i, "block_hashes"))
-            .collect::<crate::error::Result<Vec<_>>>()
-            .py_err()?;
-        let parent = if num_cached_blocks > 0 {
-            Some(list_digest(hashes, num_cached_blocks - 1, "block_hashes").py_err()?)
-        } else {
-            None
-        };
-        // what the BlockStored event reports, read before anything changes
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
+        let end = num_full_blocks.min(ids.len().max(num_cached_blocks));
+        hashes.check(num_cached_blocks.saturating_sub(1) * view.scale(), end * view.scale())?;
         let inputs = if me.inner.events_enabled() && !request.is_none() {
             Some(EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?)
         } else {
             None
         };
         me.tagged(request, inputs.as_ref(), |pool, tag| {
-            pool.cache_blocks(&ids, num_cached_blocks, &hs, parent, block_size, group_id, true, tag)
+            pool.cache_full_blocks(
+                &ids,
+                num_cached_blocks,
+                end,
+                &view,
+                block_size,
+                group_id,
+                block_mask.as_deref(),
+                tag,
+            )
         })
         .py_err()
     }
 
-    /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, first_block,
-    /// block_size, group, request|None, end_block, [null block indices], token ids|None)` (the
-    /// token ids of the range as they were when cached, when the request's list was known),
-    /// `("removed", hash bytes, group)`, `("cleared",)`.
+    /// `cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
+    /// replace_existing_hashes)` on an id: the key registered, or None for the null block.
+    #[pyo3(signature = (request, block_id, num_tokens, group_id, block_size, replace_existing_hashes=false))]
+    #[allow(clippy::too_many_arguments)] // vLLM's arguments
+    fn _cache_partial_block<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+        #[pyo3(from_py_with = super::args::num_full_blocks)] num_tokens: usize,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
+        #[pyo3(from_py_with = super::args::block_size_count)] block_size: usize,
+        replace_existing_hashes: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let mut me = self.state.borrow_mut(py)?;
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let h = me.inner.hash_block_size();
+        hashes.check((num_tokens / h).saturating_sub(2), num_tokens / h)?;
+        let inputs = if me.inner.events_enabled() {
+            Some(EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?)
+        } else {
+            None
+        };
+        let key = me
+            .tagged(request, inputs.as_ref(), |pool, tag| {
+                pool.cache_partial_block(
+                    block_id,
+                    &hashes,
+                    num_tokens,
+                    group_id,
+                    block_size,
+                    replace_existing_hashes,
+                    tag,
+                )
+            })
+            .py_err()?;
+        Ok(key.map(|k| key_bytes(py, &k)))
+    }
+
+    /// `emit_cached_block_events(request, num_cached_blocks, block_size, kv_cache_group_id)`.
+    fn _emit_cached_block_events(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = super::args::num_cached_blocks)] num_cached_blocks: usize,
+        #[pyo3(from_py_with = super::args::block_size_count)] block_size: usize,
+        #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if !me.inner.events_enabled() || num_cached_blocks == 0 {
+            return Ok(());
+        }
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
+        hashes.check(0, num_cached_blocks * view.scale())?;
+        let inputs = EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?;
+        me.tagged(request, Some(&inputs), |pool, tag| {
+            pool.emit_cached_block_events(&view, num_cached_blocks, block_size, group_id, tag)
+        })
+        .py_err()
+    }
+
+    /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, token_start,
+    /// token_end, block_size, group, request|None, [(start, end) per stored block], (token ids,
+    /// first index)|None)` (the token ids as they were when cached, when the request's list
+    /// was known), `("removed", hash bytes, group)`, `("cleared",)`.
     fn take_raw_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut me = self.state.borrow_mut(py)?;
         let out = PyList::empty(py);
@@ -583,24 +891,40 @@ impl PyBlockPool {
                 Event::BlockStored {
                     block_hashes,
                     parent_block_hash,
-                    first_block,
-                    num_blocks,
-                    null_offsets,
+                    token_start,
+                    token_end,
                     block_size,
                     group,
+                    key_ranges,
                     tag,
                 } => {
                     let hs: Vec<Bound<'py, PyBytes>> =
                         block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
                     let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
-                    let (req, tokens) = match me.tags.remove(&tag) {
+                    let (req, tokens) = match me.tags.get(&tag) {
                         // the snapshot stands for the request (the event reads only those)
-                        Some((r, t, ns)) => (Some(ns.unwrap_or(r)), t),
+                        Some((r, t, ns)) => (
+                            Some(ns.as_ref().map(|n| n.clone_ref(py)).unwrap_or_else(|| r.clone_ref(py))),
+                            t.as_ref().map(|(l, lo)| (l.clone_ref(py), *lo)),
+                        ),
                         None => (None, None),
                     };
-                    let nulls: Vec<usize> = null_offsets.iter().map(|&o| first_block + o as usize).collect();
-                    let end = first_block + num_blocks;
-                    out.append(("stored", hs, parent, first_block, block_size, group, req, end, nulls, tokens))?;
+                    let item = PyTuple::new(
+                        py,
+                        [
+                            "stored".into_pyobject(py)?.into_any(),
+                            hs.into_pyobject(py)?.into_any(),
+                            parent.into_pyobject(py)?.into_any(),
+                            token_start.into_pyobject(py)?.into_any(),
+                            token_end.into_pyobject(py)?.into_any(),
+                            block_size.into_pyobject(py)?.into_any(),
+                            group.into_pyobject(py)?.into_any(),
+                            req.into_pyobject(py)?.into_any(),
+                            key_ranges.into_pyobject(py)?.into_any(),
+                            tokens.into_pyobject(py)?.into_any(),
+                        ],
+                    )?;
+                    out.append(item)?;
                 }
                 Event::BlockRemoved { block_hash, group } => {
                     out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;

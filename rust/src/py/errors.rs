@@ -11,6 +11,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::NotFound(m) => PyKeyError::new_err(m),
         Error::State(m) => PyRuntimeError::new_err(m),
         Error::Memory(m) => PyMemoryError::new_err(m),
+        Error::Assertion(m) => pyo3::exceptions::PyAssertionError::new_err(m),
         e @ (Error::Value(_) | Error::NotEnoughFreeBlocks { .. } | Error::NoFreeBlocks) => {
             PyValueError::new_err(e.to_string())
         }

@@ -16,16 +16,19 @@ pub struct EventInputs<'py> {
     /// The request's token list (a copy when its token sequence is not a list).
     tokens: Option<Bound<'py, PyList>>,
     /// `lora_request`, `mm_features`, `cache_salt`, `prompt_embeds`,
-    /// `_prompt_embeds_per_block_hashes` (None where the request has no such attribute).
-    fields: [Option<Bound<'py, PyAny>>; 5],
+    /// `_prompt_embeds_per_block_hashes`, `session_id`, `prompt_is_token_ids` (None where the
+    /// request has no such attribute).
+    fields: [Option<Bound<'py, PyAny>>; 7],
 }
 
-const EVENT_FIELDS: [(Field, &str); 5] = [
+const EVENT_FIELDS: [(Field, &str); 7] = [
     (Field::LoraRequest, "lora_request"),
     (Field::MmFeatures, "mm_features"),
     (Field::CacheSalt, "cache_salt"),
     (Field::PromptEmbeds, "prompt_embeds"),
     (Field::PromptEmbedsBlockHashes, "_prompt_embeds_per_block_hashes"),
+    (Field::SessionId, "session_id"),
+    (Field::PromptIsTokenIds, "prompt_is_token_ids"),
 ];
 
 impl<'py> EventInputs<'py> {
@@ -54,7 +57,7 @@ impl<'py> EventInputs<'py> {
                 Err(e) => return Err(e),
             },
         };
-        let mut out = [None, None, None, None, None];
+        let mut out = [None, None, None, None, None, None, None];
         for (slot, (field, _)) in out.iter_mut().zip(EVENT_FIELDS) {
             *slot = fields.get_opt(request, field)?;
         }
@@ -63,8 +66,8 @@ impl<'py> EventInputs<'py> {
     }
 
     /// The token ids of `[start, end)` and a `types.SimpleNamespace` of the fields read (a
-    /// list field copied): what a `BlockStored` over that range is built from. Runs no
-    /// Python code.
+    /// list field copied): what the `BlockStored` events over that span are built from. Runs
+    /// no Python code.
     pub fn snapshot(&self, py: Python<'py>, start: usize, end: usize) -> PyResult<(Option<Py<PyList>>, Py<PyAny>)> {
         let kwargs = PyDict::new(py);
         for ((_, name), value) in EVENT_FIELDS.iter().zip(&self.fields) {

@@ -28,9 +28,13 @@ pub enum Field {
     HashLookahead,
     NextHashAt,
     PromptEmbedsBlockHashes,
+    NumPromptTokens,
+    SharedPrefixBoundary,
+    SessionId,
+    PromptIsTokenIds,
 }
 
-const N: usize = 16;
+const N: usize = 20;
 
 const NAMES: [&str; N] = [
     "request_id",
@@ -49,6 +53,10 @@ const NAMES: [&str; N] = [
     "_hash_lookahead",
     "_next_hash_at",
     "_prompt_embeds_per_block_hashes",
+    "num_prompt_tokens",
+    "shared_prefix_boundary",
+    "session_id",
+    "prompt_is_token_ids",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.

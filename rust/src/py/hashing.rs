@@ -78,10 +78,35 @@ impl PyHashFunction {
         self.algo.digest_len()
     }
 
-    /// Hash one object: `HASH(serialize(obj))`.
+    /// The function's name, as vLLM's functions are named (`sha256`, ...).
+    #[getter]
+    fn __name__(&self) -> &'static str {
+        self.algo.name()
+    }
+
+    /// Hash one object: `HASH(serialize(obj))`, byte-identical to vLLM's function of the
+    /// same name. The shapes vLLM hashes (tuples of ints, str, bytes, None...) are
+    /// serialized in Rust; any other object by `pickle.dumps(obj, 5)` or
+    /// `cbor2.dumps(obj, canonical=True)`, as vLLM does.
     fn __call__<'py>(&self, py: Python<'py>, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
-        let v = to_value(obj, "obj")?;
-        let d = with_hasher(self.algo, |h| h.hash_value(&v)).py_err()?;
+        let d = match to_value(obj, "obj") {
+            Ok(v) => with_hasher(self.algo, |h| h.hash_value(&v)).py_err()?,
+            Err(e)
+                if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py)
+                    || e.is_instance_of::<pyo3::exceptions::PyValueError>(py) =>
+            {
+                let data = if self.algo.uses_cbor() {
+                    let kw = pyo3::types::PyDict::new(py);
+                    kw.set_item("canonical", true)?;
+                    py.import("cbor2")?.getattr("dumps")?.call((obj,), Some(&kw))?
+                } else {
+                    py.import("pickle")?.getattr("dumps")?.call1((obj, 5))?
+                };
+                let data = data.cast_into::<PyBytes>().map_err(|_| type_err("obj", "serializer returned no bytes"))?;
+                self.algo.digest(data.as_bytes())
+            }
+            Err(e) => return Err(e),
+        };
         Ok(PyBytes::new(py, d.as_bytes()))
     }
 

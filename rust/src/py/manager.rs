@@ -1,25 +1,21 @@
 //! Binding of the KV cache manager: `KVCacheManagerCore`, whose `get_computed_blocks`,
 //! `allocate_slots` and `free` take vLLM-style request objects and do one scheduler action per
-//! call. `kvblock.KVCacheManager` subclasses it in Python (stats, events, facades).
+//! call, for every KV-cache group of the model. `kvblock.KVCacheManager` and
+//! `kvblock.vllm.KVCacheManager` subclass it in Python (stats, events, vLLM's views).
 
 use super::block_ids::PyBlockIds;
-use super::block_pool::{block_ids_of, ids_array, list_hash_bytes, PyBlockPool};
+use super::block_pool::{block_ids_of, ids_array, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
 use super::events::EventInputs;
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
-use crate::manager::{AllocArgs, HashSource, Manager};
-use numpy::PyArray1;
+use super::hashes::PyHashes;
+use crate::manager::spec::{GroupSpec, Kind, MambaMode, ManagerConfig};
+use crate::manager::{AllocArgs, KVCacheManager, RequestView};
+use numpy::{PyArray1, PyArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple, PyType};
-
-/// Per-request inputs read from a request object.
-struct ReqView<'py> {
-    id: Bound<'py, PyString>,
-    num_computed: usize,
-    num_tokens: usize,
-}
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 /// A request id as `&str`. An ASCII id (vLLM's are) is read in place, without a call into
 /// the interpreter; any other goes through `PyUnicode_AsUTF8AndSize`.
@@ -38,84 +34,6 @@ fn request_id_str<'a>(id: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
     id.to_str()
 }
 
-/// A 1-D int32 numpy array (batch results).
-type I32Array<'py> = Bound<'py, PyArray1<i32>>;
-
-/// A request's `block_hashes` list, read in place.
-pub struct PyHashes<'py>(pub Bound<'py, PyList>);
-
-impl HashSource for PyHashes<'_> {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn get(&self, i: usize) -> crate::error::Result<&[u8]> {
-        list_hash_bytes(&self.0, i, "request.block_hashes")
-    }
-}
-
-/// `request.block_hashes` as a hash source (errors of the attribute read pass through).
-fn hashes_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> PyResult<PyHashes<'py>> {
-    fields
-        .get(request, Field::BlockHashes)?
-        .cast_into::<PyList>()
-        .map(PyHashes)
-        .map_err(|_| type_err("request.block_hashes", "must be a list of bytes"))
-}
-
-/// The hash source for an allocation: read up front (before anything changes) when caching is
-/// on; with caching off it is never needed.
-fn hashes_for<'py>(
-    enable_caching: bool,
-    fields: &RequestFields,
-    request: &Bound<'py, PyAny>,
-) -> PyResult<impl FnOnce() -> crate::error::Result<PyHashes<'py>>> {
-    // The attribute is read now (a getattr error surfaces before anything changes); the list
-    // itself is only touched when the call caches blocks, which it decides before changing
-    // anything (most decode steps cache nothing and skip that cache miss).
-    let hashes = if enable_caching { Some(fields.get(request, Field::BlockHashes)?) } else { None };
-    Ok(hashes_from(hashes))
-}
-
-/// The hash source over an already read `request.block_hashes` (None with caching off).
-fn hashes_from<'py>(hashes: Option<Bound<'py, PyAny>>) -> impl FnOnce() -> crate::error::Result<PyHashes<'py>> {
-    move || match hashes {
-        Some(h) => h
-            .cast_into::<PyList>()
-            .map(PyHashes)
-            .map_err(|_| crate::error::Error::type_("request.block_hashes", "must be a list of bytes")),
-        None => Err(crate::error::Error::State("block hashes are not read with caching off".into())),
-    }
-}
-
-/// What a prefix lookup reads from a request, read once (a batch reads every request's before
-/// it admits any). `hashes` is None when the lookup is skipped (caching off, or the request
-/// does not read the prefix cache).
-struct LookupInput<'py> {
-    hashes: Option<PyHashes<'py>>,
-    /// What a `BlockStored` a hit publishes reports (with `report_hits`).
-    events: Option<EventInputs<'py>>,
-    /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
-    report_hits: bool,
-}
-
-/// Everything `admit_batch` reads from one request, read before it admits any.
-struct Admission<'py> {
-    request: Bound<'py, PyAny>,
-    view: ReqView<'py>,
-    apply_watermark: bool,
-    num_in_flight_tokens: usize,
-    lookup: LookupInput<'py>,
-    /// `request.block_hashes` (None with caching off).
-    block_hashes: Option<Bound<'py, PyAny>>,
-    events: Option<EventInputs<'py>>,
-}
-
-fn not_initialised() -> PyErr {
-    pyo3::exceptions::PyRuntimeError::new_err(
-        "KVCacheManagerCore is not initialised (use kvblock.KVCacheManager, which calls _init_python)",
-    )
-}
-
 /// A count argument as usize; `ValueError` naming it if negative.
 #[inline(always)]
 fn count(v: i64, arg: &str) -> PyResult<usize> {
@@ -132,7 +50,51 @@ fn negative_count(v: i64, arg: &str) -> PyErr {
     value_err(arg, format!("must be >= 0, got {v}"))
 }
 
-/// The KV cache manager core for one KV-cache group (see `kvblock.KVCacheManager`).
+/// A request count field (`request.<name>`): an int (not a bool), non-negative, fitting
+/// in int64; the field is named in the error.
+#[inline(always)]
+fn field_count(v: &Bound<'_, PyAny>, arg: &str) -> PyResult<usize> {
+    if let Ok(x) = v.extract::<i64>() {
+        if !v.is_instance_of::<pyo3::types::PyBool>() {
+            return count(x, arg);
+        }
+    }
+    count(super::args::int64(v, arg)?, arg)
+}
+
+fn not_initialised() -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(
+        "KVCacheManagerCore is not initialised (use kvblock.KVCacheManager, which calls _init_python)",
+    )
+}
+
+/// What the manager reads from a request object.
+struct ReqView<'py> {
+    id: Bound<'py, PyString>,
+    num_computed: usize,
+    num_tokens: usize,
+    num_prompt_tokens: usize,
+    num_in_flight_tokens: usize,
+    shared_prefix_boundary: usize,
+    waiting: bool,
+}
+
+impl<'py> ReqView<'py> {
+    fn as_view<'a>(&'a self, tag: u64) -> PyResult<RequestView<'a>> {
+        Ok(RequestView {
+            request_id: request_id_str(&self.id)?,
+            num_computed_tokens: self.num_computed,
+            num_tokens: self.num_tokens,
+            num_prompt_tokens: self.num_prompt_tokens,
+            num_in_flight_tokens: self.num_in_flight_tokens,
+            shared_prefix_boundary: self.shared_prefix_boundary,
+            waiting_or_preempted: self.waiting,
+            event_tag: tag,
+        })
+    }
+}
+
+/// The KV cache manager core (see `kvblock.KVCacheManager`).
 #[pyclass(module = "kvblock._core", name = "KVCacheManagerCore", subclass, frozen)]
 pub struct PyManager {
     state: GilCell<ManagerState>,
@@ -141,40 +103,76 @@ pub struct PyManager {
 /// The mutable state behind a `KVCacheManagerCore`.
 struct ManagerState {
     pool: Py<PyBlockPool>,
-    inner: Manager,
-    enable_caching: bool,
-    watermark_blocks: usize,
-    /// The shared empty `KVCacheBlocks` and the factory `make(list[int]) -> KVCacheBlocks`.
+    inner: KVCacheManager,
+    /// The shared empty `KVCacheBlocks`.
     empty: Option<Py<PyAny>>,
-    /// Builds `KVCacheBlocks(_ids=(BlockIds,), _pool=pool, _blocks=None)`.
+    /// Its `blocks` (vLLM tells "no hit passed" by identity with it).
+    empty_blocks: Option<Py<PyAny>>,
+    /// Builds `KVCacheBlocks(_ids=(BlockIds, ...), _pool=pool, _blocks=None)`.
     make_blocks: Option<SlotFactory>,
     /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
     waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
     fields: RequestFields,
 }
 
+fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field, arg: &str) -> PyResult<usize> {
+    match fields.get_opt(request, f)? {
+        Some(v) if !v.is_none() => field_count(&v, arg),
+        _ => Ok(0),
+    }
+}
+
 impl ManagerState {
-    fn view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<ReqView<'py>> {
+    fn view<'py>(&self, request: &Bound<'py, PyAny>, has_scheduled_reqs: bool) -> PyResult<ReqView<'py>> {
         let py = request.py();
         let f = &self.fields;
         let id = f
             .get(request, Field::RequestId)?
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
-        let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
+        let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
             Some(t) => t.len()?,
-            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+            None => field_count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
         };
-        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
+        let num_prompt_tokens = match f.get_opt(request, Field::NumPromptTokens)? {
+            Some(v) => field_count(&v, "request.num_prompt_tokens")?,
+            None => num_tokens,
+        };
+        let num_in_flight_tokens =
+            opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
+        let shared_prefix_boundary =
+            opt_field_count(f, request, Field::SharedPrefixBoundary, "request.shared_prefix_boundary")?;
+        let waiting = self.watermark_applies(request, has_scheduled_reqs)?;
+        Ok(ReqView {
+            id,
+            num_computed,
+            num_tokens,
+            num_prompt_tokens,
+            num_in_flight_tokens,
+            shared_prefix_boundary,
+            waiting,
+        })
     }
 
-    fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
-        if ids.is_empty() {
+    fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+        self.fields
+            .get(request, Field::RequestId)?
+            .cast_into::<PyString>()
+            .map_err(|_| type_err("request.request_id", "must be a str"))
+    }
+
+    fn hashes<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<PyHashes<'py>> {
+        PyHashes::of(self.fields.get(request, Field::BlockHashes)?, "request.block_hashes")
+    }
+
+    fn blocks_of<'py>(&self, py: Python<'py>, groups: Vec<Vec<u32>>) -> PyResult<Bound<'py, PyAny>> {
+        if groups.iter().all(|g| g.is_empty()) {
             return self.empty(py);
         }
         let make = self.make_blocks.as_ref().ok_or_else(not_initialised)?;
-        let ids = pyo3::types::PyTuple::new(py, [Bound::new(py, PyBlockIds { ids })?])?;
+        let ids = groups.into_iter().map(|ids| Bound::new(py, PyBlockIds { ids })).collect::<PyResult<Vec<_>>>()?;
+        let ids = PyTuple::new(py, ids)?;
         make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
 
@@ -186,7 +184,7 @@ impl ManagerState {
     }
 
     fn watermark_applies(&self, request: &Bound<'_, PyAny>, has_scheduled_reqs: bool) -> PyResult<bool> {
-        if self.watermark_blocks == 0 || !has_scheduled_reqs {
+        if self.inner.watermark_blocks == 0 || !has_scheduled_reqs {
             return Ok(false);
         }
         let status = self.fields.get(request, Field::Status)?;
@@ -194,57 +192,6 @@ impl ManagerState {
             Some((w, p)) => Ok(status.eq(w.bind(request.py()))? || status.eq(p.bind(request.py()))?),
             None => Ok(false),
         }
-    }
-
-    /// `get_computed_blocks` without the result object: the hit block ids (and the
-    /// `BlockStored` of a "full" report-mode request when events are on).
-    fn lookup(&self, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-        let input = self.lookup_input(request)?;
-        if input.hashes.is_none() {
-            return Ok(Vec::new());
-        }
-        let v = self.view(request)?;
-        self.lookup_with(request, &input, v.num_tokens)
-    }
-
-    /// Read what [`ManagerState::lookup`] needs from the request.
-    fn lookup_input<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<LookupInput<'py>> {
-        if !self.enable_caching || self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()? {
-            return Ok(LookupInput { hashes: None, events: None, report_hits: false });
-        }
-        let hashes = hashes_of(&self.fields, request)?;
-        let events_enabled = self.pool.get().state.borrow(request.py())?.inner.events_enabled();
-        let report_hits = events_enabled && {
-            let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
-            mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false)
-        };
-        let events = self.event_inputs(request, report_hits)?;
-        Ok(LookupInput { hashes: Some(hashes), events, report_hits })
-    }
-
-    /// The lookup on inputs already read (no request attribute is read here).
-    fn lookup_with(
-        &self,
-        request: &Bound<'_, PyAny>,
-        input: &LookupInput<'_>,
-        num_tokens: usize,
-    ) -> PyResult<Vec<u32>> {
-        let py = request.py();
-        let Some(hashes) = &input.hashes else { return Ok(Vec::new()) };
-        let max_len = num_tokens.saturating_sub(1);
-        let pool = self.pool.get();
-        let hit = {
-            let p = pool.state.borrow(py)?;
-            self.inner.find_longest_cache_hit(&p.inner, hashes, max_len).py_err()?
-        };
-        if !hit.is_empty() && input.report_hits {
-            let hashes = (0..hit.len()).map(|i| hashes.digest(i)).collect::<crate::error::Result<Vec<_>>>().py_err()?;
-            let bs = self.inner.block_size();
-            pool.state
-                .borrow_mut(py)?
-                .tagged(request, input.events.as_ref(), |pool, tag| pool.record_stored(hashes, bs, 0, tag));
-        }
-        Ok(hit)
     }
 
     /// What a `BlockStored` from caching this request's blocks reports, read now (None with
@@ -262,94 +209,283 @@ impl ManagerState {
         EventInputs::read(&self.fields, request, tokens.as_ref()).map(Some)
     }
 
-    fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
-        match self.fields.get_opt(request, Field::NumInFlightTokens)? {
-            Some(v) => count(v.extract()?, "request.num_in_flight_tokens"),
-            None => Ok(0),
+    /// True if the request reads the prefix cache (caching on, `skip_reading_prefix_cache`
+    /// false).
+    fn reads_cache(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.enable_caching && !self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()?)
+    }
+
+    /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
+    fn reports_hits(&self, request: &Bound<'_, PyAny>, events_enabled: bool) -> PyResult<bool> {
+        if !events_enabled {
+            return Ok(false);
         }
+        let mode = self.fields.get_opt(request, Field::KvCacheReportMode)?;
+        Ok(mode.map(|m| m.eq("full")).transpose()?.unwrap_or(false))
+    }
+
+    /// `get_computed_blocks` without the result object: hit blocks per group, hit length and
+    /// shared-prefix boundary (and the `BlockStored` of a "full" report-mode hit).
+    fn lookup(
+        &self,
+        request: &Bound<'_, PyAny>,
+        num_tokens: usize,
+        max_cache_hit_length: Option<usize>,
+    ) -> PyResult<(Vec<Vec<u32>>, usize, usize)> {
+        let py = request.py();
+        if !self.reads_cache(request)? {
+            return Ok((vec![Vec::new(); self.inner.coord.num_groups()], 0, 0));
+        }
+        let hashes = self.hashes(request)?;
+        let pool = self.pool.get();
+        let events_enabled = pool.state.borrow(py)?.inner.events_enabled();
+        let report = self.reports_hits(request, events_enabled)?;
+        let inputs = if report { self.event_inputs(request, true)? } else { None };
+        let hit = {
+            let p = pool.state.borrow(py)?;
+            self.inner.get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_cache_hit_length).py_err()?
+        };
+        if hit.1 > 0 && report {
+            let mut p = pool.state.borrow_mut(py)?;
+            let coord = &self.inner.coord;
+            p.tagged(request, inputs.as_ref(), |pool, tag| coord.emit_cached_block_events(pool, &hashes, &hit.0, tag))
+                .py_err()?;
+        }
+        Ok(hit)
+    }
+
+    /// The per-group hit block ids of `new_computed_blocks`; None for None or the shared
+    /// empty result (vLLM's identity test).
+    fn hit_ids(&self, py: Python<'_>, blocks: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<Vec<u32>>>> {
+        let Some(b) = blocks else { return Ok(None) };
+        if b.is_none() || self.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) {
+            return Ok(None);
+        }
+        let groups = match b.getattr(intern!(py, "_ids")) {
+            Ok(g) if !g.is_none() => g,
+            _ => {
+                let blocks = b.getattr(intern!(py, "blocks")).map_err(|_| {
+                    let ty = b.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+                    type_err("new_computed_blocks", format!("expected KVCacheBlocks, got {ty}"))
+                })?;
+                if self.empty_blocks.as_ref().is_some_and(|e| e.bind(py).is(&blocks)) {
+                    return Ok(None);
+                }
+                let mut out = Vec::new();
+                for g in blocks.try_iter()? {
+                    let g = g?;
+                    let mut ids = Vec::with_capacity(g.len().unwrap_or(0));
+                    for blk in g.try_iter()? {
+                        let blk = blk?;
+                        let id = match blk.getattr(intern!(py, "block_id")) {
+                            Ok(i) => i,
+                            Err(_) => blk,
+                        };
+                        ids.push(super::args::uint32(&id, "new_computed_blocks")?);
+                    }
+                    out.push(ids);
+                }
+                return Ok(Some(out));
+            }
+        };
+        let groups =
+            groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
+        let mut out = Vec::with_capacity(groups.len());
+        for g in groups.iter() {
+            if let Ok(ids) = g.cast::<PyBlockIds>() {
+                out.push(ids.get().ids.clone());
+            } else {
+                out.push(block_ids_of(&g, "new_computed_blocks")?);
+            }
+        }
+        Ok(Some(out))
     }
 }
 
-fn hit_ids(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let py = blocks.py();
-    let groups = match blocks.getattr(intern!(py, "_ids")) {
-        Ok(g) => g,
-        Err(_) => blocks.call_method0(intern!(py, "get_block_ids")).map_err(|_| {
-            type_err(
-                "new_computed_blocks",
-                format!(
-                    "expected KVCacheBlocks, got {}",
-                    blocks.get_type().name().map(|n| n.to_string()).unwrap_or_default()
-                ),
-            )
-        })?,
+/// A group's spec from its dict (see `kvblock.specs`).
+fn group_spec(d: &Bound<'_, PyDict>, i: usize) -> PyResult<GroupSpec> {
+    let arg = format!("kv_cache_groups[{i}]");
+    let get = |k: &str| -> PyResult<Option<Bound<'_, PyAny>>> { d.get_item(k) };
+    let int = |k: &str| -> PyResult<Option<usize>> {
+        match get(k)? {
+            Some(v) if !v.is_none() => Ok(Some(super::args::count(&v, &format!("{arg}.{k}"))?)),
+            _ => Ok(None),
+        }
     };
-    let groups =
-        groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
-    if groups.len() != 1 {
-        return Err(value_err("new_computed_blocks", format!("expected 1 KV-cache group, got {}", groups.len())));
+    let flag = |k: &str, default: bool| -> PyResult<bool> {
+        match get(k)? {
+            Some(v) if !v.is_none() => v.is_truthy(),
+            _ => Ok(default),
+        }
+    };
+    let kind_name: String = get("kind")?.ok_or_else(|| value_err(&arg, "has no kind"))?.extract()?;
+    let need = |k: &str| -> PyResult<usize> {
+        int(k)?.ok_or_else(|| value_err(&arg, format!("a {kind_name} group needs {k}")))
+    };
+    let kind = match kind_name.as_str() {
+        "full_attention" => Kind::FullAttention,
+        "rswa" => Kind::Rswa { window: need("rswa_window")? },
+        "sliding_window" => Kind::SlidingWindow {
+            window: need("sliding_window")?,
+            extra_retained_tokens: int("extra_retained_tokens")?.unwrap_or(0),
+        },
+        "chunked_local_attention" => Kind::ChunkedLocal { chunk: need("attention_chunk_size")? },
+        "mamba" => {
+            let mode: String = match get("mamba_cache_mode")? {
+                Some(v) if !v.is_none() => v.extract()?,
+                _ => "none".into(),
+            };
+            let mode = match mode.as_str() {
+                "none" => MambaMode::None,
+                "align" => MambaMode::Align,
+                m => {
+                    return Err(value_err(
+                        &arg,
+                        format!("unknown mamba_cache_mode {m:?} (kvblock supports 'none' and 'align')"),
+                    ))
+                }
+            };
+            Kind::Mamba {
+                mode,
+                num_speculative_blocks: int("num_speculative_blocks")?.unwrap_or(0),
+                num_prefill_checkpoint_blocks: int("num_prefill_checkpoint_blocks")?.unwrap_or(0),
+                prefill_checkpoint_alignment: int("prefill_checkpoint_alignment")?,
+            }
+        }
+        "cross_attention" => Kind::CrossAttention,
+        "circular_buffer" => Kind::CircularBuffer,
+        k => return Err(value_err(&arg, format!("kvblock does not manage {k:?} groups"))),
+    };
+    let attention = !matches!(kind, Kind::Mamba { .. });
+    Ok(GroupSpec {
+        kind,
+        block_size: need("block_size")?,
+        prefix_cacheable: flag("prefix_cacheable", !matches!(kind, Kind::CircularBuffer))?,
+        dcp_sharded: flag("dcp_sharded", attention)?,
+        is_eagle_group: flag("is_eagle_group", false)?,
+        zeroed: flag("zeroed", attention && !matches!(kind, Kind::CircularBuffer))?,
+        spec_class: int("spec_class")?.unwrap_or(i) as u32,
+    })
+}
+
+/// `admit_batch`'s result: admitted, hit tokens, new block counts, hit ids, new ids.
+type AdmitResult<'py> = (usize, Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+/// Per-group counts `[n, g]` as a numpy array (1-D when there is one group).
+fn counts_array<'py>(py: Python<'py>, v: Vec<i32>, groups: usize) -> PyResult<Bound<'py, PyAny>> {
+    let n = v.len().checked_div(groups).unwrap_or(0);
+    let a = PyArray1::from_vec(py, v);
+    if groups == 1 {
+        Ok(a.into_any())
+    } else {
+        Ok(a.reshape([n, groups])?.into_any())
     }
-    let group = groups.get_item(0)?;
-    if let Ok(ids) = group.cast::<PyBlockIds>() {
-        return Ok(ids.get().ids.clone());
-    }
-    block_ids_of(&group, "new_computed_blocks")
 }
 
 #[pymethods]
 impl PyManager {
     #[new]
-    #[pyo3(signature = (block_pool, block_size, max_model_len, enable_caching=true, use_eagle=false, sliding_window=None, watermark_blocks=0, *_args, **_kwargs))]
+    #[pyo3(signature = (block_pool, kv_cache_groups, max_model_len, scheduler_block_size, hash_block_size, *, max_in_flight_tokens=None, enable_caching=true, use_eagle=false, num_hash_lookahead_tokens=None, num_prefill_lookahead=None, dcp_world_size=None, pcp_world_size=None, watermark_blocks=None, needs_kv_cache_zeroing=false, retention_interval=None, enable_mamba_shared_prefix_checkpoint=false, strict_inputs=false, **_kwargs))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_pool: Bound<'_, PyBlockPool>,
-        #[pyo3(from_py_with = super::args::block_size)] block_size: i64,
-        #[pyo3(from_py_with = super::args::max_model_len)] max_model_len: i64,
+        kv_cache_groups: &Bound<'_, PyAny>,
+        max_model_len: &Bound<'_, PyAny>,
+        scheduler_block_size: &Bound<'_, PyAny>,
+        hash_block_size: &Bound<'_, PyAny>,
+        max_in_flight_tokens: Option<&Bound<'_, PyAny>>,
         enable_caching: bool,
         use_eagle: bool,
-        #[pyo3(from_py_with = super::args::sliding_window)] sliding_window: Option<i64>,
-        #[pyo3(from_py_with = super::args::watermark_blocks)] watermark_blocks: i64,
-        _args: &Bound<'_, PyTuple>,
-        _kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
+        num_hash_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+        num_prefill_lookahead: Option<&Bound<'_, PyAny>>,
+        dcp_world_size: Option<&Bound<'_, PyAny>>,
+        pcp_world_size: Option<&Bound<'_, PyAny>>,
+        watermark_blocks: Option<&Bound<'_, PyAny>>,
+        needs_kv_cache_zeroing: bool,
+        retention_interval: Option<&Bound<'_, PyAny>>,
+        enable_mamba_shared_prefix_checkpoint: bool,
+        strict_inputs: bool,
+        _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        if block_size <= 0 {
-            return Err(value_err("block_size", format!("must be > 0, got {block_size}")));
-        }
-        if max_model_len <= 0 {
-            return Err(value_err("max_model_len", format!("must be > 0, got {max_model_len}")));
-        }
-        if block_pool.get().state.borrow(block_pool.py())?.inner.hash_block_size() != block_size as usize {
-            return Err(value_err("block_size", "must equal the pool's hash_block_size (one KV-cache group)"));
-        }
-        let sliding_window = match sliding_window {
-            Some(w) if w <= 0 => return Err(value_err("sliding_window", format!("must be > 0, got {w}"))),
-            w => w.map(|w| w as usize),
+        use super::args::count as c;
+        let or = |v: Option<&Bound<'_, PyAny>>, arg: &str, d: usize| -> PyResult<usize> {
+            match v {
+                Some(v) if !v.is_none() => c(v, arg),
+                _ => Ok(d),
+            }
         };
-        let inner = Manager::new(
-            block_size as usize,
-            max_model_len as usize,
+        let py = block_pool.py();
+        let mut groups = Vec::new();
+        for (i, g) in kv_cache_groups.try_iter()?.enumerate() {
+            let g = g?;
+            let d = g.cast::<PyDict>().map_err(|_| type_err("kv_cache_groups", "expected a list of group dicts"))?;
+            groups.push(group_spec(d, i)?);
+        }
+        let max_model_len = c(max_model_len, "max_model_len")?;
+        let retention = match retention_interval {
+            Some(r) if !r.is_none() => {
+                let v = super::args::int64(r, "prefix_cache_retention_interval")?;
+                if v < 0 {
+                    return Err(value_err(
+                        "prefix_cache_retention_interval",
+                        format!("({v}) must be non-negative and a multiple of scheduler_block_size"),
+                    ));
+                }
+                Some(v as usize)
+            }
+            _ => None,
+        };
+        let (num_blocks, pool_h, pool_caching) = {
+            let p = block_pool.get().state.borrow(py)?;
+            (p.inner.num_blocks(), p.inner.hash_block_size(), p.inner.enable_caching())
+        };
+        let cfg = ManagerConfig {
+            groups,
+            num_blocks,
+            max_model_len,
+            max_in_flight_tokens: match max_in_flight_tokens {
+                Some(m) if !m.is_none() => c(m, "max_in_flight_tokens")?,
+                _ => max_model_len,
+            },
+            scheduler_block_size: c(scheduler_block_size, "scheduler_block_size")?,
+            hash_block_size: c(hash_block_size, "hash_block_size")?,
             enable_caching,
             use_eagle,
-            sliding_window,
-            count(watermark_blocks, "watermark_blocks")?,
-        )
-        .py_err()?;
-        let fields = RequestFields::generic(block_pool.py());
+            num_hash_lookahead_tokens: or(num_hash_lookahead_tokens, "num_hash_lookahead_tokens", 0)?,
+            num_prefill_lookahead: or(num_prefill_lookahead, "num_prefill_lookahead", 0)?,
+            dcp_world_size: or(dcp_world_size, "dcp_world_size", 1)?,
+            pcp_world_size: or(pcp_world_size, "pcp_world_size", 1)?,
+            watermark_blocks: or(watermark_blocks, "watermark_blocks", 0)?,
+            enable_kv_cache_events: false,
+            needs_kv_cache_zeroing,
+            retention_interval: retention,
+            enable_mamba_shared_prefix_checkpoint,
+            strict_inputs,
+        };
+        if pool_h != cfg.hash_block_size {
+            return Err(value_err(
+                "hash_block_size",
+                format!("{} differs from the pool's hash_block_size {pool_h}", cfg.hash_block_size),
+            ));
+        }
+        if pool_caching != enable_caching {
+            return Err(value_err("enable_caching", "must match the pool's"));
+        }
+        let inner = KVCacheManager::new(&cfg).py_err()?;
         let state = ManagerState {
             pool: block_pool.unbind(),
             inner,
-            enable_caching,
-            watermark_blocks: watermark_blocks as usize,
             empty: None,
+            empty_blocks: None,
             make_blocks: None,
             waiting_states: None,
-            fields,
+            fields: RequestFields::generic(py),
         };
         Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })
     }
 
-    /// Install the Python helpers: the shared empty `KVCacheBlocks`, its factory, and the
-    /// request states the watermark applies to.
+    /// Install the Python helpers: the shared empty `KVCacheBlocks`, the result type, the
+    /// request states the watermark applies to, and the request type read fast.
     fn _init_python(
         &self,
         py: Python<'_>,
@@ -360,6 +496,7 @@ impl PyManager {
         request_type: &Bound<'_, PyType>,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
+        me.empty_blocks = Some(empty.bind(py).getattr("blocks")?.unbind());
         me.empty = Some(empty);
         me.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);
         me.waiting_states = Some((waiting, preempted));
@@ -367,168 +504,101 @@ impl PyManager {
         Ok(())
     }
 
-    /// `get_computed_blocks(request) -> (KVCacheBlocks, num_computed_tokens, 0)`: the longest
-    /// cached prefix, capped at `num_tokens - 1` tokens, block-aligned. No reference counts
-    /// change. `(empty, 0, 0)` with caching off or `request.skip_reading_prefix_cache`.
+    /// `get_computed_blocks(request, max_cache_hit_length=None) -> (KVCacheBlocks,
+    /// num_computed_tokens, shared_prefix_boundary)`: the longest prefix every group has
+    /// cached, capped at `max_cache_hit_length` (default `request.num_tokens - 1`). No
+    /// reference counts change. `(empty, 0, 0)` with caching off or
+    /// `request.skip_reading_prefix_cache`.
+    #[pyo3(signature = (request, max_cache_hit_length=None))]
     fn get_computed_blocks<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
+        max_cache_hit_length: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
         let me = slf.get().state.borrow(py)?;
         if me.make_blocks.is_none() {
-            return Err(not_initialised()); // before a "full" report-mode hit publishes events
+            return Err(not_initialised());
         }
-        let hit = me.lookup(request)?;
-        let n = hit.len() * me.inner.block_size();
-        Ok((me.blocks_of(py, hit)?, n, 0))
+        let max_len = match max_cache_hit_length {
+            Some(m) if !m.is_none() => Some(super::args::count(m, "max_cache_hit_length")?),
+            _ => None,
+        };
+        let num_tokens =
+            if max_len.is_none() && me.reads_cache(request)? { me.view(request, false)?.num_tokens } else { 0 };
+        let (blocks, n, boundary) = me.lookup(request, num_tokens, max_len)?;
+        Ok((me.blocks_of(py, blocks)?, n, boundary))
     }
 
-    /// Admit new requests in order, each exactly as `get_computed_blocks(r)` followed by
-    /// `allocate_slots(r, r.num_tokens - hit, hit, hit_blocks, num_lookahead_tokens)` would;
-    /// stops at the first request the pool cannot take (it, and those after it, are left
-    /// untouched). Returns `(num_admitted, hit_tokens, num_new_blocks, hit_block_ids,
-    /// new_block_ids)`: int32 arrays of one entry per admitted request, and the hit and new
-    /// block ids of all admitted requests concatenated. Prefix-cache stats are the caller's to
-    /// record (`record_prefix_cache_stats`), as with the per-request calls.
-    ///
-    /// Every request must be waiting: not running in this manager, listed once, with
-    /// `num_computed_tokens == 0` and at least one token. All requests are checked (these
-    /// rules, their fields and every block hash) before any is admitted, so a `ValueError` or
-    /// `TypeError` leaves the manager and pool unchanged.
-    #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
-    fn admit_batch<'py>(
-        slf: &Bound<'py, Self>,
-        requests: &Bound<'py, PyAny>,
-        #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
-        has_scheduled_reqs: bool,
-    ) -> PyResult<(usize, I32Array<'py>, I32Array<'py>, I32Array<'py>, I32Array<'py>)> {
-        let py = slf.py();
-        let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
-        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        // Phase 1: read and check every request; nothing changes until all pass. Each must be
-        // waiting and listed once, and `allocate_slots` without a hit must accept it: that
-        // reads the block hashes a lookup or this admission can read (a hit only narrows
-        // them). Everything phase 2 needs from a request is read here, so no request code
-        // (a property) runs once admissions have begun.
-        let mut checked = Vec::with_capacity(reqs.len());
-        {
-            let me = slf.get().state.borrow(py)?;
-            let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
-            for r in reqs.iter() {
-                let view = me.view(&r)?;
-                let events = me.event_inputs(&r, events_enabled)?;
-                let lookup = me.lookup_input(&r)?;
-                let block_hashes = if me.enable_caching { Some(me.fields.get(&r, Field::BlockHashes)?) } else { None };
-                let apply_watermark = me.watermark_applies(&r, has_scheduled_reqs)?;
-                let num_in_flight_tokens = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-                checked.push(Admission {
-                    request: r,
-                    view,
-                    apply_watermark,
-                    num_in_flight_tokens,
-                    lookup,
-                    block_hashes,
-                    events,
-                });
-            }
-        }
-        let ids: Vec<&str> = checked.iter().map(|a| request_id_str(&a.view.id)).collect::<PyResult<_>>()?;
-        {
-            let me = slf.get().state.borrow(py)?;
-            let p = me.pool.get().state.borrow(py)?;
-            let mut seen = hashbrown::HashSet::with_capacity(ids.len());
-            for (&id, a) in ids.iter().zip(&checked) {
-                let v = &a.view;
-                if me.inner.state(id).is_some() {
-                    return Err(value_err("requests", format!("request {id:?} already holds blocks in this manager")));
-                }
-                if v.num_tokens == 0 {
-                    return Err(value_err("requests", format!("request {id:?} has no tokens to admit")));
-                }
-                if v.num_computed != 0 {
-                    let msg = format!(
-                        "request {id:?} is not waiting: {} of {} tokens computed",
-                        v.num_computed, v.num_tokens
-                    );
-                    return Err(value_err("requests", msg));
-                }
-                if !seen.insert(id) {
-                    return Err(value_err("requests", format!("request {id:?} is listed twice")));
-                }
-                let args = AllocArgs {
-                    num_tokens: v.num_tokens,
-                    num_new_tokens: v.num_tokens,
-                    num_lookahead_tokens: lookahead,
-                    apply_watermark: a.apply_watermark,
-                    num_in_flight_tokens: a.num_in_flight_tokens,
-                    ..Default::default()
-                };
-                me.inner.prepare_allocate(&p.inner, id, &args, hashes_from(a.block_hashes.clone()), 0).py_err()?;
-            }
-        }
-        // Phase 2: admit in order.
-        let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut admitted = 0;
-        for (&id, a) in ids.iter().zip(&checked) {
-            let (r, num_tokens) = (&a.request, a.view.num_tokens);
-            let hit = slf.get().state.borrow(py)?.lookup_with(r, &a.lookup, num_tokens)?;
-            let mut me = slf.get().state.borrow_mut(py)?;
-            let n = hit.len() * me.inner.block_size();
-            let pool = me.pool.bind(py).clone();
-            let mut p = pool.get().state.borrow_mut(py)?;
-            let mut args = AllocArgs {
-                num_tokens,
-                num_new_tokens: num_tokens - n,
-                num_new_computed_tokens: n,
-                new_computed: &hit,
-                has_new_computed: !hit.is_empty(),
-                num_lookahead_tokens: lookahead,
-                apply_watermark: a.apply_watermark,
-                num_in_flight_tokens: a.num_in_flight_tokens,
-                ..Default::default()
-            };
-            let m = &mut *me;
-            let hashes = hashes_from(a.block_hashes.clone());
-            let res = p.tagged(r, a.events.as_ref(), |pool, tag| {
-                args.event_tag = tag;
-                m.inner.allocate_slots(pool, id, &args, hashes)
-            });
-            match res.py_err()? {
-                None => break,
-                Some(new) => {
-                    hit_tokens.push(n as i32);
-                    new_counts.push(new.len() as i32);
-                    hit_ids.extend(hit);
-                    new_ids.extend(new);
-                    admitted += 1;
-                }
-            }
-        }
-        Ok((
-            admitted,
-            PyArray1::from_vec(py, hit_tokens),
-            PyArray1::from_vec(py, new_counts),
-            ids_array(py, hit_ids),
-            ids_array(py, new_ids),
-        ))
+    /// The coordinator's `find_longest_cache_hit(block_hashes, max_cache_hit_length)`: (hit
+    /// block ids per group, hit length, uncached common prefix tokens).
+    fn _find_longest_cache_hit(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        max_cache_hit_length: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<Vec<u32>>, usize, usize)> {
+        let me = self.state.borrow(py)?;
+        let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
+        let max_len = super::args::count(max_cache_hit_length, "max_cache_hit_length")?;
+        let p = me.pool.get().state.borrow(py)?;
+        me.inner.coord.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()
     }
 
-    /// vLLM 0.33.0's `allocate_slots` for this group (spec §5.3). Returns the newly allocated
-    /// blocks (`KVCacheBlocks`, the shared empty one if none), or None — with no side effect —
-    /// if the pool cannot supply them. As in vLLM, the slots asked for are capped at
-    /// `max_model_len` tokens: a `num_new_tokens` (plus lookahead) reaching past it allocates
-    /// up to `max_model_len` and is not an error.
+    /// The coordinator's `find_longest_cache_hit_per_group`: (blocks per group, hit length
+    /// per group).
+    fn _find_longest_cache_hit_per_group(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        max_cache_hit_length: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<Vec<u32>>, Vec<usize>)> {
+        let me = self.state.borrow(py)?;
+        let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
+        let max_len = super::args::count(max_cache_hit_length, "max_cache_hit_length")?;
+        let p = me.pool.get().state.borrow(py)?;
+        me.inner.coord.find_longest_cache_hit_per_group(&p.inner, &hashes, max_len).py_err()
+    }
+
+    /// Group `group`'s manager's `find_longest_cache_hit` (vLLM's classmethod, the group's
+    /// spec): (blocks per listed group, hit length).
+    #[pyo3(signature = (group, block_hashes, max_length, kv_cache_group_ids, drop_eagle_block, alignment_tokens))]
+    #[allow(clippy::too_many_arguments)]
+    fn _group_find_longest_cache_hit(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        block_hashes: &Bound<'_, PyAny>,
+        max_length: &Bound<'_, PyAny>,
+        kv_cache_group_ids: Vec<u32>,
+        drop_eagle_block: bool,
+        alignment_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<Vec<u32>>, usize)> {
+        let me = self.state.borrow(py)?;
+        let m = me.inner.coord.managers.get(group).ok_or_else(|| value_err("group", "out of range"))?;
+        let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
+        let p = me.pool.get().state.borrow(py)?;
+        let q = crate::manager::single_type::HitQuery {
+            hashes: &hashes,
+            max_length: super::args::count(max_length, "max_length")?,
+            group_ids: &kv_cache_group_ids,
+            drop_eagle_block,
+            alignment_tokens: super::args::count(alignment_tokens, "alignment_tokens")?.max(1),
+        };
+        m.find_longest_cache_hit(&p.inner, &q).py_err()
+    }
+
+    /// vLLM 0.33.0's `allocate_slots` (spec §5.3). Returns the newly allocated blocks
+    /// (`KVCacheBlocks`, the shared empty one if none), or None if the pool cannot supply them
+    /// (only the frees of blocks outside the attention window, which vLLM makes first, have
+    /// happened). Slots are capped at `max_model_len` tokens, as in vLLM.
     ///
-    /// Raises `ValueError` / `TypeError`, changing nothing, for: negative, bool or non-int
-    /// counts, or counts beyond int64;
-    /// `num_new_tokens == 0` with nothing to adopt; a request whose tokens already exceed
-    /// `max_model_len`;
-    /// `num_new_computed_tokens` other than the hit blocks' tokens; hit blocks for a request
-    /// that already holds blocks, or external tokens for one that holds blocks but has not
-    /// adopted computed tokens (vLLM asserts an empty table); a malformed
-    /// `request.block_hashes` entry for a block this call caches.
+    /// Raises, changing nothing: `TypeError` / `ValueError` for a bool, non-int or negative
+    /// count (named), `ValueError` for `num_new_tokens == 0` with nothing to adopt, for hit
+    /// blocks of another shape than the manager's groups or not in the pool, and (vLLM's
+    /// error, without vLLM's leak) when external tokens need more blocks than are free;
+    /// `TypeError` / `ValueError` for a malformed `request.block_hashes` entry the call would
+    /// read; `AssertionError` where vLLM asserts (hit blocks for a running request).
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
@@ -547,65 +617,197 @@ impl PyManager {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let _ = (skip_zeroing_group_ids, count(num_encoder_tokens, "num_encoder_tokens")?);
-        let mut slf = slf.get().state.borrow_mut(py)?;
-        if slf.make_blocks.is_none() {
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
+        if me.make_blocks.is_none() {
             // checked first: the result could not be built after the allocation
             return Err(not_initialised());
         }
-        let (hits, has_new) = match new_computed_blocks {
-            Some(b) if !b.is_none() && !slf.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) => (hit_ids(b)?, true),
-            _ => (Vec::new(), false),
+        let hits = me.hit_ids(py, new_computed_blocks)?;
+        let skip: Vec<u32> = match skip_zeroing_group_ids {
+            Some(s) if !s.is_none() => s.extract()?,
+            _ => Vec::new(),
         };
-        let v = slf.view(request)?;
-        let apply_watermark = slf.watermark_applies(request, has_scheduled_reqs)?;
-        let num_in_flight_tokens = if slf.inner.is_sliding_window() { slf.in_flight(request)? } else { 0 };
-        let me = &mut *slf;
-        let mut p = me.pool.get().state.borrow_mut(py)?;
-        let mut args = AllocArgs {
-            num_computed_tokens: v.num_computed,
-            num_tokens: v.num_tokens,
+        let args = AllocArgs {
             num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
             num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,
-            new_computed: &hits,
-            has_new_computed: has_new,
+            new_computed: hits.as_deref(),
             num_lookahead_tokens: count(num_lookahead_tokens, "num_lookahead_tokens")?,
             num_external_computed_tokens: count(num_external_computed_tokens, "num_external_computed_tokens")?,
             delay_cache_blocks,
+            num_encoder_tokens: count(num_encoder_tokens, "num_encoder_tokens")?,
             full_sequence_must_fit,
             reserved_blocks: count(reserved_blocks, "reserved_blocks")?,
-            apply_watermark,
-            num_in_flight_tokens,
-            event_tag: 0,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids: &skip,
         };
-        let id = request_id_str(&v.id)?;
-        let hashes = hashes_for(me.enable_caching, &me.fields, request)?;
+        let v = me.view(request, has_scheduled_reqs)?;
+        let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
+        {
+            let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args), hashes.0.len());
+            hashes.check(lo, hi)?;
+        }
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
         let inner = &mut me.inner;
         let res = p.tagged(request, events.as_ref(), |pool, tag| {
-            args.event_tag = tag;
-            inner.allocate_slots(pool, id, &args, hashes)
+            let view = v.as_view(tag)?;
+            inner.allocate_slots(pool, &view, &hashes, &args).py_err()
         });
         drop(p);
-        match res.py_err()? {
+        match res? {
             None => Ok(py.None().into_bound(py)),
             Some(new) => me.blocks_of(py, new),
         }
     }
 
+    /// Admit new requests in order, each exactly as `get_computed_blocks(r)` followed by
+    /// `allocate_slots(r, r.num_tokens - hit, hit, hit_blocks, num_lookahead_tokens)` would;
+    /// stops at the first request the pool cannot take (it, and those after it, are left
+    /// untouched). Returns `(num_admitted, hit_tokens, num_new_blocks, hit_block_ids,
+    /// new_block_ids)`: `hit_tokens` int32 `[admitted]`; `num_new_blocks` int32 `[admitted]`
+    /// for one KV-cache group, `[admitted, groups]` for several; and the hit and new block ids
+    /// of all admitted requests concatenated (request by request, group by group).
+    /// Prefix-cache stats are the caller's to record (`record_prefix_cache_stats`).
+    ///
+    /// Every request must be waiting: unknown to this manager, listed once, with
+    /// `num_computed_tokens == 0` and at least one token. All requests are checked (these
+    /// rules, their fields and every block hash) before any is admitted, so a `ValueError` or
+    /// `TypeError` leaves the manager and pool unchanged.
+    #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
+    fn admit_batch<'py>(
+        slf: &Bound<'py, Self>,
+        requests: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
+        has_scheduled_reqs: bool,
+    ) -> PyResult<AdmitResult<'py>> {
+        let py = slf.py();
+        let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
+        let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        // Phase 1: read and check every request; nothing changes until all pass. Everything
+        // phase 2 needs from a request is read here (under a shared borrow: a request
+        // property may read the manager, not change it), so no request code runs once
+        // admissions have begun.
+        let (groups, checked) = {
+            let me = slf.get().state.borrow(py)?;
+            if me.make_blocks.is_none() {
+                return Err(not_initialised());
+            }
+            let groups = me.inner.coord.num_groups();
+            let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
+            let mut checked = Vec::with_capacity(reqs.len());
+            let mut seen = hashbrown::HashSet::with_capacity(reqs.len());
+            for r in reqs.iter() {
+                let v = me.view(&r, has_scheduled_reqs)?;
+                let id = request_id_str(&v.id)?.to_owned();
+                if me.inner.holds_blocks(&id) {
+                    return Err(value_err("requests", format!("request {id:?} already holds blocks in this manager")));
+                }
+                if v.num_tokens == 0 {
+                    return Err(value_err("requests", format!("request {id:?} has no tokens to admit")));
+                }
+                if v.num_computed != 0 {
+                    return Err(value_err(
+                        "requests",
+                        format!(
+                            "request {id:?} is not waiting: {} of {} tokens computed",
+                            v.num_computed, v.num_tokens
+                        ),
+                    ));
+                }
+                if me.inner.strict_inputs && v.num_tokens > me.inner.max_model_len {
+                    return Err(value_err(
+                        "requests",
+                        format!(
+                            "request {id:?}: {} tokens exceed max_model_len {}",
+                            v.num_tokens, me.inner.max_model_len
+                        ),
+                    ));
+                }
+                if !seen.insert(id) {
+                    return Err(value_err("requests", format!("request {:?} is listed twice", request_id_str(&v.id)?)));
+                }
+                let reads = me.reads_cache(&r)?;
+                let hashes = if me.inner.enable_caching { me.hashes(&r)? } else { PyHashes::empty(py) };
+                hashes.check(0, v.num_tokens / me.inner.coord.hash_block_size)?;
+                let report = reads && me.reports_hits(&r, events_enabled)?;
+                let events = me.event_inputs(&r, events_enabled)?;
+                checked.push((r, v, reads, hashes, report, events));
+            }
+            (groups, checked)
+        };
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
+        // Phase 2: admit in order.
+        let (mut hit_tokens, mut new_counts, mut hit_ids, mut new_ids) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut admitted = 0;
+        let pool = me.pool.bind(py).clone();
+        for (r, v, reads, hashes, report, events) in &checked {
+            let mut p = pool.get().state.borrow_mut(py)?;
+            let (hit, n, _) = if *reads {
+                me.inner.get_computed_blocks(&p.inner, true, v.num_tokens, hashes, None).py_err()?
+            } else {
+                (vec![Vec::new(); groups], 0, 0)
+            };
+            if n > 0 && *report {
+                let coord = &me.inner.coord;
+                p.tagged(r, events.as_ref(), |pool, tag| coord.emit_cached_block_events(pool, hashes, &hit, tag))
+                    .py_err()?;
+            }
+            let has_hit = hit.iter().any(|g| !g.is_empty());
+            let args = AllocArgs {
+                num_new_tokens: v.num_tokens - n,
+                num_new_computed_tokens: n,
+                new_computed: if has_hit { Some(&hit) } else { None },
+                num_lookahead_tokens: lookahead,
+                has_scheduled_reqs,
+                ..Default::default()
+            };
+            let inner = &mut me.inner;
+            let res = p.tagged(r, events.as_ref(), |pool, tag| {
+                let view = v.as_view(tag)?;
+                inner.allocate_slots(pool, &view, hashes, &args).py_err()
+            })?;
+            match res {
+                None => break,
+                Some(new) => {
+                    hit_tokens.push(n as i32);
+                    new_counts.extend(new.iter().map(|g| g.len() as i32));
+                    for g in hit {
+                        hit_ids.extend(g);
+                    }
+                    for g in new {
+                        new_ids.extend(g);
+                    }
+                    admitted += 1;
+                }
+            }
+        }
+        Ok((
+            admitted,
+            PyArray1::from_vec(py, hit_tokens).into_any(),
+            counts_array(py, new_counts, groups)?,
+            ids_array(py, hit_ids).into_any(),
+            ids_array(py, new_ids).into_any(),
+        ))
+    }
+
     /// Allocate slots for a whole step of running requests in one call: for each request,
     /// exactly what `allocate_slots(request, num_new_tokens[i], num_lookahead_tokens=...)`
-    /// does, in order. Returns `(num_new_blocks, new_block_ids)`: int32 `[len(requests)]` (-1
-    /// where the pool could not supply the blocks, as `allocate_slots` returning None) and the
-    /// new block ids of all requests concatenated, int32. Inputs are validated before any
-    /// change.
+    /// does, in order. Returns `(num_new_blocks, new_block_ids)`: int32 `[len(requests)]`
+    /// (`[len(requests), groups]` for several groups; -1 where the pool could not supply the
+    /// blocks, as `allocate_slots` returning None) and the new block ids of all requests
+    /// concatenated, int32. Every request and argument is checked (fields, counts, listed
+    /// once, the hashes it would cache) before any change.
     #[pyo3(signature = (requests, num_new_tokens=None, num_lookahead_tokens=0))]
     fn allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
         requests: &Bound<'py, PyAny>,
         num_new_tokens: Option<&Bound<'py, PyAny>>,
         #[pyo3(from_py_with = super::args::num_lookahead_tokens)] num_lookahead_tokens: i64,
-    ) -> PyResult<(I32Array<'py>, I32Array<'py>)> {
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let py = slf.py();
         let reqs = requests.cast::<PyList>().map_err(|_| type_err("requests", "expected a list of requests"))?;
         let n = reqs.len();
@@ -633,66 +835,80 @@ impl PyManager {
             }
         };
         let lookahead = count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        let mut me = slf.get().state.borrow_mut(py)?;
-        let pool = me.pool.bind(py).clone();
-        let mut p = pool.get().state.borrow_mut(py)?;
-        let args_of = |i: usize, v: &ReqView<'_>, wm: bool, infl: usize, tag: u64| AllocArgs {
-            num_computed_tokens: v.num_computed,
-            num_tokens: v.num_tokens,
+        let args_of = |i: usize| AllocArgs {
             num_new_tokens: new_tokens[i],
             num_lookahead_tokens: lookahead,
-            apply_watermark: wm,
-            num_in_flight_tokens: infl,
-            event_tag: tag,
+            has_scheduled_reqs: true,
             ..Default::default()
         };
-        // Phase 1: read and check every request (fields, arguments, the hashes of the blocks
-        // it would cache); nothing changes until all pass. Requests are distinct, so one's
-        // allocation cannot change whether another's raises.
-        let mark = me.inner.new_batch_mark();
-        let mut new_ids = hashbrown::HashSet::new();
-        let mut prepared = Vec::with_capacity(n);
-        for (i, r) in reqs.iter().enumerate() {
-            let v = me.view(&r)?;
-            let wm = me.watermark_applies(&r, true)?;
-            let infl = if me.inner.is_sliding_window() { me.in_flight(&r)? } else { 0 };
-            let hashes = hashes_for(me.enable_caching, &me.fields, &r)?;
-            let events = me.event_inputs(&r, p.inner.events_enabled())?;
-            let id = request_id_str(&v.id)?;
-            let prep = me.inner.prepare_allocate(&p.inner, id, &args_of(i, &v, wm, infl, 0), hashes, mark).py_err()?;
-            if prep.is_new() && !new_ids.insert(id.to_owned()) {
-                return Err(value_err("requests", format!("request {id:?} is listed twice")));
+        // Phase 1 (under a shared borrow): read and check every request.
+        let (groups, checked) = {
+            let me = slf.get().state.borrow(py)?;
+            let groups = me.inner.coord.num_groups();
+            let events_enabled = me.pool.get().state.borrow(py)?.inner.events_enabled();
+            let mut seen = hashbrown::HashSet::with_capacity(n);
+            let mut checked = Vec::with_capacity(n);
+            for (i, r) in reqs.iter().enumerate() {
+                let v = me.view(&r, true)?;
+                let id = request_id_str(&v.id)?;
+                if !seen.insert(id.to_owned()) {
+                    return Err(value_err("requests", format!("request {id:?} is listed twice")));
+                }
+                if new_tokens[i] == 0 {
+                    return Err(value_err(
+                        &format!("num_new_tokens[{i}]"),
+                        "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+                    ));
+                }
+                if me.inner.strict_inputs && v.num_tokens > me.inner.max_model_len {
+                    return Err(value_err(
+                        "requests",
+                        format!(
+                            "request {id:?}: {} tokens exceed max_model_len {}",
+                            v.num_tokens, me.inner.max_model_len
+                        ),
+                    ));
+                }
+                let hashes = if me.inner.enable_caching { me.hashes(&r)? } else { PyHashes::empty(py) };
+                let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args_of(i)), hashes.0.len());
+                hashes.check(lo, hi)?;
+                let events = me.event_inputs(&r, events_enabled)?;
+                checked.push((r, v, hashes, events));
             }
-            prepared.push((r, v, wm, infl, prep, events));
-        }
-        // Phase 2: allocate in order.
-        let mut counts = Vec::with_capacity(n);
+            (groups, checked)
+        };
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
+        let pool = me.pool.bind(py).clone();
+        let mut counts = Vec::with_capacity(n * groups);
         let mut all = Vec::new();
-        for (i, (r, v, wm, infl, prep, events)) in prepared.into_iter().enumerate() {
-            let id = request_id_str(&v.id)?;
+        let mut p = pool.get().state.borrow_mut(py)?;
+        for (i, (r, v, hashes, events)) in checked.iter().enumerate() {
+            let args = args_of(i);
             let inner = &mut me.inner;
-            let res = p.tagged(&r, events.as_ref(), |pool, tag| {
-                inner.apply_allocate(pool, id, &args_of(i, &v, wm, infl, tag), prep)
-            });
-            match res.py_err()? {
-                None => counts.push(-1),
+            let res = p.tagged(r, events.as_ref(), |pool, tag| {
+                let view = v.as_view(tag)?;
+                inner.allocate_slots(pool, &view, hashes, &args).py_err()
+            })?;
+            match res {
+                None => counts.extend(std::iter::repeat_n(-1, groups)),
                 Some(new) => {
-                    counts.push(new.len() as i32);
-                    all.extend(new);
+                    for g in new {
+                        counts.push(g.len() as i32);
+                        all.extend(g);
+                    }
                 }
             }
         }
-        Ok((PyArray1::from_vec(py, counts), ids_array(py, all)))
+        Ok((counts_array(py, counts, groups)?, ids_array(py, all).into_any()))
     }
 
-    /// `free(request)`: release the request's blocks, tail first. Unknown or already-freed
-    /// requests are a no-op (as in vLLM).
+    /// `free(request)`: release the request's blocks, each group tail first. Unknown or
+    /// already-freed requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = slf.get().state.borrow(py)?.fields.get(request, Field::RequestId)?;
-        let id = id.cast::<PyString>().map_err(|_| type_err("request.request_id", "must be a str"))?;
-        let _ = py;
-        Self::free_request_id(slf, request_id_str(id)?)
+        let id = slf.get().state.borrow(py)?.id_of(request)?;
+        Self::free_request_id(slf, request_id_str(&id)?)
     }
 
     /// `free` by request id.
@@ -701,12 +917,19 @@ impl PyManager {
         let mut me = slf.get().state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        me.inner.free(&mut p.inner, request_id).py_err()?;
-        Ok(())
+        me.inner.free(&mut p.inner, request_id).py_err()
     }
 
-    /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to that
-    /// many tokens (no-op with caching off).
+    /// `pop_blocks_for_free(request)`: the request's block ids (every group, allocation order),
+    /// the request forgotten; the caller frees them (reversed).
+    fn _pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let mut me = self.state.borrow_mut(py)?;
+        let id = me.id_of(request)?;
+        Ok(me.inner.coord.pop_blocks_for_free(request_id_str(&id)?))
+    }
+
+    /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to
+    /// that many tokens (no-op with caching off).
     fn cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
@@ -714,56 +937,421 @@ impl PyManager {
     ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.get().state.borrow_mut(py)?;
-        let v = me.view(request)?;
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
+        if !me.inner.enable_caching {
+            return Ok(());
+        }
+        let v = me.view(request, false)?;
+        let hashes = me.hashes(request)?;
+        {
+            let mut rv = v.as_view(0)?;
+            rv.num_computed_tokens = n;
+            let (lo, hi) = me.inner.cache_read_range(&rv, None, hashes.0.len());
+            hashes.check(lo, hi)?;
+        }
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        let hashes = hashes_of(&me.fields, request)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
-        let id = request_id_str(&v.id)?;
         let inner = &mut me.inner;
-        p.tagged(request, events.as_ref(), |pool, tag| inner.cache_blocks(pool, id, n, &hashes, tag)).py_err()
+        p.tagged(request, events.as_ref(), |pool, tag| {
+            let view = v.as_view(tag)?;
+            inner.cache_blocks(pool, &view, &hashes, n).py_err()
+        })
     }
 
-    /// `remove_skipped_blocks(request_id, num_computed_tokens)`: free blocks that left the
-    /// sliding window (no-op for full attention).
+    /// `remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens=None)`:
+    /// free blocks that left the attention window, in every group.
+    #[pyo3(signature = (request_id, processed_computed_tokens, num_prompt_tokens=None))]
     fn remove_skipped_blocks(
-        slf: &Bound<'_, Self>,
+        &self,
+        py: Python<'_>,
         request_id: &str,
-        #[pyo3(from_py_with = super::args::num_computed_tokens)] num_computed_tokens: i64,
+        #[pyo3(from_py_with = super::args::num_computed_tokens)] processed_computed_tokens: i64,
+        num_prompt_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let py = slf.py();
-        let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut me = slf.get().state.borrow_mut(py)?;
+        let n = count(processed_computed_tokens, "processed_computed_tokens")?;
+        let prompt = match num_prompt_tokens {
+            Some(p) if !p.is_none() => Some(super::args::count(p, "num_prompt_tokens")?),
+            _ => None,
+        };
+        let mut me = self.state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        me.inner.remove_skipped_blocks(&mut p.inner, request_id, n).py_err()
+        me.inner.remove_skipped_blocks(&mut p.inner, request_id, n, prompt).py_err()
     }
 
-    /// The request's block ids, in table order (empty if unknown).
-    fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<u32>> {
-        self.state.with(py, |me| me.inner.block_ids(request_id).to_vec())
+    /// The coordinator's `get_num_blocks_to_allocate` (may be negative, as vLLM's).
+    #[pyo3(signature = (request_id, num_tokens, new_computed_blocks, num_encoder_tokens, total_computed_tokens, num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=false, prefill_end=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _get_num_blocks_to_allocate(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        num_tokens: usize,
+        new_computed_blocks: Vec<Vec<u32>>,
+        num_encoder_tokens: usize,
+        total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+        prefill_end: usize,
+    ) -> PyResult<i64> {
+        let mut me = self.state.borrow_mut(py)?;
+        let pool = me.pool.bind(py).clone();
+        let p = pool.get().state.borrow(py)?;
+        p.inner.check_ids(&new_computed_blocks.concat()).py_err()?;
+        let slot = me.inner.coord.slot_or_insert(request_id);
+        let nc: Vec<&[u32]> = new_computed_blocks.iter().map(|g| g.as_slice()).collect();
+        let res = me.inner.coord.get_num_blocks_to_allocate(
+            &p.inner,
+            slot,
+            num_tokens,
+            &nc,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        );
+        me.inner.coord.release_if_vacant(request_id);
+        res.py_err()
     }
 
-    /// Number of blocks already cached for the request, or None if it is not running.
-    fn _num_cached_blocks(&self, py: Python<'_>, request_id: &str) -> PyResult<Option<usize>> {
-        self.state.with(py, |me| me.inner.state(request_id).and_then(|s| s.num_cached))
+    /// Group `group`'s `get_num_blocks_to_allocate`.
+    #[pyo3(signature = (group, request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens, num_tokens_main_model, apply_admission_cap=false, prefill_end=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _group_get_num_blocks_to_allocate(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &str,
+        num_tokens: usize,
+        new_computed_blocks: Vec<u32>,
+        total_computed_tokens: usize,
+        num_local_computed_tokens: usize,
+        num_tokens_main_model: usize,
+        apply_admission_cap: bool,
+        prefill_end: usize,
+    ) -> PyResult<i64> {
+        let mut me = self.state.borrow_mut(py)?;
+        if group >= me.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        let pool = me.pool.bind(py).clone();
+        let p = pool.get().state.borrow(py)?;
+        p.inner.check_ids(&new_computed_blocks).py_err()?;
+        let slot = me.inner.coord.slot_or_insert(request_id);
+        let res = me.inner.coord.managers[group].get_num_blocks_to_allocate(
+            &p.inner,
+            slot,
+            num_tokens,
+            &new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        );
+        me.inner.coord.release_if_vacant(request_id);
+        res.py_err()
     }
 
-    /// Number of requests holding blocks.
+    /// Group `group`'s `allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)`.
+    fn _group_allocate_new_blocks(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> PyResult<Vec<u32>> {
+        let mut me = self.state.borrow_mut(py)?;
+        if group >= me.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let slot = me.inner.coord.slot_or_insert(request_id);
+        let m = &mut me.inner.coord.managers[group];
+        let need = m.new_blocks_needed(slot, num_tokens, num_tokens_main_model);
+        if need > p.inner.num_free_blocks() {
+            me.inner.coord.release_if_vacant(request_id);
+            return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free: p.inner.num_free_blocks() })
+                .py_err();
+        }
+        let res = m.allocate_new_blocks(&mut p.inner, slot, request_id, num_tokens, num_tokens_main_model);
+        me.inner.coord.release_if_vacant(request_id);
+        res.py_err()
+    }
+
+    /// Group `group`'s `remove_skipped_blocks`.
+    #[pyo3(signature = (group, request_id, processed_computed_tokens, num_prompt_tokens=None))]
+    fn _group_remove_skipped_blocks(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &str,
+        processed_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if group >= me.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let slot = me.inner.coord.slot_or_insert(request_id);
+        let res = me.inner.coord.managers[group].remove_skipped_blocks(
+            &mut p.inner,
+            slot,
+            processed_computed_tokens,
+            num_prompt_tokens,
+        );
+        me.inner.coord.release_if_vacant(request_id);
+        res.py_err()
+    }
+
+    /// Group `group`'s `free(request_id)`.
+    fn _group_free(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if group >= me.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(()) };
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let res = me.inner.coord.managers[group].free(&mut p.inner, slot, request_id);
+        me.inner.coord.release_if_vacant(request_id);
+        res.py_err()
+    }
+
+    /// The request's block ids per group, in table order (empty lists if unknown).
+    fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<Vec<u32>>> {
+        self.state.with(py, |me| me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect())
+    }
+
+    /// Group `group`'s `req_to_blocks[request_id]` (None if the key is absent).
+    fn _group_table(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<Option<Vec<u32>>> {
+        self.state.with(py, |me| {
+            let slot = me.inner.coord.slot(request_id)?;
+            let r = me.inner.coord.managers.get(group)?.req(slot)?;
+            r.present.then(|| r.blocks.clone())
+        })
+    }
+
+    /// `req_to_blocks[request_id] = block_ids` in group `group` (vLLM code and tests writing
+    /// a table directly; reference counts are theirs to keep).
+    fn _group_set_table(&self, py: Python<'_>, group: usize, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if group >= me.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        me.pool.get().state.borrow(py)?.inner.check_ids(&block_ids).py_err()?;
+        let slot = me.inner.coord.slot_or_insert(request_id);
+        let r = &mut me.inner.coord.managers[group].reqs[slot];
+        r.present = true;
+        r.blocks = block_ids;
+        Ok(())
+    }
+
+    /// `del req_to_blocks[request_id]` in group `group`.
+    fn _group_del_table(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<bool> {
+        let mut me = self.state.borrow_mut(py)?;
+        let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(false) };
+        let Some(m) = me.inner.coord.managers.get_mut(group) else { return Err(value_err("group", "out of range")) };
+        let r = &mut m.reqs[slot];
+        let was = r.present;
+        r.present = false;
+        r.blocks.clear();
+        me.inner.coord.release_if_vacant(request_id);
+        Ok(was)
+    }
+
+    /// The request ids with an entry in group `group`'s `req_to_blocks`.
+    fn _group_request_ids(&self, py: Python<'_>, group: usize) -> PyResult<Vec<String>> {
+        self.state.with(py, |me| {
+            let coord = &me.inner.coord;
+            let Some(m) = coord.managers.get(group) else { return Vec::new() };
+            coord
+                .request_ids()
+                .into_iter()
+                .filter(|id| coord.slot(id).and_then(|s| m.req(s)).is_some_and(|r| r.present))
+                .collect()
+        })
+    }
+
+    /// Group `group`'s `num_cached_block` as `{request_id: count}`.
+    fn _group_num_cached(&self, py: Python<'_>, group: usize) -> PyResult<Vec<(String, usize)>> {
+        self.state.with(py, |me| {
+            let coord = &me.inner.coord;
+            let Some(m) = coord.managers.get(group) else { return Vec::new() };
+            coord
+                .request_ids()
+                .into_iter()
+                .filter_map(|id| {
+                    let n = coord.slot(&id).and_then(|s| m.req(s)).and_then(|r| r.num_cached)?;
+                    Some((id, n))
+                })
+                .collect()
+        })
+    }
+
+    /// Group `group`'s Mamba "align" bookkeeping of a request: `(last_state_block_idx,
+    /// num_retired_blocks, allocated, checkpoint, partial_hit)`.
+    #[allow(clippy::type_complexity)]
+    fn _group_mamba_state(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &str,
+    ) -> PyResult<Option<(Option<i64>, Option<usize>, bool, Option<(usize, usize)>, Option<(usize, u32)>)>> {
+        self.state.with(py, |me| {
+            let slot = me.inner.coord.slot(request_id)?;
+            let r = me.inner.coord.managers.get(group)?.req(slot)?;
+            Some((r.last_state_block_idx, r.num_retired, r.allocated, r.checkpoint, r.partial_hit))
+        })
+    }
+
+    /// `take_new_block_ids` of every group (or of one group).
+    #[pyo3(signature = (group=None))]
+    fn take_new_block_ids(&self, py: Python<'_>, group: Option<usize>) -> PyResult<Vec<u32>> {
+        let mut me = self.state.borrow_mut(py)?;
+        Ok(match group {
+            None => me.inner.take_new_block_ids(),
+            Some(g) => me.inner.coord.managers.get_mut(g).map(|m| m.take_new_block_ids()).unwrap_or_default(),
+        })
+    }
+
+    /// Group `group`'s pending `new_block_ids` (not drained).
+    fn _group_new_block_ids(&self, py: Python<'_>, group: usize) -> PyResult<Vec<u32>> {
+        self.state
+            .with(py, |me| me.inner.coord.managers.get(group).map(|m| m.st.new_block_ids.clone()).unwrap_or_default())
+    }
+
+    /// `take_kv_cache_block_copies`: the pending copy-on-write (source, copy) id pairs.
+    fn _take_kv_cache_block_copies(&self, py: Python<'_>) -> PyResult<Vec<(u32, u32)>> {
+        Ok(self.state.borrow_mut(py)?.inner.take_kv_cache_block_copies())
+    }
+
+    /// `take_boundary_state_offloads`: `(request id, group, block id, boundary tokens)`.
+    fn _take_boundary_state_offloads(&self, py: Python<'_>) -> PyResult<Vec<(String, u32, u32, usize)>> {
+        Ok(self.state.borrow_mut(py)?.inner.take_boundary_state_offloads())
+    }
+
+    /// `finalize_partial_tail_offloads(request)`: `(group, block id, boundary tokens)`.
+    fn finalize_partial_tail_offloads(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(u32, u32, usize)>> {
+        let mut me = self.state.borrow_mut(py)?;
+        let v = me.view(request, false)?;
+        let id = request_id_str(&v.id)?.to_owned();
+        Ok(me.inner.finalize_partial_tail_offloads(&id, v.num_computed, v.num_in_flight_tokens))
+    }
+
+    /// `new_step_starts`.
+    fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.coord.new_step_starts();
+        Ok(())
+    }
+
+    /// `estimate_cached_tokens(request)`.
+    fn estimate_cached_tokens(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        let id = me.id_of(request)?;
+        let p = me.pool.get().state.borrow(py)?;
+        me.inner.estimate_cached_tokens(&p.inner, request_id_str(&id)?).py_err()
+    }
+
+    /// `record_blocks_for_zeroing(request_id, start_token)`.
+    fn record_blocks_for_zeroing(&self, py: Python<'_>, request_id: &str, start_token: usize) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.record_blocks_for_zeroing(request_id, start_token).py_err()
+    }
+
+    /// The coordinator's configuration, for its Python view.
+    fn _coordinator_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let me = self.state.borrow(py)?;
+        let c = &me.inner.coord;
+        let d = PyDict::new(py);
+        d.set_item(
+            "kind",
+            match c.kind {
+                crate::manager::coordinator::CoordinatorKind::NoPrefixCache => "no_prefix_cache",
+                crate::manager::coordinator::CoordinatorKind::Unitary => "unitary",
+                crate::manager::coordinator::CoordinatorKind::Hybrid => "hybrid",
+            },
+        )?;
+        d.set_item("enable_partial_hash_hits", c.enable_partial_hash_hits)?;
+        d.set_item("full_attention_group_id", c.full_attention_group_id)?;
+        let ags: Vec<(Vec<u32>, bool)> =
+            c.attention_groups.iter().map(|g| (g.group_ids.clone(), g.use_eagle)).collect();
+        d.set_item("attention_groups", ags)?;
+        d.set_item("cache_hit_alignment_tokens", c.cache_hit_alignment_tokens())?;
+        d.set_item("scheduler_block_size", c.scheduler_block_size)?;
+        d.set_item("hash_block_size", c.hash_block_size)?;
+        d.set_item("num_reprefillable_tokens", c.num_reprefillable_tokens)?;
+        let flags = |v: &Vec<bool>| v.iter().enumerate().filter(|(_, &f)| f).map(|(i, _)| i).collect::<Vec<_>>();
+        d.set_item("eagle_group_ids", flags(&c.eagle_groups))?;
+        d.set_item("drop_eagle_group_ids", flags(&c.drop_eagle_groups))?;
+        d.set_item("retention_interval", c.retention_interval)?;
+        d.set_item("mamba_shared_prefix_checkpoint", c.mamba_shared_prefix_checkpoint())?;
+        let groups = PyList::empty(py);
+        for m in &c.managers {
+            let g = PyDict::new(py);
+            g.set_item("block_size", m.cfg.block_size)?;
+            g.set_item("dcp_world_size", m.cfg.dcp_world_size)?;
+            g.set_item("pcp_world_size", m.cfg.pcp_world_size)?;
+            g.set_item("use_eagle", m.cfg.use_eagle)?;
+            g.set_item("cache_hit_alignment_tokens", m.cfg.cache_hit_alignment_tokens)?;
+            g.set_item("max_admission_blocks_per_request", m.cfg.max_admission_blocks)?;
+            g.set_item("records_new_block_ids", m.cfg.record_new_block_ids)?;
+            g.set_item("enable_caching", m.cfg.enable_caching)?;
+            g.set_item("shared_prefix_checkpoint", m.cfg.shared_prefix_checkpoint)?;
+            g.set_item("drop_eagle_checkpoint_block", m.cfg.drop_eagle_checkpoint_block)?;
+            g.set_item("scheduler_block_size", m.cfg.scheduler_block_size)?;
+            groups.append(g)?;
+        }
+        d.set_item("groups", groups)?;
+        Ok(d)
+    }
+
+    /// Group `group`'s `get_num_skipped_tokens(num_computed_tokens)`.
+    fn _group_num_skipped_tokens(&self, py: Python<'_>, group: usize, num_computed_tokens: usize) -> PyResult<i64> {
+        self.state
+            .with(py, |me| {
+                let m = me.inner.coord.managers.get(group)?;
+                Some(match m.cfg.spec.kind {
+                    Kind::Mamba { .. } => num_computed_tokens as i64 - 1,
+                    _ => m.cfg.num_skipped_tokens(num_computed_tokens) as i64,
+                })
+            })?
+            .ok_or_else(|| value_err("group", "out of range"))
+    }
+
+    /// Number of requests the manager knows.
     #[getter]
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |me| me.inner.num_requests())
+        self.state.with(py, |me| me.inner.coord.request_ids().len())
     }
 
+    /// Number of KV-cache groups.
+    #[getter]
+    fn num_kv_cache_groups(&self, py: Python<'_>) -> PyResult<usize> {
+        self.state.with(py, |me| me.inner.coord.num_groups())
+    }
+
+    /// Tokens per block of group 0.
     #[getter]
     fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |me| me.inner.block_size())
+        self.state.with(py, |me| me.inner.coord.managers.first().map_or(0, |m| m.cfg.block_size))
     }
 
     #[getter]
     fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |me| me.inner.max_model_len())
+        self.state.with(py, |me| me.inner.max_model_len)
     }
 
     /// The manager's block pool (the `BlockPool` it was built with; read-only: the manager
@@ -775,6 +1363,6 @@ impl PyManager {
 
     #[getter]
     fn watermark_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.state.with(py, |me| me.watermark_blocks)
+        self.state.with(py, |me| me.inner.watermark_blocks)
     }
 }

@@ -8,6 +8,7 @@ pub mod errors;
 pub mod events;
 pub mod fields;
 pub mod gil_cell;
+pub mod hashes;
 pub mod hashing;
 pub mod manager;
 pub mod request_hasher;

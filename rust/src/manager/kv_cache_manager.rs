@@ -1,0 +1,463 @@
+//! vLLM's `KVCacheManager` (spec §5): the scheduler-facing calls over the coordinator, with
+//! every input checked before anything changes.
+
+use crate::error::{Error, Result};
+use crate::hashing::source::HashSource;
+use crate::manager::coordinator::{CoordinatedHit, Coordinator};
+use crate::manager::single_type::ReqInfo;
+use crate::manager::spec::{Kind, ManagerConfig};
+use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
+
+/// What `allocate_slots` reads from the request besides its hashes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RequestView<'a> {
+    pub request_id: &'a str,
+    pub num_computed_tokens: usize,
+    pub num_tokens: usize,
+    pub num_prompt_tokens: usize,
+    pub num_in_flight_tokens: usize,
+    pub shared_prefix_boundary: usize,
+    /// `request.status in (WAITING, PREEMPTED)`.
+    pub waiting_or_preempted: bool,
+    /// Caller's handle for the request's KV events.
+    pub event_tag: u64,
+}
+
+impl<'a> RequestView<'a> {
+    fn info(&self) -> ReqInfo<'a> {
+        ReqInfo {
+            request_id: self.request_id,
+            num_prompt_tokens: self.num_prompt_tokens,
+            num_computed_tokens: self.num_computed_tokens,
+            num_tokens: self.num_tokens,
+            shared_prefix_boundary: self.shared_prefix_boundary,
+            event_tag: self.event_tag,
+        }
+    }
+}
+
+/// `allocate_slots` arguments (vLLM's names).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllocArgs<'a> {
+    pub num_new_tokens: usize,
+    pub num_new_computed_tokens: usize,
+    /// The hit blocks, one list per group; `None` when the caller passed none or the
+    /// manager's shared empty result (vLLM tells that one apart by identity).
+    pub new_computed: Option<&'a [Vec<u32>]>,
+    pub num_lookahead_tokens: usize,
+    pub num_external_computed_tokens: usize,
+    pub delay_cache_blocks: bool,
+    pub num_encoder_tokens: usize,
+    pub full_sequence_must_fit: bool,
+    pub reserved_blocks: usize,
+    pub has_scheduled_reqs: bool,
+    pub skip_zeroing_group_ids: &'a [u32],
+}
+
+/// The KV cache manager.
+#[derive(Clone, Debug)]
+pub struct KVCacheManager {
+    pub coord: Coordinator,
+    pub max_model_len: usize,
+    pub enable_caching: bool,
+    pub watermark_blocks: usize,
+    pub strict_inputs: bool,
+}
+
+impl KVCacheManager {
+    /// A manager for `cfg` (checked as vLLM's constructors check it).
+    pub fn new(cfg: &ManagerConfig) -> Result<Self> {
+        Ok(KVCacheManager {
+            coord: Coordinator::new(cfg)?,
+            max_model_len: cfg.max_model_len,
+            enable_caching: cfg.enable_caching,
+            watermark_blocks: cfg.watermark_blocks,
+            strict_inputs: cfg.strict_inputs,
+        })
+    }
+
+    /// `get_computed_blocks` without the request checks the binding makes: the hit for a
+    /// request that reads the prefix cache (`read_cache`), capped at `max_cache_hit_length`
+    /// (default `num_tokens - 1`: the last token is always recomputed).
+    pub fn get_computed_blocks(
+        &self,
+        pool: &BlockPool,
+        read_cache: bool,
+        num_tokens: usize,
+        hashes: &dyn HashSource,
+        max_cache_hit_length: Option<usize>,
+    ) -> Result<CoordinatedHit> {
+        let n = self.coord.num_groups();
+        if !(self.enable_caching && read_cache) {
+            return Ok((vec![Vec::new(); n], 0, 0));
+        }
+        let max_len = max_cache_hit_length.unwrap_or(num_tokens.saturating_sub(1));
+        let (blocks, hit, uncached) = self.coord.find_longest_cache_hit(pool, hashes, max_len)?;
+        let boundary = if uncached > 0 { hit + uncached } else { 0 };
+        Ok((blocks, hit, boundary))
+    }
+
+    /// Check an `allocate_slots` call's inputs against the pool, changing nothing.
+    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<()> {
+        if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
+            return Err(Error::Value(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
+            ));
+        }
+        if self.strict_inputs && req.num_tokens > self.max_model_len {
+            return Err(Error::value(
+                "request",
+                format!("{} tokens exceed max_model_len {}", req.num_tokens, self.max_model_len),
+            ));
+        }
+        if let Some(nc) = a.new_computed {
+            if nc.len() != self.coord.num_groups() {
+                return Err(Error::value(
+                    "new_computed_blocks",
+                    format!("has {} groups, the manager {}", nc.len(), self.coord.num_groups()),
+                ));
+            }
+            for g in nc {
+                pool.check_ids(g)?;
+                for &b in g {
+                    if b != NULL_BLOCK && pool.ref_of(b) == 0 && !pool.is_free(b) {
+                        return Err(Error::State(format!("hit block {b} has ref_cnt 0 but is not in the free queue")));
+                    }
+                }
+            }
+        }
+        let n = self.coord.num_groups() as u32;
+        if let Some(&g) = a.skip_zeroing_group_ids.iter().find(|&&g| g >= n) {
+            return Err(Error::value("skip_zeroing_group_ids", format!("{g} is not a group index")));
+        }
+        // vLLM asserts (half way through) that only a request holding no blocks adopts
+        // computed tokens, and that a partial hit's tail sits where it looks for it: checked
+        // here, before anything changes, in the order the reference checks them
+        let slot = self.coord.slot(req.request_id);
+        let running = slot.is_some_and(|s| self.coord.is_running(s));
+        let holds = slot.is_some_and(|s| {
+            self.coord.managers.iter().any(|m| {
+                !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::CrossAttention)
+                    && m.req(s).is_some_and(|r| r.present && !r.blocks.is_empty())
+            })
+        });
+        let has_hits = a.new_computed.is_some_and(|nc| nc.iter().any(|g| !g.is_empty()));
+        if has_hits && (running || holds) {
+            return Err(Error::Assertion(format!(
+                "request {:?} already holds blocks and cannot adopt new computed blocks",
+                req.request_id
+            )));
+        }
+        if self.strict_inputs {
+            for (i, m) in self.coord.managers.iter().enumerate() {
+                let len = a.new_computed.map_or(0, |nc| nc[i].len());
+                let bs = m.cfg.block_size;
+                let cacheable = m.cfg.spec.prefix_cacheable && m.cfg.spec.kind != Kind::CrossAttention;
+                let want = if cacheable { a.num_new_computed_tokens.div_ceil(bs) } else { 0 };
+                // hits land on block boundaries unless the hybrid lookup is fine-grained
+                let aligned =
+                    self.coord.enable_partial_hash_hits || !cacheable || a.num_new_computed_tokens.is_multiple_of(bs);
+                let ok = aligned && if m.cfg.spec.kind.is_mamba() { len <= want } else { len == want };
+                if !ok {
+                    return Err(Error::value(
+                        "num_new_computed_tokens",
+                        format!(
+                            "{} must equal the hit blocks' tokens ({len} blocks of {} in kv_cache_groups[{i}])",
+                            a.num_new_computed_tokens, m.cfg.block_size
+                        ),
+                    ));
+                }
+            }
+        }
+        let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
+        if adopts && !running {
+            if holds {
+                return Err(Error::Assertion(format!(
+                    "request {:?} already holds blocks and cannot adopt computed tokens",
+                    req.request_id
+                )));
+            }
+            let n = self.coord.num_groups();
+            let empty: Vec<&[u32]> = vec![&[]; n];
+            let nc: Vec<&[u32]> = match a.new_computed {
+                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
+                None => empty,
+            };
+            let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
+            self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens)?;
+        }
+        Ok(())
+    }
+
+    /// `allocate_slots` (spec §5.3): `Ok(None)` when the pool cannot hold the allocation
+    /// (only the out-of-window frees vLLM also makes have happened), else the newly
+    /// allocated blocks per group. `hashes` are read only if blocks are cached; the caller
+    /// has checked the range [`KVCacheManager::cache_read_range`] gives.
+    pub fn allocate_slots(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        a: &AllocArgs<'_>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        self.check_alloc(pool, req, a)?;
+        let slot = self.coord.slot_or_insert(req.request_id);
+        let res = self.allocate_in_slot(pool, slot, req, hashes, a);
+        if !matches!(res, Ok(Some(_))) {
+            self.coord.release_if_vacant(req.request_id);
+        }
+        res
+    }
+
+    fn allocate_in_slot(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: usize,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        a: &AllocArgs<'_>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let n = self.coord.num_groups();
+        let empty: Vec<&[u32]> = vec![&[]; n];
+        let new_computed: Vec<&[u32]> = match a.new_computed {
+            Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
+            None => empty,
+        };
+        let num_local_computed = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
+        let total_uncapped = num_local_computed.saturating_add(a.num_external_computed_tokens);
+        let total_computed = total_uncapped.min(self.max_model_len);
+        let watermark = if a.has_scheduled_reqs && req.waiting_or_preempted { self.watermark_blocks } else { 0 };
+        let prefill_end = req.num_prompt_tokens.max(req.num_tokens.saturating_sub(1));
+        if a.full_sequence_must_fit {
+            let full = req.num_tokens.min(self.max_model_len);
+            let need = self.coord.get_num_blocks_to_allocate(
+                pool,
+                slot,
+                full,
+                &new_computed,
+                a.num_encoder_tokens,
+                total_computed,
+                num_local_computed,
+                full,
+                true,
+                prefill_end,
+            )?;
+            if need + watermark as i64 > pool.num_free_blocks() as i64 {
+                return Ok(None);
+            }
+        }
+        let num_tokens_main = total_computed.saturating_add(a.num_new_tokens);
+        let need_slot = num_tokens_main.saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
+        // blocks outside the attention window are freed even if the allocation then fails
+        self.coord.remove_skipped_blocks(
+            pool,
+            slot,
+            total_computed.saturating_sub(req.num_in_flight_tokens),
+            Some(req.num_prompt_tokens),
+        )?;
+        let need = self.coord.get_num_blocks_to_allocate(
+            pool,
+            slot,
+            need_slot,
+            &new_computed,
+            a.num_encoder_tokens,
+            total_uncapped,
+            num_local_computed,
+            num_tokens_main,
+            false,
+            prefill_end,
+        )?;
+        let available = pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
+        if need + watermark as i64 > available {
+            return Ok(None);
+        }
+        let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
+        let check_taken = (adopts && a.num_external_computed_tokens > 0)
+            || self.coord.managers.iter().any(|m| matches!(m.cfg.spec.kind, Kind::Mamba { .. }));
+        if check_taken {
+            let taken = self.coord.blocks_taken(
+                pool,
+                slot,
+                adopts,
+                &new_computed,
+                num_local_computed,
+                a.num_external_computed_tokens,
+                need_slot,
+                num_tokens_main,
+                a.num_encoder_tokens,
+            );
+            if taken > pool.num_free_blocks() {
+                return Err(Error::NotEnoughFreeBlocks { requested: taken, free: pool.num_free_blocks() });
+            }
+        }
+        if adopts {
+            self.coord.allocate_new_computed_blocks(
+                pool,
+                slot,
+                &new_computed,
+                num_local_computed,
+                a.num_external_computed_tokens,
+                a.skip_zeroing_group_ids,
+            )?;
+        }
+        let new_blocks = self.coord.allocate_new_blocks(
+            pool,
+            slot,
+            req.request_id,
+            need_slot,
+            num_tokens_main,
+            a.num_encoder_tokens,
+        )?;
+        if a.delay_cache_blocks {
+            return Ok(Some(new_blocks));
+        }
+        let to_cache = total_computed.saturating_add(a.num_new_tokens).min(req.num_tokens);
+        self.coord.cache_blocks(pool, slot, &req.info(), hashes, to_cache)?;
+        Ok(Some(new_blocks))
+    }
+
+    /// The hash indices an `allocate_slots` (or `cache_blocks`) call may read: check them
+    /// before calling, so the call cannot fail half way on a malformed hash.
+    pub fn cache_read_range(
+        &self,
+        req: &RequestView<'_>,
+        a: Option<&AllocArgs<'_>>,
+        num_hashes: usize,
+    ) -> (usize, usize) {
+        if !self.enable_caching {
+            return (0, 0);
+        }
+        let n = match a {
+            Some(a) => {
+                if a.delay_cache_blocks {
+                    return (0, 0);
+                }
+                let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
+                let total = local.saturating_add(a.num_external_computed_tokens).min(self.max_model_len);
+                total.saturating_add(a.num_new_tokens).min(req.num_tokens)
+            }
+            None => req.num_computed_tokens,
+        };
+        match self.coord.slot(req.request_id) {
+            Some(slot) => self.coord.cache_read_range(slot, n, req.num_prompt_tokens, num_hashes),
+            None => (0, (n / self.coord.hash_block_size).min(num_hashes)),
+        }
+    }
+
+    /// True if the request is running (cached blocks tracked) or holds blocks in a group.
+    pub fn holds_blocks(&self, request_id: &str) -> bool {
+        let Some(slot) = self.coord.slot(request_id) else { return false };
+        self.coord.is_running(slot)
+            || self.coord.managers.iter().any(|m| m.req(slot).is_some_and(|r| r.present && !r.blocks.is_empty()))
+    }
+
+    /// `cache_blocks(request, num_computed_tokens)` (a no-op with caching off).
+    pub fn cache_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
+        if !self.enable_caching {
+            return Ok(());
+        }
+        let slot = self.coord.slot_or_insert(req.request_id);
+        let res = self.coord.cache_blocks(pool, slot, &req.info(), hashes, num_computed_tokens);
+        self.coord.release_if_vacant(req.request_id);
+        res
+    }
+
+    /// `free(request)`.
+    pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
+        self.coord.free(pool, request_id)
+    }
+
+    /// `remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)`.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        request_id: &str,
+        processed_computed_tokens: usize,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<()> {
+        let slot = self.coord.slot_or_insert(request_id);
+        let res = self.coord.remove_skipped_blocks(pool, slot, processed_computed_tokens, num_prompt_tokens);
+        self.coord.release_if_vacant(request_id);
+        res
+    }
+
+    /// `estimate_cached_tokens(request)`: the shortest over the prefix-cacheable attention
+    /// groups of the longest prefix its blocks are keyed at.
+    pub fn estimate_cached_tokens(&self, pool: &BlockPool, request_id: &str) -> Result<usize> {
+        let tables = self.coord.get_blocks(request_id);
+        let mut est: Option<usize> = None;
+        for (m, blocks) in self.coord.managers.iter().zip(tables) {
+            if !m.cfg.spec.prefix_cacheable || m.cfg.spec.kind == Kind::CrossAttention {
+                continue;
+            }
+            let mut g = 0;
+            for &b in blocks {
+                g = g.max(pool.block_hash_num_tokens(b)?.unwrap_or(0));
+            }
+            est = Some(est.map_or(g, |e| e.min(g)));
+        }
+        Ok(est.unwrap_or(0))
+    }
+
+    /// `record_blocks_for_zeroing(request_id, start_token)`.
+    pub fn record_blocks_for_zeroing(&mut self, request_id: &str, start_token: usize) -> Result<()> {
+        for m in &self.coord.managers {
+            if m.cfg.record_new_block_ids && !start_token.is_multiple_of(m.cfg.block_size) {
+                return Err(Error::Assertion(format!(
+                    "start_token {start_token} is not a multiple of the block size {}",
+                    m.cfg.block_size
+                )));
+            }
+        }
+        let slot = self.coord.slot_or_insert(request_id);
+        for m in &mut self.coord.managers {
+            if m.cfg.record_new_block_ids {
+                let start = start_token / m.cfg.block_size;
+                let r = &mut m.reqs[slot];
+                r.present = true;
+                let ids: Vec<u32> = r.blocks.iter().skip(start).copied().collect();
+                m.st.new_block_ids.extend(ids);
+            }
+        }
+        Ok(())
+    }
+
+    /// `take_new_block_ids`.
+    pub fn take_new_block_ids(&mut self) -> Vec<u32> {
+        self.coord.managers.iter_mut().flat_map(|m| m.take_new_block_ids()).collect()
+    }
+
+    /// `take_kv_cache_block_copies`: the pending copy-on-write (source, copy) pairs.
+    pub fn take_kv_cache_block_copies(&mut self) -> Vec<(u32, u32)> {
+        self.coord.managers.iter_mut().flat_map(|m| m.take_pending_cow_copies()).collect()
+    }
+
+    /// `take_boundary_state_offloads`: (request id, group, block, boundary tokens).
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<(String, u32, u32, usize)> {
+        self.coord.managers.iter_mut().flat_map(|m| m.take_pending_offloads()).collect()
+    }
+
+    /// `finalize_partial_tail_offloads(request)`.
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        request_id: &str,
+        num_computed_tokens: usize,
+        num_in_flight_tokens: usize,
+    ) -> Vec<(u32, u32, usize)> {
+        let Some(slot) = self.coord.slot(request_id) else { return Vec::new() };
+        let out = self
+            .coord
+            .managers
+            .iter_mut()
+            .filter_map(|m| m.finalize_partial_tail_offload(slot, num_computed_tokens, num_in_flight_tokens))
+            .collect();
+        self.coord.release_if_vacant(request_id);
+        out
+    }
+}
