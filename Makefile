@@ -12,6 +12,8 @@ $(BIN)/python:
 install: $(BIN)/python
 	rm -f python/kvblock/_core*.so
 	$(BIN)/python -m pip install -q -e ".[test,bench,torch]"
+	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
+	$(BIN)/python -m pip install -q -r requirements/vllm-cpu-test.txt
 
 rust-test:
 	cargo test --release

@@ -35,6 +35,27 @@ def require_module(name: str):
     return pytest.importorskip(name)
 
 
+def pytest_configure(config) -> None:
+    """vLLM's CPU tests run offline (shared/vllm/README.md): before any test module imports
+    vLLM, lay a Hugging Face cache of shared/vllm/hf-configs in a temporary folder and point
+    VLLM_TARGET_DEVICE / HF_HOME / HF_HUB_OFFLINE at it (values already set are kept)."""
+    import atexit
+    import shutil
+    import sys
+    import tempfile
+
+    configs = SHARED / "vllm" / "hf-configs"
+    if not configs.is_dir():
+        return
+    sys.path.insert(0, str(REPO / "tests" / "vllm_judge"))
+    import judge
+
+    home = Path(tempfile.mkdtemp(prefix="kvblock-hf-"))
+    atexit.register(shutil.rmtree, home, True)
+    for key, value in judge.offline_env(judge.lay_hf_cache(home, configs)).items():
+        os.environ.setdefault(key, value)
+
+
 @pytest.fixture(scope="session")
 def golden() -> dict:
     with open(shared_path("spec", "golden_vectors.json")) as f:

@@ -465,7 +465,7 @@ class BlockPool(_core.BlockPoolCore):
         are free."""
         out = [self._view(b) for b in self.allocate_ids(num_blocks).tolist()]
         if self._watchers:
-            self._notify_reuse()
+            self._fire_reuse_watchers()
         return out
 
     def touch(self, blocks: Any) -> None:
@@ -562,7 +562,7 @@ class BlockPool(_core.BlockPoolCore):
         self._watchers[w] = on_reuse
         self.unpin_ids(_own_ids(self, blocks, "blocks"), w)
 
-    def _notify_reuse(self) -> None:
+    def _fire_reuse_watchers(self) -> None:
         for block_id, w in self._take_fired_watchers():
             cb = self._watchers.get(w)
             if cb is not None:
@@ -586,7 +586,7 @@ class BlockPool(_core.BlockPoolCore):
         """Clear every cache key if no block is in use; False, changing nothing, otherwise."""
         ok = super().reset_prefix_cache()
         if ok and self._watchers:
-            self._notify_reuse()
+            self._fire_reuse_watchers()
         return ok
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -600,6 +600,9 @@ impl PyManager {
     /// `TypeError` / `ValueError` for a malformed `request.block_hashes` entry the call would
     /// read; `AssertionError` where vLLM asserts (hit blocks for a running request).
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[pyo3(
+        text_signature = "($self, /, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=())"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
         slf: &Bound<'py, Self>,
@@ -1214,14 +1217,16 @@ impl PyManager {
         })
     }
 
-    /// `take_new_block_ids` of every group (or of one group).
-    #[pyo3(signature = (group=None))]
-    fn take_new_block_ids(&self, py: Python<'_>, group: Option<usize>) -> PyResult<Vec<u32>> {
+    /// The ids of the blocks allocated since the last call, every group, drained (vLLM's
+    /// `take_new_block_ids`, for KV-cache zeroing).
+    fn take_new_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        Ok(self.state.borrow_mut(py)?.inner.take_new_block_ids())
+    }
+
+    /// Group `group`'s `take_new_block_ids` (drained); empty for a group the manager lacks.
+    fn _group_take_new_block_ids(&self, py: Python<'_>, group: usize) -> PyResult<Vec<u32>> {
         let mut me = self.state.borrow_mut(py)?;
-        Ok(match group {
-            None => me.inner.take_new_block_ids(),
-            Some(g) => me.inner.coord.managers.get_mut(g).map(|m| m.take_new_block_ids()).unwrap_or_default(),
-        })
+        Ok(me.inner.coord.managers.get_mut(group).map(|m| m.take_new_block_ids()).unwrap_or_default())
     }
 
     /// Group `group`'s pending `new_block_ids` (not drained).

@@ -1,0 +1,37 @@
+"""kvblock inside vLLM 0.33.0.
+
+* :class:`KVCacheManager`: vLLM's ``KVCacheManager`` (same constructor, methods and result
+  types) on kvblock's Rust core; :class:`BlockPool` is kvblock's vLLM-compatible pool.
+* :class:`Scheduler` / :class:`SyncScheduler`: vLLM's schedulers on that manager, for
+  ``vllm serve MODEL --scheduler-cls kvblock.vllm.Scheduler`` or
+  ``LLM(..., scheduler_cls="kvblock.vllm.Scheduler")``.
+* :func:`patch`: swap kvblock into vLLM in this process (the manager, the block pool, the
+  request block hasher, ``init_none_hash`` and the hash functions); :func:`register` is the
+  ``vllm.general_plugins`` entry point that does it when ``KVBLOCK_VLLM=1``.
+* :func:`describe`: which manager a ``KVCacheConfig`` gets, and why.
+* ``python -m pytest -p kvblock.vllm.testing ...`` runs any vLLM test with kvblock swapped in.
+
+Importing this package imports vLLM; ``import kvblock`` never does.
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool
+from .config import Path, describe
+from .manager import KVCacheManager, UnsupportedConfiguration
+from .plugin import is_patched, patch, register, unpatch
+from .scheduler import Scheduler, SyncScheduler
+
+__all__ = [
+    "BlockPool",
+    "KVCacheManager",
+    "Path",
+    "Scheduler",
+    "SyncScheduler",
+    "UnsupportedConfiguration",
+    "describe",
+    "is_patched",
+    "patch",
+    "register",
+    "unpatch",
+]

@@ -1,0 +1,334 @@
+"""``kvblock.vllm.KVCacheManager``: vLLM 0.33.0's ``KVCacheManager`` with kvblock's Rust core
+behind vLLM's exact constructor, methods and result types.
+
+It is built from vLLM's ``KVCacheConfig`` and works on vLLM's own ``Request`` objects. Its
+``block_pool`` is kvblock's :class:`~kvblock.block_pool.BlockPool` (vLLM's object API over the
+Rust pool), its ``coordinator`` a view of the Rust coordinator; both are views, not copies.
+A configuration kvblock does not manage (see :func:`kvblock.vllm.describe`) gets vLLM's own
+manager instead, with one warning naming the reason (``KVBLOCK_VLLM_STRICT=1``: an error).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+from typing import Any, Sequence
+
+from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core import kv_cache_manager as _vkm
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    MambaSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
+
+from .. import _core
+from ..block_pool import KVCacheBlock
+from .block_pool import BlockPool
+from .blocks import KVCacheBlocks
+from .config import translate
+from .coordinator import HybridCoordinatorView, make_coordinator
+
+__all__ = ["KVCacheManager", "UnsupportedConfiguration"]
+
+logger = logging.getLogger("kvblock.vllm")
+
+#: vLLM's own manager class (read before any patching), for the fallback.
+VllmKVCacheManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
+
+_warned: set[str] = set()
+
+
+class UnsupportedConfiguration(ValueError):
+    """A KV-cache configuration kvblock does not manage, with ``KVBLOCK_VLLM_STRICT=1``."""
+
+
+def _fallback(reason: str) -> None:
+    if os.environ.get("KVBLOCK_VLLM_STRICT", "") not in ("", "0"):
+        raise UnsupportedConfiguration(f"kvblock does not manage this KV cache configuration: {reason}")
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("kvblock: using vLLM's own KV cache manager: %s", reason)
+    fallback_counter[0] += 1
+
+
+#: ``[number of managers that fell back, number built on kvblock]`` in this process.
+fallback_counter = [0]
+kvblock_counter = [0]
+
+
+class KVCacheManager(_core.KVCacheManagerCore):
+    """vLLM 0.33.0's ``KVCacheManager`` on kvblock's Rust core (same constructor).
+
+    Args are vLLM's: ``kv_cache_config`` (vLLM's ``KVCacheConfig``), ``max_model_len``,
+    ``scheduler_block_size`` (tokens; a multiple of every group's block size),
+    ``hash_block_size`` (tokens per block hash; divides every cacheable group's block size),
+    ``max_in_flight_tokens`` (default ``max_model_len``), ``enable_caching``, ``use_eagle``,
+    ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``, ``log_stats``,
+    ``enable_kv_cache_events``, ``dcp_world_size``, ``pcp_world_size``, ``metrics_collector``,
+    ``watermark`` (fraction of blocks), ``enable_mamba_shared_prefix_checkpoint``.
+
+    Returns vLLM's own ``KVCacheManager`` for a configuration kvblock does not manage.
+
+    Raises:
+        AssertionError / ValueError: where vLLM's constructor raises (block sizes that do not
+            divide, Mamba prefix caching outside "align" mode, a bad retention interval...).
+        UnsupportedConfiguration: an unsupported configuration with ``KVBLOCK_VLLM_STRICT=1``.
+    """
+
+    def __new__(
+        cls,
+        kv_cache_config: Any,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> Any:
+        # vLLM takes bools and numpy ints where it takes ints
+        max_model_len, scheduler_block_size, hash_block_size = (
+            operator.index(max_model_len), operator.index(scheduler_block_size), operator.index(hash_block_size)
+        )
+        num_hash_lookahead_tokens = operator.index(num_hash_lookahead_tokens)
+        num_prefill_lookahead = operator.index(num_prefill_lookahead)
+        dcp_world_size, pcp_world_size = operator.index(dcp_world_size), operator.index(pcp_world_size)
+        path = translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector)
+        if not path.on_kvblock:
+            _fallback(path.reason)
+            return VllmKVCacheManager(
+                kv_cache_config,
+                max_model_len,
+                scheduler_block_size,
+                hash_block_size,
+                max_in_flight_tokens,
+                enable_caching,
+                use_eagle,
+                num_hash_lookahead_tokens,
+                num_prefill_lookahead,
+                log_stats,
+                enable_kv_cache_events,
+                dcp_world_size,
+                pcp_world_size,
+                metrics_collector,
+                watermark,
+                enable_mamba_shared_prefix_checkpoint,
+            )
+        assert watermark >= 0.0, "watermark must be non-negative"
+        pool = BlockPool(
+            kv_cache_config.num_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            None,
+            num_hash_lookahead_tokens,
+        )
+        try:
+            self = super().__new__(
+                cls,
+                pool,
+                path.groups,
+                max_model_len,
+                scheduler_block_size,
+                hash_block_size,
+                max_in_flight_tokens=max_in_flight_tokens,
+                enable_caching=enable_caching,
+                use_eagle=use_eagle,
+                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+                num_prefill_lookahead=num_prefill_lookahead,
+                dcp_world_size=dcp_world_size,
+                pcp_world_size=pcp_world_size,
+                watermark_blocks=int(watermark * kv_cache_config.num_blocks),
+                needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
+                retention_interval=kv_cache_config.prefix_cache_retention_interval,
+                enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+            )
+        except ValueError as e:
+            # vLLM's constructors assert these (block sizes, hash block size)
+            if "prefix_cache_retention_interval" in str(e) or "Multi-module MTP" in str(e):
+                raise ValueError(str(e).split(": ", 1)[-1]) from None
+            raise AssertionError(str(e)) from None
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.kv_cache_config = kv_cache_config
+        self.retained_hit_group_ids = ()
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
+            for g in kv_cache_config.kv_cache_groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_config.kv_cache_groups))
+        self._init_python(self.empty_kv_cache_blocks, KVCacheBlocks, RequestStatus.WAITING, RequestStatus.PREEMPTED, Request)
+        self.coordinator = make_coordinator(self, kv_cache_config)
+        self.mamba_shared_prefix_checkpoint = self._coordinator_info()["mamba_shared_prefix_checkpoint"]
+        kvblock_counter[0] += 1
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # built in __new__
+
+    # -- stats ---------------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        assert self.prefix_cache_stats is not None
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
+        )
+
+    # -- lookups -------------------------------------------------------------------------------
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        coordinator = self.coordinator
+        if not (
+            self.kv_cache_config.has_mamba_layers
+            and isinstance(coordinator, HybridCoordinatorView)
+            and coordinator.full_attention_group_id is not None
+        ):
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        fa = coordinator.full_attention_group_id
+        groups, per_group = self._find_longest_cache_hit_per_group(request.block_hashes, max_cache_hit_length)
+        if any(hit > per_group[fa] for hit in per_group):
+            return *self.get_computed_blocks(request, max_cache_hit_length), False
+        num_local = per_group[fa]
+        blocks = self.create_kv_cache_blocks(tuple(groups))
+        return blocks, num_local, 0, min(per_group) < num_local
+
+    # -- the rest of vLLM's API ----------------------------------------------------------------
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        view = self.block_pool._view
+        return [view(b) for b in self._pop_blocks_for_free(request)]
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            assert self.prefix_cache_stats is not None
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events = self.block_pool.take_events()
+        meta = self.kv_cache_event_metadata
+        for event in events:
+            if not isinstance(event, BlockStored) or event.group_idx is None:
+                continue
+            if event.group_idx < 0 or event.group_idx >= len(meta):
+                _vkm.logger.warning("Group index `%s` not in KV cache metadata", event.group_idx)
+                continue
+            event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[event.group_idx]
+        return events
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return self.create_kv_cache_blocks(tuple(self._block_ids(request_id)))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(self._block_ids(request_id))
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        out: list[list[int]] = []
+        for group, ids in zip(self.kv_cache_config.kv_cache_groups, self._block_ids(request_id)):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
+                out.append(ids)
+                continue
+            out.append(ids[: cdiv(num_computed_tokens, spec.block_size)])
+        return tuple(out)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        if not any(blocks):
+            return self.empty_kv_cache_blocks
+        if all(all(isinstance(b, KVCacheBlock) for b in g) for g in blocks):
+            return KVCacheBlocks(tuple(blocks))
+        return KVCacheBlocks._from_ids(self.block_pool, tuple([b if isinstance(b, int) else b.block_id for b in g] for g in blocks))
+
+    def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+        truncated: list[list[KVCacheBlock]] = []
+        for group_blocks, manager, group in zip(
+            blocks.blocks, self.coordinator.single_type_managers, self.kv_cache_config.kv_cache_groups, strict=True
+        ):
+            if not group.kv_cache_spec.prefix_cacheable:
+                assert not group_blocks
+                truncated.append([])
+                continue
+            assert num_computed_tokens % manager.block_size == 0
+            num_blocks = num_computed_tokens // manager.block_size
+            if isinstance(group.kv_cache_spec, MambaSpec):
+                num_blocks = min(num_blocks, len(group_blocks))
+            else:
+                assert num_blocks <= len(group_blocks)
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self.create_kv_cache_blocks(tuple(truncated))
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        pairs = self._take_kv_cache_block_copies()
+        view = self.block_pool._view
+        copies = [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
+        return copies, [view(b) for pair in pairs for b in pair]
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for req_id, group_id, block_id, tokens in self._take_boundary_state_offloads():
+            out.setdefault(req_id, []).append((group_id, block_id, tokens))
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"kvblock.vllm.KVCacheManager(groups={self.num_kv_cache_groups}, "
+            f"blocks={self.block_pool.num_gpu_blocks}, free={self.block_pool.get_num_free_blocks()})"
+        )
+
+
+def _vllm_signature_methods() -> Sequence[str]:
+    """The vLLM ``KVCacheManager`` methods kvblock implements (the drift test checks their
+    signatures against the installed vLLM's)."""
+    return [
+        name
+        for name in dir(VllmKVCacheManager)
+        if not name.startswith("_") and callable(getattr(VllmKVCacheManager, name, None))
+    ]

@@ -1,0 +1,285 @@
+"""kvblock.vllm as vLLM 0.33.0 sees it: the API matches the installed vLLM's (drift), the
+plugin entry point is found and run by vLLM's own plugin loader, unsupported configurations
+fall back with one warning (or raise in strict mode), and a scheduler built through
+``EngineArgs(scheduler_cls="kvblock.vllm.Scheduler")`` runs requests on kvblock's manager."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, require_module
+
+vllm = require_module("vllm")
+
+import torch  # noqa: E402
+from vllm.v1.core import block_pool as vbp  # noqa: E402
+from vllm.v1.core import kv_cache_coordinator as vkc  # noqa: E402
+from vllm.v1.core import kv_cache_manager as vkm  # noqa: E402
+from vllm.v1.core import single_type_kv_cache_manager as vst  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+import kvblock.vllm as kv  # noqa: E402
+from kvblock import block_pool as kbp  # noqa: E402
+from kvblock.vllm import blocks as kb  # noqa: E402
+from kvblock.vllm import coordinator as kc  # noqa: E402
+from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _params(fn) -> list[tuple[str, str, object]]:
+    """(name, kind, default) of each parameter but the receiver; positional-only and
+    positional-or-keyword are the same to a caller passing positionals or names after self."""
+    sig = inspect.signature(fn)
+    out = []
+    for i, p in enumerate(sig.parameters.values()):
+        if i == 0 and p.name == "self":
+            continue
+        kind = "positional" if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else p.kind.name
+        out.append((p.name, kind, p.default))
+    return out
+
+
+def _public_methods(cls: type) -> list[str]:
+    names = []
+    for name, member in vars(cls).items():
+        if name.startswith("_") or isinstance(member, property):
+            continue
+        if callable(member) or isinstance(member, (staticmethod, classmethod)):
+            names.append(name)
+    return names
+
+
+DRIFT_PAIRS = [
+    (vkm.KVCacheManager, kv.KVCacheManager),
+    (vbp.BlockPool, kbp.BlockPool),
+    (vkm.KVCacheBlocks, kb.KVCacheBlocks),
+    (vbp.BlockHashToBlockMap, kbp.BlockHashToBlockMap),
+    (vkc.KVCacheCoordinator, kc.UnitaryCoordinatorView),
+    (vkc.UnitaryKVCacheCoordinator, kc.UnitaryCoordinatorView),
+    (vkc.HybridKVCacheCoordinator, kc.HybridCoordinatorView),
+    (vkc.KVCacheCoordinatorNoPrefixCache, kc.NoPrefixCacheCoordinatorView),
+    (vst.SingleTypeKVCacheManager, kc.SingleTypeManagerView),
+]
+
+
+#: Methods of vLLM's per-type manager that only vLLM's own coordinator calls, inside the
+#: allocate / cache / free flow that kvblock's Rust coordinator runs instead: the view does not
+#: offer them (vLLM's scheduler, engine core and connectors read a per-type manager's
+#: block_size, kv_cache_spec, block_pool and req_to_blocks, and tests call the rest).
+COORDINATOR_ONLY = {
+    vst.SingleTypeKVCacheManager: {
+        "add_local_computed_blocks",
+        "allocate_external_computed_blocks",
+        "take_pending_cow_copies",
+        "take_pending_boundary_state_offloads",
+        "finalize_partial_tail_offload",
+        "cache_blocks",
+        "reachable_block_mask",
+        "pop_blocks_for_free",
+        "new_step_starts",
+    },
+}
+
+
+@pytest.mark.parametrize("vllm_cls,ours", DRIFT_PAIRS, ids=lambda c: c.__qualname__)
+def test_signatures_match_installed_vllm(vllm_cls, ours):
+    """Every public method of the vLLM class exists on kvblock's with the same parameters
+    (names, order, kinds, defaults), so a vLLM upgrade that changes one fails here."""
+    missing, different = [], []
+    skipped = COORDINATOR_ONLY.get(vllm_cls, set())
+    assert skipped <= set(_public_methods(vllm_cls)), "COORDINATOR_ONLY names a method vLLM no longer has"
+    for name in _public_methods(vllm_cls):
+        mine = getattr(ours, name, None)
+        if name in skipped:
+            assert mine is None, f"{name} is implemented now: drop it from COORDINATOR_ONLY"
+            continue
+        if mine is None:
+            missing.append(name)
+            continue
+        theirs = getattr(vllm_cls, name)
+        if _params(theirs) != _params(mine):
+            different.append(f"{name}: vLLM {inspect.signature(theirs)} != kvblock {inspect.signature(mine)}")
+    assert not missing, f"{vllm_cls.__qualname__} methods kvblock lacks: {missing}"
+    assert not different, "\n".join(different)
+
+
+def test_constructors_match_installed_vllm():
+    assert _params(kv.KVCacheManager) == _params(vkm.KVCacheManager)
+    assert _params(kbp.BlockPool) == _params(vbp.BlockPool)
+    assert _params(kb.KVCacheBlocks) == _params(vkm.KVCacheBlocks)
+
+
+def test_attributes_vllm_reads_are_there():
+    mgr = kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, enable_kv_cache_events=True, log_stats=True)
+    for attr in ("block_pool", "coordinator", "kv_cache_config", "num_kv_cache_groups", "enable_caching",
+                 "log_stats", "prefix_cache_stats", "empty_kv_cache_blocks", "max_model_len", "usage"):
+        assert hasattr(mgr, attr), attr
+    pool = mgr.block_pool
+    assert pool.blocks[0] is pool.null_block and pool.null_block.is_null
+    assert pool.free_block_queue.num_free_blocks == 63 == len(pool.free_block_queue.get_all_free_blocks())
+    stm = mgr.coordinator.single_type_managers[0]
+    assert stm.block_size == 16 and isinstance(stm.kv_cache_spec, FullAttentionSpec)
+    assert dict(stm.req_to_blocks) == {}
+
+
+def _full(block_size: int = 16) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def _config(specs, num_blocks: int) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_describe_names_the_path():
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
+    assert str(kv.describe(_config([_full(), sw], 64))) == "kvblock"
+    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    assert kv.describe(_config([_full(), mamba], 64)).on_kvblock
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    path = kv.describe(_config([_full()], 64), metrics_collector=KVCacheMetricsCollector())
+    assert not path.on_kvblock and "metrics_collector" in path.reason
+    assert str(path).startswith("vLLM's own manager: ")
+
+
+def test_fallback_warns_once_and_strict_raises(caplog, monkeypatch):
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    from kvblock.vllm import manager as km
+
+    monkeypatch.setattr(km, "_warned", set())
+    monkeypatch.delenv("KVBLOCK_VLLM_STRICT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvblock.vllm"):
+        a = kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
+        b = kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
+    assert type(a) is VllmKVCacheManager and type(b) is VllmKVCacheManager
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvblock.vllm"]
+    assert len(lines) == 1 and "metrics_collector" in lines[0], lines
+    monkeypatch.setenv("KVBLOCK_VLLM_STRICT", "1")
+    with pytest.raises(kv.UnsupportedConfiguration, match="metrics_collector"):
+        kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
+    # a supported configuration is on kvblock in strict mode too
+    assert isinstance(kv.KVCacheManager(_config([_full()], 64), 256, 16, 16), kv.KVCacheManager)
+
+
+def test_vllm_version_is_checked(monkeypatch):
+    from kvblock.vllm import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.1")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.33\.x; the installed vLLM is 0\.34\.1"):
+        plugin._check_version()
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = dict(os.environ)
+    for k in ("KVBLOCK_VLLM", "KVBLOCK_VLLM_STRICT"):
+        full.pop(k, None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_kvblock_never_imports_vllm():
+    r = _run("""
+        import sys
+        import kvblock, kvblock.manager, kvblock.block_pool, kvblock.cli, kvblock.specs, kvblock.hashing
+        assert not [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")], "vllm imported"
+        print("ok")
+    """)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_entry_point_is_loaded_by_vllm_and_gated_on_env():
+    """vLLM's own plugin loader finds kvblock's ``vllm.general_plugins`` entry point; it
+    swaps kvblock in only with KVBLOCK_VLLM=1, idempotently."""
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "kvblock"]
+    assert [ep.value for ep in eps] == ["kvblock.vllm:register"]
+    code = """
+        from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        import vllm.v1.core.kv_cache_manager as vkm, vllm.v1.core.block_pool as vbp
+        import vllm.v1.core.kv_cache_utils as vku, vllm.utils.hashing as vh
+        from kvblock.vllm import is_patched, register
+        register(); register()
+        print(is_patched(), vkm.KVCacheManager.__module__, vbp.BlockPool.__module__, vku.get_request_block_hasher.__module__)
+        from kvblock.vllm import unpatch
+        unpatch()
+        print(is_patched(), vkm.KVCacheManager.__module__)
+    """
+    on = _run(code, KVBLOCK_VLLM="1")
+    assert on.returncode == 0, on.stderr[-3000:]
+    first, second = on.stdout.strip().splitlines()[-2:]
+    assert first.split()[0] == "True" and "kvblock" in first.split()[1] and "kvblock" in first.split()[2]
+    assert "kvblock" in first.split()[3]
+    assert second == "False vllm.v1.core.kv_cache_manager"
+    off = _run(code)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert off.stdout.strip().splitlines()[-2].split()[:2] == ["False", "vllm.v1.core.kv_cache_manager"]
+
+
+def test_engine_args_scheduler_cls_runs_on_kvblock():
+    """EngineArgs(scheduler_cls="kvblock.vllm.Scheduler") -> VllmConfig -> the scheduler class
+    vLLM's engine core resolves; its manager is kvblock's, and two requests sharing a prefix
+    run to completion through schedule() / update_from_output() with the second one hitting
+    the first one's cached blocks."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    args = EngineArgs(model="facebook/opt-125m", scheduler_cls="kvblock.vllm.Scheduler", enable_prefix_caching=True,
+                      block_size=16, max_model_len=1024, skip_tokenizer_init=True)
+    cfg = args.create_engine_config()
+    scheduler_cls = cfg.scheduler_config.get_scheduler_cls()
+    assert scheduler_cls is kv.Scheduler
+    register_all_kvcache_specs(cfg)
+    kv_cache_config = _config([_full(16)], 200)
+    cfg.cache_config.num_gpu_blocks = 200
+    sched = scheduler_cls(vllm_config=cfg, kv_cache_config=kv_cache_config, block_size=16, log_stats=True,
+                          structured_output_manager=StructuredOutputManager(cfg))
+    assert type(sched.kv_cache_manager) is kv.KVCacheManager
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    prefix = list(range(100, 164))
+    finished: list[str] = []
+    for i, tail in enumerate(([1, 2, 3], [4, 5, 6, 7, 8])):
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        params.update_from_generation_config({}, 2)
+        req = Request(request_id=f"r{i}", prompt_token_ids=prefix + tail, sampling_params=params, pooling_params=None,
+                      block_hasher=hasher)
+        sched.add_request(req)
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            if i == 1 and "r1" in out.num_scheduled_tokens and out.scheduled_new_reqs:
+                new = out.scheduled_new_reqs[0]
+                assert new.num_computed_tokens == 64  # four 16-token blocks of r0's prompt
+            ids = list(out.num_scheduled_tokens)
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                                    sampled_token_ids=[[7] for _ in ids])
+            for eco in sched.update_from_output(out, mro).values():
+                finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]
+    assert finished == ["r0", "r1"]
+    stats = sched.kv_cache_manager.block_pool
+    assert stats.get_num_free_blocks() == 199  # everything back in the free queue, cached
