@@ -17,6 +17,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_cluster_port() -> int:
+    """A port ``p`` such that ``p`` and its Redis Cluster bus port ``p + 10000`` are free."""
+    import random
+
+    for _ in range(200):
+        p = random.randint(20000, 50000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 10000))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 def poll_until(sub, cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """Poll the subscriber until ``cond()`` holds (AssertionError after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s

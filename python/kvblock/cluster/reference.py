@@ -89,7 +89,7 @@ class DictIndex:
                 p = getattr(ev, "parent_block_hash", None)
                 if p is not None:
                     as_event_int(p)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
             raise ValueError(f"malformed KV event batch: {e}") from None
         return self.apply_events(name, events)
 

@@ -196,6 +196,57 @@ impl PyPrefixIndex {
         Ok(PyArray1::from_slice(py, &self.dense))
     }
 
+    /// The payload's events as `(op, medium, data)` for a store that keeps the same state
+    /// (the Redis index): `("S", medium, hash 8 bytes + parent tag 4 bytes, per block)`,
+    /// `("R", medium, hash 8 bytes per block)`, `("C", None, b"")`; events this index skips
+    /// (another group or block size) are left out. Big-endian throughout. Raises ValueError
+    /// for a malformed payload.
+    fn wire_ops<'py>(&self, py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        use crate::index::wire::{decode_batch, Event};
+        let b = decode_batch(payload).py_err()?;
+        let out = PyList::empty(py);
+        for ev in &b.events {
+            match *ev {
+                Event::Cleared => out.append(("C", py.None(), PyBytes::new(py, b"")))?,
+                Event::Stored { start, end, parent, block_size, medium, group } => {
+                    if group != self.inner.group() || self.inner.block_size().is_some_and(|x| x != block_size) {
+                        continue;
+                    }
+                    let mut data = Vec::with_capacity((end - start) * 12);
+                    let mut tag = tag_of_parent(parent);
+                    for &h in &b.hashes[start..end] {
+                        data.extend_from_slice(&h.to_be_bytes());
+                        data.extend_from_slice(&tag.to_be_bytes());
+                        tag = tag_of_parent(Some(h));
+                    }
+                    out.append(("S", medium, PyBytes::new(py, &data)))?
+                }
+                Event::Removed { start, end, medium, group } => {
+                    if group != self.inner.group() {
+                        continue;
+                    }
+                    let data: Vec<u8> = b.hashes[start..end].iter().flat_map(|h| h.to_be_bytes()).collect();
+                    out.append(("R", medium, PyBytes::new(py, &data)))?
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The query of a chain for the Redis index: hash 8 bytes + expected parent tag 4 bytes
+    /// per block (big-endian).
+    fn query_bytes<'py>(&mut self, py: Python<'py>, block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        let mut data = Vec::with_capacity(self.hashes.len() * 12);
+        let mut tag = tag_of_parent(None);
+        for &h in &self.hashes {
+            data.extend_from_slice(&h.to_be_bytes());
+            data.extend_from_slice(&tag.to_be_bytes());
+            tag = tag_of_parent(Some(h));
+        }
+        Ok(PyBytes::new(py, &data))
+    }
+
     fn id_bound(&self) -> usize {
         self.inner.id_bound()
     }
