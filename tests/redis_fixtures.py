@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -122,28 +121,21 @@ class RedisCluster:
         return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port)
 
 
-@pytest.fixture(scope="session")
-def _redis_workdir():
-    d = Path(tempfile.mkdtemp(prefix="kvblock-redis-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture
-def redis_node(_redis_workdir):
+def redis_node(tmp_path_factory):
     """A fresh one-node ``redis-server`` per test (the test may stop and restart it)."""
     pytest.importorskip("redis") if not IN_CI else __import__("redis")
-    server = RedisServer(_redis_workdir)
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(_redis_workdir):
+def redis_cluster(tmp_path_factory):
     """A three-node Redis Cluster for the session (flush it between tests if needed)."""
     pytest.importorskip("redis") if not IN_CI else __import__("redis")
-    cluster = RedisCluster(_redis_workdir)
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
     try:
         cluster.start()
     except Exception:

@@ -252,7 +252,9 @@ class RedisPrefixIndex:
     # -- availability -------------------------------------------------------------------------
     def _failed(self, e: BaseException, instances: Iterable[str] = ()) -> None:
         self.failures += 1
+        # Redis may have lost everything (a restart): every instance written gets rewritten
         self._dirty.update(instances)
+        self._dirty.update(self._written)
         self._last_try = time.monotonic()
         if self._down_since is None:
             self._down_since = self._last_try
@@ -469,6 +471,9 @@ class RedisPrefixIndex:
         q = self.mirror.query_bytes(block_hashes)
         if not q:
             return {}
+        if self._dirty and self._may_try():
+            self.resync()
+            self._registry_at = -1e9
         names = self.instances() if instances is None else list(instances)
         if not names:
             return {}
@@ -486,8 +491,6 @@ class RedisPrefixIndex:
             self._failed(e)
             raise IndexUnavailable(f"Redis: {type(e).__name__}: {e}") from None
         self._recovered()
-        if self._dirty:
-            self.resync()
         return {name: int(n) for name, n in zip(names, res) if int(n) > 0}
 
     # -- size ---------------------------------------------------------------------------------
