@@ -121,9 +121,13 @@ def block_stored_for_request(
     otherwise they are read from ``request.all_token_ids`` now. Without a request (blocks
     cached through the pool's id API) the token ids are unknown: ``token_ids`` is empty and
     every block's extra keys are None."""
+    import os
+
     from .hashing import maybe_convert_block_hash
     from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window, to_event_extra_keys
 
+    if use_int is None:  # read once per event, not once per block
+        use_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
     n = len(block_hashes)
     if request is None:
         return BlockStored(
@@ -142,7 +146,11 @@ def block_stored_for_request(
     skip = set(null_blocks)
     indices = [i for i in range(first_block, end_block) if i not in skip]
     extra: list = []
-    if indices:
+    if indices and not (request.lora_request or request.mm_features or request.cache_salt
+                        or request.prompt_embeds is not None):
+        # nothing to key on: every block's extra keys are None (what the loop below gives)
+        extra = [None] * len(indices)
+    elif indices:
         s0 = indices[0] * block_size
         mm_idx = get_mm_features_in_window(request.mm_features, s0, s0 + block_size) if s0 > 0 else 0
         for i in indices:

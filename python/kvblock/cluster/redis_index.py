@@ -156,6 +156,9 @@ class RedisPrefixIndex:
         ValueError: a bad URL or namespace.
     """
 
+    #: :class:`~kvblock.cluster.Router` passes its instances to :meth:`match`
+    wants_instances = True
+
     def __init__(self, client: Any, namespace: str = "kvblock", *, ttl_s: float | None = 300.0,
                  block_size: int | None = None, group_idx: int = 0, retry_interval_s: float = 0.5,
                  timeout_s: float = 0.5) -> None:

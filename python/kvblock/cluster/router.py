@@ -110,6 +110,11 @@ class Router:
         self._running[instance] = int(running_tokens)
         self._waiting[instance] = int(waiting_tokens)
 
+    def add_waiting(self, instance: str, tokens: int) -> None:
+        """A request of ``tokens`` prompt tokens was just sent to ``instance`` (counted as
+        waiting until the next :meth:`set_load`)."""
+        self._waiting[instance] += int(tokens)
+
     def load(self, instance: str) -> int:
         return self._running[instance] + self._waiting[instance]
 
@@ -160,7 +165,12 @@ class Router:
         if self.policy == "least-loaded":
             return Decision(self._least_loaded(), "least-loaded")
         try:
-            hits = self.index.match(block_hashes, self.medium) if len(block_hashes) else {}
+            if not len(block_hashes):
+                hits = {}
+            elif getattr(self.index, "wants_instances", False):  # a shared index: ask for ours
+                hits = self.index.match(block_hashes, self.medium, instances=self.instances)
+            else:
+                hits = self.index.match(block_hashes, self.medium)
         except IndexUnavailable as e:
             self.fallbacks += 1
             if self.index_available:
