@@ -9,6 +9,7 @@ and are stopped at the end. Import the fixtures into a test module
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from cluster_helpers import free_cluster_port, free_port
-from conftest import IN_CI
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _binary(name: str) -> str:

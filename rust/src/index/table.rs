@@ -14,22 +14,21 @@ use hashbrown::HashTable;
 /// The parent tag of a chain's first block (`parent_block_hash` None).
 pub const ROOT_TAG: u32 = 0;
 
-/// murmur3's 64-bit finaliser: spreads any key (even small ints) over all bits.
+/// The table hash of a block hash: fold the high half in, then one multiply (the SwissTable
+/// takes its bucket from the low bits and its 7-bit tag from the top ones; block hashes are
+/// already uniform, and small or sequential ints still spread).
 #[inline(always)]
-pub fn mix(mut k: u64) -> u64 {
-    k ^= k >> 33;
-    k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    k ^= k >> 33;
-    k = k.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    k ^ (k >> 33)
+pub fn mix(k: u64) -> u64 {
+    (k ^ (k >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9)
 }
 
-/// The 32-bit tag of a parent hash (never [`ROOT_TAG`] for a real parent).
+/// The 32-bit tag of a parent hash (never [`ROOT_TAG`] for a real parent): both halves
+/// folded, the same function the Redis index stores.
 #[inline(always)]
 pub fn parent_tag(parent: Option<u64>) -> u32 {
     match parent {
         None => ROOT_TAG,
-        Some(p) => ((mix(p ^ 0x9e37_79b9_7f4a_7c15) >> 32) as u32).max(1),
+        Some(p) => ((p >> 32) as u32 ^ (p as u32).rotate_left(13)).max(1),
     }
 }
 

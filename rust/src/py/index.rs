@@ -3,7 +3,7 @@
 use super::errors::{type_err, value_err, IntoPy};
 use crate::index::wire::event_int_of_digest;
 use crate::index::{tag_of_parent, PrefixIndex};
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
@@ -27,6 +27,12 @@ fn hash_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u64> {
 /// Block hashes from a list / tuple / sequence of int or bytes, or a uint64 numpy array.
 fn hashes_of(obj: &Bound<'_, PyAny>, arg: &str, out: &mut Vec<u64>) -> PyResult<()> {
     out.clear();
+    if let Ok(buf) = pyo3::buffer::PyBuffer::<u64>::get(obj) {
+        // a uint64 array (numpy, array.array('Q')): copied out without a Python object per hash
+        out.resize(buf.item_count(), 0);
+        buf.copy_to_slice(obj.py(), out)?;
+        return Ok(());
+    }
     if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
         out.extend(arr.as_array().iter());
         return Ok(());
@@ -184,16 +190,31 @@ impl PyPrefixIndex {
         Ok(d)
     }
 
-    #[pyo3(signature = (block_hashes, medium=None))]
+    #[pyo3(signature = (block_hashes, medium=None, out=None))]
     fn match_dense<'py>(
         &mut self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
         medium: Option<String>,
+        out: Option<Bound<'py, PyArray1<u32>>>,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
-        Ok(PyArray1::from_slice(py, &self.dense))
+        match out {
+            None => Ok(PyArray1::from_slice(py, &self.dense)),
+            Some(arr) => {
+                {
+                    let mut w = arr.try_readwrite().map_err(|_| value_err("out", "must be a writable array"))?;
+                    let s = w.as_slice_mut().map_err(|_| value_err("out", "must be contiguous"))?;
+                    if s.len() < self.dense.len() {
+                        return Err(value_err("out", format!("needs {} entries (id_bound())", self.dense.len())));
+                    }
+                    s[..self.dense.len()].copy_from_slice(&self.dense);
+                    s[self.dense.len()..].fill(0);
+                }
+                Ok(arr)
+            }
+        }
     }
 
     /// The payload's events as `(op, medium, data)` for a store that keeps the same state
