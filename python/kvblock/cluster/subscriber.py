@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .publisher import END_SEQ
@@ -38,7 +38,6 @@ class _Engine:
     disconnected: bool = False
     last_sync: float = 0.0
     malformed_frames: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class KVEventSubscriber:

@@ -61,6 +61,10 @@ impl Slab {
 
     /// Reserve room for `n` more sets, so that `n` set insertions cannot fail.
     pub fn reserve(&mut self, n: usize) -> Result<()> {
+        // slot 2**31 - 1 is never handed out: its set word is the table's EMPTY
+        if self.bits.len() / self.words + n.saturating_sub(self.free.len()) >= MAX_INSTANCE as usize {
+            return Err(Error::Memory("too many shared blocks".into()));
+        }
         let extra = n.saturating_sub(self.free.len()) * self.words;
         self.bits.try_reserve(extra).map_err(|_| Error::Memory("cannot grow the holder sets".into()))
     }

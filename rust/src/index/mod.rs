@@ -20,8 +20,8 @@
 //! Events of another KV-cache group than the index's, or (when the index has a block size)
 //! of another block size, are skipped and counted.
 //!
-//! Layout: one [`table::Table`] per medium, 16 bytes per (block, parent) node in a
-//! SwissTable; holder sets in one `u32` per node (an instance id inline, or a slot of
+//! Layout: one [`table::Table`] per medium, 16 bytes per (block, parent) node in an
+//! open-addressing table kept 53-80% full; holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
 pub mod holders;
@@ -309,6 +309,11 @@ impl PrefixIndex {
         }
         if let Some(Some(inst)) = self.instances.get_mut(id as usize) {
             inst.last_seen_ms = inst.last_seen_ms.max(now_ms);
+        }
+        if st.removed > 0 {
+            for t in &mut self.tables {
+                t.maybe_shrink();
+            }
         }
         self.stats.stored += st.stored;
         self.stats.removed += st.removed;
