@@ -177,24 +177,6 @@ impl Table {
         self.len -= 1;
     }
 
-    /// The slot of (`key`, `tag`), if present.
-    fn find(&self, key: u64, tag: u32) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
-        let mut i = self.home(key);
-        loop {
-            let n = self.slots[i];
-            if n.set == EMPTY {
-                return None;
-            }
-            if n.key == key && n.tag == tag {
-                return Some(i);
-            }
-            i = self.next(i);
-        }
-    }
-
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
     /// number of (block, holder) pairs: +1 if new, 0 if it already held it, and one less per
     /// other tag it is dropped from. Room must be reserved first ([`Table::reserve`],
