@@ -11,8 +11,9 @@ Key layout (``ns`` the namespace, e.g. one per model; ``inst`` an instance name)
 
 An instance's keys share one hash tag, so on Redis Cluster they live in one slot and an
 event batch is one server-side script call (one round trip, atomic); instances spread over
-the cluster's nodes. A lookup is one pipeline of one script call per instance (one round trip
-on one node; on a cluster, one to each node, sent together).
+the cluster's nodes. A lookup is one script call for every instance on one node, and one
+pipeline of one script call per instance on a cluster (one round trip to each node, sent
+together).
 
 Expiry: every batch and :meth:`RedisPrefixIndex.touch` refreshes the instance's keys' TTL
 (``ttl_s``): a dead instance's entries go away by themselves, and lookups skip instances
@@ -114,6 +115,40 @@ while k < n and held[k + 1] do k = k + 1 end
 return k
 """
 
+_MATCH_MANY = r"""
+-- one node (not a cluster): every instance in one call. KEYS: per instance its meta key then
+-- its MAX_MEDIA block-hash keys; ARGV[1] medium filter, ARGV[2] query, ARGV[3] MAX_MEDIA
+local per = 1 + tonumber(ARGV[3])
+local q = ARGV[2]
+local n = #q / 12
+local fields, tags = {}, {}
+for i = 1, n do
+  fields[i] = string.sub(q, (i - 1) * 12 + 1, (i - 1) * 12 + 8)
+  tags[i] = string.sub(q, (i - 1) * 12 + 9, i * 12)
+end
+local out = {}
+for base = 0, #KEYS - per, per do
+  local k = 0
+  local media = redis.call('HGET', KEYS[base + 1], 'media')
+  if media and n > 0 then
+    local held = {}
+    local mid = 0
+    for name in string.gmatch(media .. '\n', '([^\n]*)\n') do
+      if ARGV[1] == '' or ARGV[1] == '=' .. name then
+        local vals = redis.call('HMGET', KEYS[base + 2 + mid], unpack(fields))
+        for i = 1, n do
+          if vals[i] and vals[i] == tags[i] then held[i] = true end
+        end
+      end
+      mid = mid + 1
+    end
+    while k < n and held[k + 1] do k = k + 1 end
+  end
+  out[#out + 1] = k
+end
+return out
+"""
+
 _RESET = r"""
 -- KEYS[1] meta, KEYS[2..] block hashes of media; ARGV: ttl_ms, seq, media
 for k = 2, #KEYS do redis.call('DEL', KEYS[k]) end
@@ -177,7 +212,7 @@ class RedisPrefixIndex:
         self._errors = _connection_errors()
         self._noscript = redis.exceptions.NoScriptError
         self._sha: dict[str, str] = {}
-        self._src = {"apply": _APPLY, "match": _MATCH, "reset": _RESET}
+        self._src = {"apply": _APPLY, "match": _MATCH, "match_many": _MATCH_MANY, "reset": _RESET}
         self._media: dict[str, list[str]] = {}  # writer: instance -> medium names by mid
         self._written: set[str] = set()
         self._dirty: set[str] = set()
@@ -461,8 +496,9 @@ class RedisPrefixIndex:
 
     def match(self, block_hashes: Any, medium: str | None = None,
               instances: Iterable[str] | None = None) -> dict[str, int]:
-        """Longest cached prefix (blocks) of the chain per instance with a hit, from Redis: one
-        pipeline of one script call per instance.
+        """Longest cached prefix (blocks) of the chain per instance with a hit, from Redis in
+        one round trip (one script call on one node; one per instance, pipelined, on a
+        cluster).
 
         Args:
             instances: the instances to ask (default: the registry's live ones).
@@ -483,8 +519,12 @@ class RedisPrefixIndex:
         flt = "" if medium is None else "=" + medium
 
         def build(pipe: Any) -> None:
-            for name in names:
-                self._evalsha(pipe, "match", self._keys(name, MAX_MEDIA), (flt, q))
+            if self.is_cluster:  # one slot per instance: one call each, sent together
+                for name in names:
+                    self._evalsha(pipe, "match", self._keys(name, MAX_MEDIA), (flt, q))
+            else:
+                keys = [k for name in names for k in self._keys(name, MAX_MEDIA)]
+                self._evalsha(pipe, "match_many", keys, (flt, q, MAX_MEDIA))
 
         if not self._may_try():
             raise IndexUnavailable("Redis is unavailable (retrying shortly)")
@@ -494,7 +534,8 @@ class RedisPrefixIndex:
             self._failed(e)
             raise IndexUnavailable(f"Redis: {type(e).__name__}: {e}") from None
         self._recovered()
-        return {name: int(n) for name, n in zip(names, res) if int(n) > 0}
+        counts = res if self.is_cluster else res[0]
+        return {name: int(n) for name, n in zip(names, counts) if int(n) > 0}
 
     # -- size ---------------------------------------------------------------------------------
     def memory_bytes(self, instance: str) -> int:

@@ -497,8 +497,8 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
     ax1.legend(fontsize="small")
     any_r = next(iter(results.values()))[0]
     cfg = any_r.config
-    fig.suptitle(title or f"{any_r.workload}: {cfg['num_blocks']:,} blocks of {cfg['block_size']} tokens per instance",
-                 fontsize="medium")
+    fig.suptitle(title or f"{any_r.workload} ({any_r.requests:,} requests): {cfg['num_blocks']:,} blocks of "
+                 f"{cfg['block_size']} tokens per instance", fontsize="medium")
     fig.tight_layout()
     try:
         fig.savefig(path)
