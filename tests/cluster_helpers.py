@@ -43,6 +43,21 @@ def poll_until(sub, cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
+def rebind(make: Callable, timeout_s: float = 5.0):
+    """``make()`` once the ports a just-closed socket held are free again (ZMQ closes
+    sockets in its I/O thread, so a restart on the same port may briefly find it in use)."""
+    import zmq
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def chain(seed: int, n: int, shared: int = 0, shared_seed: int = 7) -> list[int]:
     """``n`` 64-bit block hashes: the first ``shared`` common to every seed."""
     rng_s = np.random.default_rng(shared_seed)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from cluster_helpers import chain, free_port, poll_until
+from cluster_helpers import chain, free_port, poll_until, rebind
 from conftest import require_module
 
 kv_events = require_module("vllm.distributed.kv_events")
@@ -135,8 +135,7 @@ def test_vllm_publisher_restart_is_detected():
         finally:
             pub.shutdown()
         # the engine restarts: a new publisher on the same ports numbers from 0 again
-        time.sleep(0.3)
-        pub2 = vllm_publisher(port, rport)
+        pub2 = rebind(lambda: vllm_publisher(port, rport))
         try:
             d = chain(9, 5)
             pub2.publish(vllm_batch([vllm_stored(d)]))
@@ -257,7 +256,7 @@ def test_kvblock_publisher_to_subscriber_with_faults():
         assert stream.stats.malformed == 1
         assert ix.match(b) == {} and ix.match(a) == {"e0": 3}
         pub.close()
-        pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        pub = rebind(lambda: KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}"))
         try:
             pub.publish_payload(msgspec.msgpack.encode(vllm_batch([vllm_stored(b[:2])])))
             poll_until(sub, lambda: ix.match(b) == {"e0": 2})

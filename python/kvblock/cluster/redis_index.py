@@ -335,6 +335,11 @@ class RedisPrefixIndex:
         """Apply one ``KVEventBatch`` payload for ``instance`` (the mirror's counts are
         returned). Never raises for Redis faults (the instance is rewritten later).
 
+        Args:
+            now_ms: the time for the mirror's ``expire``.
+            seq: the batch number; Redis skips a batch at or below the last one it applied
+                for the instance (a re-sent batch). -1: no check.
+
         Raises:
             ValueError: a malformed payload (nothing changes), more than ``MAX_MEDIA`` media.
         """

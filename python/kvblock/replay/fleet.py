@@ -482,7 +482,7 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
         xs = [r.fleet["instances"] for r in rs]
         counts = sorted(set(counts) | set(xs))
         ax1.plot(xs, [100 * r.hit_rate for r in rs], marker=markers.get(router, "o"), label=router)
-        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] / 1e3 for r in rs], marker=markers.get(router, "o"),
+        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] for r in rs], marker=markers.get(router, "o"),
                  label=router)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
@@ -492,8 +492,8 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
         ax.grid(True, alpha=0.35)
     ax1.set_ylabel("fleet prefix-cache hit rate (%)")
     ax1.set_ylim(bottom=0)
-    ax2.set_ylabel("mean queueing delay (s)")
-    ax2.set_yscale("symlog", linthresh=0.1)
+    ax2.set_ylabel("mean queueing delay (ms)")
+    ax2.set_ylim(bottom=0)
     ax1.legend(fontsize="small")
     any_r = next(iter(results.values()))[0]
     cfg = any_r.config
