@@ -160,14 +160,11 @@ return 1
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What counts as "Redis unavailable": every redis-py error (connection, timeout,
+    cluster down, a server refusing writes when out of memory, ...) and socket errors."""
     import redis.exceptions as rex
 
-    errs: list[type[BaseException]] = [rex.ConnectionError, rex.TimeoutError, ConnectionError, TimeoutError, OSError]
-    for name in ("ClusterDownError", "ClusterError", "MasterDownError", "TryAgainError", "BusyLoadingError",
-                 "SlotNotCoveredError", "MaxConnectionsError"):
-        if hasattr(rex, name):
-            errs.append(getattr(rex, name))
-    return tuple(errs)
+    return (rex.RedisError, ConnectionError, TimeoutError, OSError)
 
 
 def _medium_name(medium: str | None) -> str:
