@@ -263,3 +263,24 @@ def test_kvblock_publisher_to_subscriber_with_faults():
             assert ix.match(a) == {}  # the old incarnation's blocks are gone
         finally:
             pub.close()
+
+
+def test_subscriber_thread_feeds_the_index_while_the_router_reads():
+    from kvblock.cluster import Router
+
+    port, rport = free_port(), free_port()
+    ix = PrefixIndex()
+    router = Router(["e0", "e1"], ix, "cache-aware", block_size=16)
+    a = chain(4, 6)
+    with KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}") as pub, \
+            KVEventSubscriber(ix, idle_sync_s=0.2) as sub:
+        sub.add_engine("e1", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        sub.start(interval_ms=10)
+        pub.publish_payload(msgspec.msgpack.encode(vllm_batch([vllm_stored(a)])))
+        deadline = time.monotonic() + 10
+        d = router.route(a, 96)
+        while d.cached_blocks == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            d = router.route(a, 96)
+        assert d.instance == "e1" and d.cached_blocks == 6
+        sub.stop()
