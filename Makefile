@@ -31,6 +31,7 @@ lint:
 bench: install
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
 	cargo bench --bench core
+	cargo bench --bench index
 
 demo: $(BIN)/python
 	$(BIN)/python -m pip install -q .

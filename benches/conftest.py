@@ -33,6 +33,13 @@ from collections import defaultdict  # noqa: E402
 import pytest
 
 _RESULTS: dict[str, dict[str, tuple[float, float, float]]] = defaultdict(dict)
+_LINES: list[str] = []
+
+
+@pytest.fixture
+def report_line():
+    """``report_line(text)``: a line for the summary (a measured size, not a time)."""
+    return _LINES.append
 
 
 @pytest.fixture
@@ -65,6 +72,10 @@ def record_measured():
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _LINES:
+        terminalreporter.section("kvblock measurements")
+        for line in _LINES:
+            terminalreporter.write_line(line)
     if not _RESULTS:
         return
     tr = terminalreporter

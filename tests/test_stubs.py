@@ -38,5 +38,6 @@ def test_stub_matches_binary():
 
 
 def test_pyclasses_name_their_module():
-    for name in ("HashFunction", "RequestBlockHasher", "BlockIds", "BlockPoolCore", "KVCacheManagerCore"):
+    for name in ("HashFunction", "RequestBlockHasher", "BlockIds", "BlockPoolCore", "KVCacheManagerCore",
+                 "PrefixIndexCore"):
         assert getattr(core, name).__module__ == "kvblock._core"

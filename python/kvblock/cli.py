@@ -4,8 +4,10 @@
                      pure-Python reference on a 4096-token prompt).
 ``kvblock replay``   replay a request trace (Mooncake, Bailian or token-id JSONL) or a built-in
                      workload through a continuous-batching scheduler simulator driving the KV
-                     cache manager; report hit rates, evictions, preemptions and costs.
-``kvblock sweep``    hit rate against cache capacity for one or more traces, with a plot.
+                     cache manager; report hit rates, evictions, preemptions and costs. With
+                     ``--instances N --router POLICY`` a fleet of N engines behind a router.
+``kvblock sweep``    hit rate against cache capacity for one or more traces, with a plot; with
+                     ``--instances``, fleet hit rate against instance count per routing policy.
 ``kvblock demo``     a tiny paged-attention model served with prefix caching on and off: the
                      outputs are identical (needs the ``torch`` extra).
 
@@ -185,6 +187,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = _load_input(spec, args)
     _warn_skipped(trace, err)
     cfg = _replay_config(args, trace)
+    if args.instances is not None or args.router is not None or args.index is not None:
+        return _fleet_replay(args, trace, cfg, out, err)
     impls = ("kvblock", "reference") if args.compare else (cfg.impl,)
     results = []
     for name in impls:
@@ -213,6 +217,97 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return status
 
 
+def _fleet_config(args: argparse.Namespace, instances: int, router: str) -> Any:
+    from .replay.fleet import FleetConfig
+
+    return FleetConfig(instances=instances, router=router, index=args.index or "memory",
+                       load_weight=args.load_weight, transport=args.transport).validate()
+
+
+def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err: Any) -> int:
+    from .replay import ReplayError
+    from .replay.fleet import render_fleet, replay_fleet
+    from .replay.progress import replay_progress
+
+    if args.compare or args.ideal or args.fingerprint:
+        raise ReplayError("--instances / --router / --index (a fleet replay) cannot be combined with "
+                          "--compare, --ideal or --fingerprint")
+    fleet = _fleet_config(args, args.instances if args.instances is not None else 1, args.router or "cache-aware")
+    with replay_progress(len(trace.requests), f"fleet replay ({fleet.instances} x {fleet.router})", err,
+                         not args.no_progress) as progress:
+        r = replay_fleet(trace, cfg, fleet, progress)
+    if args.json:
+        print(json.dumps(r.to_dict(), indent=2))
+    else:
+        render_fleet(r, out)
+    return 0
+
+
+def _int_list(specs: Sequence[str], what: str) -> list[int]:
+    from .replay import ReplayError
+
+    out: list[int] = []
+    for spec in specs:
+        for part in str(spec).split(","):
+            if part.strip():
+                try:
+                    out.append(int(part))
+                except ValueError:
+                    raise ReplayError(f"bad {what} {part!r}: expected integers such as 1,2,4,8") from None
+    if not out or min(out) < 1:
+        raise ReplayError(f"{what}: expected integers >= 1")
+    return sorted(set(out))
+
+
+def _cmd_fleet_sweep(args: argparse.Namespace, out: Any, err: Any) -> int:
+    from rich.table import Table
+
+    from .cluster.router import POLICIES
+    from .replay import ReplayError, SimConfig
+    from .replay.fleet import fleet_sweep, plot_fleet_sweep
+    from .replay.progress import replay_progress
+
+    counts = _int_list(args.instances, "--instances")
+    routers = [r.strip() for spec in args.routers for r in spec.split(",") if r.strip()]
+    for r in routers:
+        if r not in POLICIES:
+            raise ReplayError(f"unknown router {r!r}; choose from {', '.join(POLICIES)}")
+    if len(args.traces) != 1:
+        raise ReplayError("a fleet sweep (--instances) takes one TRACE")
+    trace = _load_input(args.traces[0], args)
+    _warn_skipped(trace, err)
+    caps = [c for c in __import__("kvblock.replay.sweep", fromlist=["x"]).parse_capacities(args.capacities)]
+    if len(caps) != 1:
+        raise ReplayError("a fleet sweep takes one --capacities value: the blocks of each instance")
+    cfg = SimConfig(num_blocks=caps[0], block_size=args.block_size, hash_algo=args.hash_algo,
+                    time_scale=args.time_scale).validate()
+    fleet = _fleet_config(args, 1, routers[0])
+    total = len(trace.requests) * len(counts) * len(routers)
+    with replay_progress(total, "fleet sweep", err, not args.no_progress) as progress:
+        results = fleet_sweep(trace, cfg, counts, routers, fleet, progress)
+    if args.plot:
+        plot_fleet_sweep(results, args.plot, args.title)
+    if args.json:
+        print(json.dumps({"routers": {k: [r.to_dict() for r in v] for k, v in results.items()}, "plot": args.plot},
+                         indent=2))
+        return 0
+    table = Table(title=f"{trace.name}: fleet hit rate vs instances",
+                  caption=f"{cfg.resolved_num_blocks(trace):,} blocks of {cfg.block_size} tokens per instance")
+    for col in ("router", "instances", "hit rate", "imbalance", "queue mean", "queue p99", "TTFT p50",
+                "over-reports"):
+        table.add_column(col, justify="right")
+    for router, rs in results.items():
+        for r in rs:
+            d = r.to_dict()
+            table.add_row(router, str(r.fleet["instances"]), f"{100 * r.hit_rate:.2f}%", f"{r.imbalance:.2f}",
+                          f"{d['queue_delay_ms']['mean'] / 1e3:,.2f} s", f"{d['queue_delay_ms']['p99'] / 1e3:,.2f} s",
+                          f"{d['ttft_ms']['p50'] / 1e3:,.2f} s", f"{r.over_reports}")
+    out.print(table)
+    if args.plot:
+        out.print(f"wrote {args.plot}")
+    return 0
+
+
 def _si(n: int) -> str:
     """A count in a few characters (1,234 / 12.3k / 45.67M)."""
     if n < 10_000:
@@ -232,6 +327,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from .replay.sweep import parse_capacities, sweep
 
     out, err = Console(), Console(stderr=True)
+    if args.instances is not None:
+        return _cmd_fleet_sweep(args, out, err)
     capacities = parse_capacities(args.capacities)
     SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True).validate()
     traces = [_load_input(spec, args) for spec in args.traces]
@@ -332,6 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache manager: kvblock (Rust) or the pure-Python reference (default kvblock)")
     g.add_argument("--ideal", action="store_true",
                    help="requests finish instantly: measure the prefix cache alone")
+    fl = rp.add_argument_group("fleet (any of these runs N engines behind a router)")
+    fl.add_argument("--instances", type=_int, default=None, metavar="N",
+                    help="engine instances, each with --num-blocks blocks (default 1)")
+    fl.add_argument("--router", choices=("round-robin", "least-loaded", "cache-aware"), default=None,
+                    help="routing policy (default cache-aware)")
+    fl.add_argument("--index", default=None, metavar="URL",
+                    help="prefix index: 'memory' (in-process, default), redis://host:port or "
+                    "redis+cluster://host:port")
+    fl.add_argument("--load-weight", type=_float, default=0.5, metavar="W",
+                    help="cache-aware score = cached tokens - W * load tokens (default 0.5)")
+    fl.add_argument("--transport", choices=("direct", "zmq"), default="direct",
+                    help="events to the index directly, or through ZMQ publisher/subscriber sockets")
     o = rp.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="run kvblock and the reference on the same input; print both and the speedup")
@@ -356,6 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--hash-algo", choices=ALGORITHMS, default="sha256", help="block hash (default sha256)")
     sw.add_argument("--impl", choices=("kvblock", "reference"), default="kvblock", help="KV cache manager")
     _add_input_options(sw)
+    fs = sw.add_argument_group("fleet sweep (with --instances: hit rate against instance count per router)")
+    fs.add_argument("--instances", nargs="+", default=None, metavar="LIST",
+                    help="instance counts, e.g. 1,2,4,8,16 (--capacities then gives the blocks per instance)")
+    fs.add_argument("--routers", nargs="+", default=["round-robin,least-loaded,cache-aware"], metavar="LIST",
+                    help="routing policies (default all three)")
+    fs.add_argument("--index", default=None, metavar="URL", help="prefix index (default in-process)")
+    fs.add_argument("--load-weight", type=_float, default=0.5, metavar="W", help="cache-aware load weight")
+    fs.add_argument("--transport", choices=("direct", "zmq"), default="direct", help="how events reach the index")
+    fs.add_argument("--time-scale", type=_float, default=1.0, metavar="X",
+                    help="multiply arrival times by X (default 1)")
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw.set_defaults(func=_cmd_sweep)

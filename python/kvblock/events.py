@@ -10,6 +10,7 @@ omitted when equal to the default. A :class:`KVEventBatch` is an array
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, Union
@@ -142,6 +143,8 @@ def block_stored_for_request(
 
     if cls is None:
         cls = BlockStored
+    if use_int is None:  # read once per event, not once per block
+        use_int = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
     hashes = [maybe_convert_block_hash(h, use_int) for h in block_hashes]
     parent = None if parent_block_hash is None else maybe_convert_block_hash(parent_block_hash, use_int)
     if request is None:
@@ -167,7 +170,18 @@ def block_stored_for_request(
         def span(a: int, b: int) -> list[int]:
             return list(all_ids[a:b])
 
-    extra = [to_event_extra_keys(generate_block_hash_extra_keys(request, s, e + lookahead, 0)[0]) for s, e in key_ranges]
+    if not (
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "cache_salt", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    ):
+        # nothing to key on: every block's extra keys are None (what the keys below give)
+        extra: list[Any] = [None] * len(key_ranges)
+    else:
+        extra = [
+            to_event_extra_keys(generate_block_hash_extra_keys(request, s, e + lookahead, 0)[0]) for s, e in key_ranges
+        ]
     lora = request.lora_request
     return cls(
         block_hashes=hashes,

@@ -6,9 +6,11 @@
 //! * [`hashing`]: chained block hashing (serializers, digests, the digest memo).
 //! * [`pool`]: the block pool (free queue, cache map, arena, events).
 //! * [`manager`]: the KV cache manager (per-request block tables, allocation, caching).
+//! * [`index`]: the fleet prefix index (block hash -> holding instances, from KV events).
 
 pub mod error;
 pub mod hashing;
+pub mod index;
 pub mod manager;
 pub mod pool;
 

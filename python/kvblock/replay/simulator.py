@@ -247,6 +247,19 @@ class _Scheduler:
         self.done = 0
         self.free_ns = 0
         self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        #: the simulated clock (ms); advanced by the caller (:meth:`run`, or a fleet)
+        self.now = 0.0
+        self.steps = 0
+        self.lookup_ns = self.admit_ns = self.step_ns = 0
+        self.lookup_calls = self.admit_calls = self.step_calls = 0
+        self.blocks_queried = self.blocks_hit = 0
+        self.usage = array("i")
+        #: the type of the requests :meth:`add` makes (a fleet adds the event fields)
+        self.request_type: type[SimRequest] = SimRequest
+        #: ``(req, now)`` when a request is first admitted / samples its first token
+        self.on_admit: Callable[[SimRequest, float], None] | None = None
+        self.on_first_token: Callable[[SimRequest, float], None] | None = None
 
     # -- per-request actions -----------------------------------------------------------------
     def _allocated(self, req: SimRequest, num_slots: int) -> None:
@@ -289,165 +302,202 @@ class _Scheduler:
         hashes.extend(self.hasher.chain(hashes[-1] if hashes else None, req.tail[start:end]))
 
     # -- the loop ------------------------------------------------------------------------------
+    def add(self, tr: TraceRequest) -> SimRequest | None:
+        """A request arrives: it waits, or is recorded as unservable (None)."""
+        bad = _unservable(tr, self.cfg, self.res.usable_blocks)
+        if bad is not None:
+            self.res.unservable.append(bad)
+            self.done += 1
+            return None
+        req = self.request_type(tr)
+        self.waiting.append(req)
+        return req
+
+    @property
+    def busy(self) -> bool:
+        """Requests are waiting or running."""
+        return bool(self.waiting or self.running)
+
     def run(self) -> None:
+        """Replay the whole trace: arrivals on the simulated clock, one :meth:`step` per
+        ``step_ms``."""
+        cfg = self.cfg
+        pending = deque(self.trace.requests)
+        waiting = self.waiting
+        scale, step_ms = cfg.time_scale, cfg.step_ms
+        while pending or waiting or self.running:
+            # Arrivals (the clock jumps forward when nothing is left to do).
+            if pending:
+                if not cfg.asap and not waiting and not self.running:
+                    self.now = max(self.now, pending[0].arrival_ms * scale)
+                while pending and (cfg.asap or pending[0].arrival_ms * scale <= self.now):
+                    self.add(pending.popleft())
+                if not waiting and not self.running:
+                    continue
+            self.step()
+            self.now += step_ms
+        self.finish()
+
+    def step(self) -> None:
+        """One scheduler step: (1) running requests, (2) waiting ones, (3) the model step,
+        (4) finished requests freed (see the module docstring).
+
+        Raises:
+            RuntimeError: nothing could be scheduled (a stall).
+        """
         cfg, mgr, res, fp = self.cfg, self.mgr, self.res, self.fp
         b = cfg.block_size
-        usable = res.usable_blocks
         clock = time.perf_counter_ns
         get_computed_blocks, allocate_slots = mgr.get_computed_blocks, mgr.allocate_slots
         record = mgr.record_prefix_cache_stats
-        get_free = mgr.block_pool.get_num_free_blocks
         hasher = self.hasher
-        pending = deque(self.trace.requests)
         waiting = self.waiting
-        running: list[SimRequest] = []
-        budget0 = cfg.token_budget if cfg.token_budget is not None else _NO_LIMIT
+        running = self.running
         max_running, chunked = cfg.max_running, cfg.chunked_prefill
-        scale, step_ms = cfg.time_scale, cfg.step_ms
-        usage = array("i")
-        now = 0.0
-        steps = 0
+        on_admit, on_first_token = self.on_admit, self.on_first_token
         lookup_ns = admit_ns = step_ns = 0
         lookup_calls = admit_calls = step_calls = 0
         blocks_queried = blocks_hit = 0
         RUNNING = RequestStatus.RUNNING
-        while pending or waiting or running:
-            # Arrivals (the clock jumps forward when nothing is left to do).
-            if pending:
-                if not cfg.asap and not waiting and not running:
-                    now = max(now, pending[0].arrival_ms * scale)
-                while pending and (cfg.asap or pending[0].arrival_ms * scale <= now):
-                    tr = pending.popleft()
-                    bad = _unservable(tr, cfg, usable)
-                    if bad is not None:
-                        res.unservable.append(bad)
-                        self.done += 1
-                        continue
-                    waiting.append(SimRequest(tr))
-                if not waiting and not running:
-                    continue
-            budget = budget0
-            scheduled: list[tuple[SimRequest, int]] = []
-            preempted = False
+        budget = cfg.token_budget if cfg.token_budget is not None else _NO_LIMIT
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
 
-            # (1) Running requests.
-            i = 0
-            while i < len(running) and budget > 0:
-                req = running[i]
-                k = req.num_tokens - req.num_computed_tokens
+        # (1) Running requests.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            k = req.num_tokens - req.num_computed_tokens
+            if k > budget:
+                k = budget
+            while True:
+                t0 = clock()
+                new = allocate_slots(req, k)
+                step_ns += clock() - t0
+                step_calls += 1
+                if new is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new is None:
+                break
+            if fp is not None:
+                fp.update(("d" + _ids(new)).encode())
+            slots = req.num_computed_tokens + k
+            if slots > req.table_blocks * b:
+                self._allocated(req, slots)
+            if slots >= (req.cached_blocks + 1) * b:
+                cached = min(slots, req.num_tokens, len(req.block_hashes) * b) // b
+                if cached > req.cached_blocks:
+                    req.cached_blocks = cached
+            scheduled.append((req, k))
+            budget -= k
+            i += 1
+
+        # (2) Waiting requests, unless this step preempted.
+        if not preempted:
+            while waiting and len(running) < max_running and budget > 0:
+                req = waiting[0]
+                if not req.hashed:
+                    req.block_hashes = hasher.prompt_hashes(req.spec)
+                    req.hashed = True
+                t0 = clock()
+                hit, n_hit, _ = get_computed_blocks(req)
+                lookup_ns += clock() - t0
+                lookup_calls += 1
+                k = req.num_tokens - n_hit
+                if not chunked and k > budget:
+                    break
                 if k > budget:
                     k = budget
-                while True:
-                    t0 = clock()
-                    new = allocate_slots(req, k)
-                    step_ns += clock() - t0
-                    step_calls += 1
-                    if new is not None:
-                        break
-                    victim = running.pop()
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
+                t0 = clock()
+                new = allocate_slots(req, k, n_hit, hit)
+                admit_ns += clock() - t0
+                admit_calls += 1
                 if new is None:
                     break
+                waiting.popleft()
+                record(req, n_hit)
+                if req.num_preemptions == 0:
+                    blocks_queried += len(req.block_hashes)
+                    blocks_hit += n_hit // b
+                    if on_admit is not None:
+                        on_admit(req, self.now)
                 if fp is not None:
-                    fp.update(("d" + _ids(new)).encode())
-                slots = req.num_computed_tokens + k
-                if slots > req.table_blocks * b:
-                    self._allocated(req, slots)
-                if slots >= (req.cached_blocks + 1) * b:
-                    cached = min(slots, req.num_tokens, len(req.block_hashes) * b) // b
-                    if cached > req.cached_blocks:
-                        req.cached_blocks = cached
+                    fp.update(("h" + _ids(hit)).encode())
+                    fp.update(("n" + _ids(new)).encode())
+                req.status = RUNNING
+                req.num_computed_tokens = n_hit
+                req.hit_blocks = req.table_blocks = n_hit // b
+                self._allocated(req, n_hit + k)
+                req.cached_blocks = min(n_hit + k, req.num_tokens, len(req.block_hashes) * b) // b
+                running.append(req)
                 scheduled.append((req, k))
                 budget -= k
-                i += 1
 
-            # (2) Waiting requests, unless this step preempted.
-            if not preempted:
-                while waiting and len(running) < max_running and budget > 0:
-                    req = waiting[0]
-                    if not req.hashed:
-                        req.block_hashes = hasher.prompt_hashes(req.spec)
-                        req.hashed = True
-                    t0 = clock()
-                    hit, n_hit, _ = get_computed_blocks(req)
-                    lookup_ns += clock() - t0
-                    lookup_calls += 1
-                    k = req.num_tokens - n_hit
-                    if not chunked and k > budget:
-                        break
-                    if k > budget:
-                        k = budget
-                    t0 = clock()
-                    new = allocate_slots(req, k, n_hit, hit)
-                    admit_ns += clock() - t0
-                    admit_calls += 1
-                    if new is None:
-                        break
-                    waiting.popleft()
-                    record(req, n_hit)
-                    if req.num_preemptions == 0:
-                        blocks_queried += len(req.block_hashes)
-                        blocks_hit += n_hit // b
-                    if fp is not None:
-                        fp.update(("h" + _ids(hit)).encode())
-                        fp.update(("n" + _ids(new)).encode())
-                    req.status = RUNNING
-                    req.num_computed_tokens = n_hit
-                    req.hit_blocks = req.table_blocks = n_hit // b
-                    self._allocated(req, n_hit + k)
-                    req.cached_blocks = min(n_hit + k, req.num_tokens, len(req.block_hashes) * b) // b
-                    running.append(req)
-                    scheduled.append((req, k))
-                    budget -= k
+        if not scheduled:
+            raise RuntimeError(
+                f"scheduler stalled at step {self.steps} with {len(running)} running and "
+                f"{len(waiting)} waiting requests"
+            )
 
-            if not scheduled:
-                raise RuntimeError(
-                    f"scheduler stalled at step {steps} with {len(running)} running and "
-                    f"{len(waiting)} waiting requests"
-                )
+        # (3) Model step.
+        any_finished = False
+        for req, k in scheduled:
+            req.num_computed_tokens += k
+            if req.num_computed_tokens == req.num_tokens:
+                if req.num_output_tokens < req.output_len:
+                    # sample one token; hash the block it completes, if any
+                    req.num_output_tokens += 1
+                    req.num_tokens += 1
+                    if req.num_output_tokens == 1 and on_first_token is not None:
+                        on_first_token(req, self.now)
+                    if req.num_tokens >= (len(req.block_hashes) + 1) * b:
+                        self._hash_outputs(req)
+                if req.num_output_tokens >= req.output_len:
+                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    any_finished = True
 
-            # (3) Model step.
-            any_finished = False
-            for req, k in scheduled:
-                req.num_computed_tokens += k
-                if req.num_computed_tokens == req.num_tokens:
-                    if req.num_output_tokens < req.output_len:
-                        # sample one token; hash the block it completes, if any
-                        req.num_output_tokens += 1
-                        req.num_tokens += 1
-                        if req.num_tokens >= (len(req.block_hashes) + 1) * b:
-                            self._hash_outputs(req)
-                    if req.num_output_tokens >= req.output_len:
-                        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                        any_finished = True
+        # (4) Finish, in running order.
+        if any_finished:
+            still: list[SimRequest] = []
+            for req in running:
+                if req.status is RequestStatus.FINISHED_LENGTH_CAPPED:
+                    self._free(req)
+                    res.served += 1
+                    self.done += 1
+                else:
+                    still.append(req)
+            running[:] = still
+            if self.progress is not None:
+                self.progress(self.done)
+        self.usage.append(res.usable_blocks - mgr.block_pool.get_num_free_blocks())
+        self.steps += 1
+        self.lookup_ns += lookup_ns
+        self.admit_ns += admit_ns
+        self.step_ns += step_ns
+        self.lookup_calls += lookup_calls
+        self.admit_calls += admit_calls
+        self.step_calls += step_calls
+        self.blocks_queried += blocks_queried
+        self.blocks_hit += blocks_hit
 
-            # (4) Finish, in running order.
-            if any_finished:
-                still: list[SimRequest] = []
-                for req in running:
-                    if req.status is RequestStatus.FINISHED_LENGTH_CAPPED:
-                        self._free(req)
-                        res.served += 1
-                        self.done += 1
-                    else:
-                        still.append(req)
-                running = still
-                if self.progress is not None:
-                    self.progress(self.done)
-            usage.append(usable - get_free())
-            steps += 1
-            now += step_ms
-
+    def finish(self) -> None:
+        """Write the run's counters into the result."""
+        res = self.res
         if self.progress is not None:
             self.progress(self.done)
-        res.steps = steps
-        res.sim_time_s = now / 1e3
-        res.lookup_ns, res.admit_alloc_ns, res.step_alloc_ns, res.free_ns = lookup_ns, admit_ns, step_ns, self.free_ns
-        res.lookup_calls, res.admit_alloc_calls, res.step_alloc_calls = lookup_calls, admit_calls, step_calls
+        res.steps = self.steps
+        res.sim_time_s = self.now / 1e3
+        res.lookup_ns, res.admit_alloc_ns, res.step_alloc_ns, res.free_ns = (
+            self.lookup_ns, self.admit_ns, self.step_ns, self.free_ns)
+        res.lookup_calls, res.admit_alloc_calls, res.step_alloc_calls = (
+            self.lookup_calls, self.admit_calls, self.step_calls)
         res.free_calls = res.served + res.preemptions
-        res.blocks_queried, res.blocks_hit = blocks_queried, blocks_hit
+        res.blocks_queried, res.blocks_hit = self.blocks_queried, self.blocks_hit
+        usage = self.usage
         res.usage = np.frombuffer(usage, dtype=np.int32).copy() if usage else np.zeros(0, np.int32)
         res.evictions = self.evictions

@@ -10,6 +10,7 @@ pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
 pub mod hashing;
+pub mod index;
 pub mod manager;
 pub mod request_hasher;
 
@@ -36,6 +37,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
+    m.add_class::<index::PyPrefixIndex>()?;
+    m.add_function(wrap_pyfunction!(index::parent_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(index::event_ints, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;

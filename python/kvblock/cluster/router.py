@@ -1,0 +1,198 @@
+""":class:`Router`: send each request to an engine instance, by policy.
+
+Policies:
+
+* ``round-robin`` — instances in turn;
+* ``least-loaded`` — the smallest load, ``running_tokens + waiting_tokens`` (ties in turn);
+* ``cache-aware`` — the largest score ``cached_tokens - load_weight * load``, where
+  ``cached_tokens`` is the instance's longest cached prefix of the request in tokens (from
+  the prefix index: exact vLLM block hashes, only blocks the instance holds) and ``load`` as
+  above. It is the cost "prefill tokens still to compute + weighted queue" of Dynamo's KV
+  router and llm-d's weighted prefix / load scorers, as one number (a request's own prompt
+  length is the same on every instance, so it drops out). ``load_weight = 0`` routes on the
+  cache alone (ties by load), large weights approach least-loaded.
+
+While the index cannot answer (:class:`~kvblock.cluster.errors.IndexUnavailable`, e.g. Redis
+down) ``cache-aware`` routes by load alone, logs one warning per outage and tries the index
+again on every request, so it resumes as soon as the index is back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from .errors import IndexUnavailable
+
+__all__ = ["POLICIES", "Decision", "Router"]
+
+log = logging.getLogger("kvblock.cluster")
+
+#: The routing policies.
+POLICIES = ("round-robin", "least-loaded", "cache-aware")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and why.
+
+    Attributes:
+        instance: the chosen instance.
+        policy: the policy that decided (``"least-loaded"`` when cache-aware fell back).
+        cached_blocks: the chosen instance's cached prefix of the request, in blocks (0 when
+            the index was not asked or not available).
+        cached_tokens: the same in tokens (at most the request's length).
+        index_available: False when cache-aware routing fell back to load alone.
+    """
+
+    instance: str
+    policy: str
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    index_available: bool = True
+
+
+class Router:
+    """Routes requests over ``instances`` (see the module docstring).
+
+    Args:
+        instances: the engine instance names (their order is the round-robin order).
+        index: a prefix index with ``match(block_hashes) -> {instance: blocks}`` (needed for
+            ``cache-aware``): ``PrefixIndex``, ``DictIndex`` or ``RedisPrefixIndex``.
+        policy: one of :data:`POLICIES`.
+        block_size: tokens per block of the index's hashes.
+        load_weight: the weight of a token of load against a cached token (cache-aware).
+        medium: count only blocks on this medium (None: any).
+
+    Raises:
+        ValueError: an unknown policy, no instances, duplicate names, a negative weight,
+            ``cache-aware`` without an index.
+    """
+
+    def __init__(self, instances: Iterable[str], index: Any = None, policy: str = "cache-aware", *,
+                 block_size: int = 16, load_weight: float = 0.5, medium: str | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
+        names = list(instances)
+        if not names:
+            raise ValueError("a router needs at least one instance")
+        if len(set(names)) != len(names):
+            raise ValueError("instance names must be unique")
+        if policy == "cache-aware" and index is None:
+            raise ValueError("the cache-aware policy needs an index")
+        if not load_weight >= 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.instances = names
+        self.index = index
+        self.policy = policy
+        self.block_size = block_size
+        self.load_weight = float(load_weight)
+        self.medium = medium
+        self._pos = {n: i for i, n in enumerate(names)}
+        self._running = {n: 0 for n in names}
+        self._waiting = {n: 0 for n in names}
+        self._next = 0
+        self.index_available = True
+        self.fallbacks = 0
+
+    # -- fleet state --------------------------------------------------------------------------
+    def set_load(self, instance: str, running_tokens: int, waiting_tokens: int) -> None:
+        """The instance's load now: tokens of its running requests and of its waiting ones.
+
+        Raises:
+            KeyError: an unknown instance.
+        """
+        if instance not in self._pos:
+            raise KeyError(f"unknown instance {instance!r}")
+        self._running[instance] = int(running_tokens)
+        self._waiting[instance] = int(waiting_tokens)
+
+    def add_waiting(self, instance: str, tokens: int) -> None:
+        """A request of ``tokens`` prompt tokens was just sent to ``instance`` (counted as
+        waiting until the next :meth:`set_load`)."""
+        self._waiting[instance] += int(tokens)
+
+    def load(self, instance: str) -> int:
+        return self._running[instance] + self._waiting[instance]
+
+    def add_instance(self, instance: str) -> None:
+        if instance in self._pos:
+            return
+        self._pos[instance] = len(self.instances)
+        self.instances.append(instance)
+        self._running[instance] = self._waiting[instance] = 0
+
+    def remove_instance(self, instance: str) -> None:
+        """Stop routing to ``instance`` (KeyError if unknown; the last one cannot go)."""
+        if instance not in self._pos:
+            raise KeyError(f"unknown instance {instance!r}")
+        if len(self.instances) == 1:
+            raise ValueError("cannot remove the last instance")
+        self.instances.remove(instance)
+        self._pos = {n: i for i, n in enumerate(self.instances)}
+        del self._running[instance], self._waiting[instance]
+
+    # -- routing ------------------------------------------------------------------------------
+    def _turn(self) -> str:
+        name = self.instances[self._next % len(self.instances)]
+        self._next = (self._next + 1) % len(self.instances)
+        return name
+
+    def _least_loaded(self) -> str:
+        n = len(self.instances)
+        start = self._next
+        best, best_load = None, None
+        for k in range(n):
+            name = self.instances[(start + k) % n]
+            ld = self._running[name] + self._waiting[name]
+            if best_load is None or ld < best_load:
+                best, best_load = name, ld
+        self._next = (self._pos[best] + 1) % n
+        return best
+
+    def route(self, block_hashes: Sequence[Any], num_tokens: int) -> Decision:
+        """Choose the instance for a request of ``num_tokens`` prompt tokens whose full blocks
+        hash to ``block_hashes`` (vLLM's ``request.block_hashes``, bytes or event ints).
+
+        Raises:
+            ValueError / TypeError: malformed block hashes (from the index).
+        """
+        if self.policy == "round-robin":
+            return Decision(self._turn(), "round-robin")
+        if self.policy == "least-loaded":
+            return Decision(self._least_loaded(), "least-loaded")
+        try:
+            if not len(block_hashes):
+                hits = {}
+            elif getattr(self.index, "wants_instances", False):  # a shared index: ask for ours
+                hits = self.index.match(block_hashes, self.medium, instances=self.instances)
+            else:
+                hits = self.index.match(block_hashes, self.medium)
+        except IndexUnavailable as e:
+            self.fallbacks += 1
+            if self.index_available:
+                log.warning("kvblock.cluster: the prefix index is unavailable (%s); routing by load "
+                            "until it is back", e)
+                self.index_available = False
+            return Decision(self._least_loaded(), "least-loaded", index_available=False)
+        if not self.index_available:
+            log.warning("kvblock.cluster: the prefix index is available again; cache-aware routing resumes")
+            self.index_available = True
+        b, w = self.block_size, self.load_weight
+        n = len(self.instances)
+        start = self._next
+        best = None
+        best_key = None
+        for k in range(n):
+            name = self.instances[(start + k) % n]
+            cached = min(hits.get(name, 0) * b, num_tokens)
+            ld = self._running[name] + self._waiting[name]
+            key = (cached - w * ld, -ld)
+            if best_key is None or key > best_key:
+                best, best_key = name, key
+        self._next = (self._pos[best] + 1) % n
+        blocks = hits.get(best, 0)
+        return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens))

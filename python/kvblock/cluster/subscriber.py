@@ -1,0 +1,226 @@
+""":class:`KVEventSubscriber`: vLLM 0.33.0 KV event streams (ZMQ) into a prefix index.
+
+One SUB socket per engine (each publisher numbers its own batches), one DEALER socket per
+engine for replays (vLLM's ROUTER replay protocol: send ``(b"", start_seq)``, receive
+``(b"", topic, seq, payload)`` frames until the ``-1`` end marker), and a socket monitor per
+SUB socket: a reconnect (the engine went away and came back, or the network dropped) may
+hide lost batches or a restarted publisher, so the stream resynchronises (see
+:class:`~kvblock.cluster.stream.EventStream`). Payloads go to the index as raw msgpack bytes
+(the Rust index decodes them itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .publisher import END_SEQ
+from .stream import EventSink, EventStream
+
+__all__ = ["KVEventSubscriber"]
+
+log = logging.getLogger("kvblock.cluster")
+
+
+@dataclass
+class _Engine:
+    instance: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes
+    sub: Any
+    monitor: Any
+    stream: EventStream
+    dealer: Any = None
+    disconnected: bool = False
+    last_sync: float = 0.0
+    malformed_frames: int = 0
+
+
+class KVEventSubscriber:
+    """Subscribes to the KV events of several engines and feeds ``sink``.
+
+    Args:
+        sink: the index (``PrefixIndex``, ``DictIndex``, ``RedisPrefixIndex``).
+        replay_timeout_s: how long a replay may take before it counts as unanswered.
+        idle_sync_s: an engine silent this long is asked for the batches after the last one
+            applied (:meth:`EventStream.catch_up`): a late joiner learns what the publisher
+            buffered, and batches lost at the end of a burst come back (engines with a
+            replay endpoint only; None: never).
+        context: a ``zmq.Context`` (default: the process's shared instance).
+
+    Use :meth:`add_engine` per engine, then :meth:`poll` in a loop or :meth:`start` a thread.
+    """
+
+    def __init__(self, sink: EventSink, *, replay_timeout_s: float = 1.0, idle_sync_s: float | None = 1.0,
+                 context: Any = None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = context or zmq.Context.instance()
+        self.sink = sink
+        self.replay_timeout_s = replay_timeout_s
+        self.idle_sync_s = idle_sync_s
+        self.engines: dict[str, _Engine] = {}
+        self._poller = zmq.Poller()
+        self._by_socket: dict[Any, tuple[str, _Engine]] = {}
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._lock = threading.Lock()
+
+    # -- engines ------------------------------------------------------------------------------
+    def add_engine(self, instance: str, endpoint: str, replay_endpoint: str | None = None, *,
+                   topic: str = "", bind: bool = False) -> EventStream:
+        """Subscribe to one engine's publisher (``bind=True`` when the publisher connects).
+
+        Returns the engine's :class:`EventStream` (its ``stats`` count gaps, replays...).
+
+        Raises:
+            ValueError: ``instance`` is already subscribed.
+        """
+        zmq = self._zmq
+        if instance in self.engines:
+            raise ValueError(f"instance {instance!r} is already subscribed")
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        if bind:
+            sub.bind(endpoint)
+        else:
+            sub.connect(endpoint)
+        eng = _Engine(instance, endpoint, replay_endpoint, topic.encode("utf-8"), sub, monitor,
+                      EventStream(instance, self.sink, None, lambda: int(time.time() * 1000)))
+        if replay_endpoint is not None:
+            eng.stream.replay = lambda start, e=eng: self._replay(e, start)
+        self.engines[instance] = eng
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        self._by_socket[sub] = ("sub", eng)
+        self._by_socket[monitor] = ("monitor", eng)
+        return eng.stream
+
+    def remove_engine(self, instance: str) -> None:
+        """Unsubscribe (the index keeps the instance; remove it there if it is gone)."""
+        eng = self.engines.pop(instance)
+        for sock in (eng.sub, eng.monitor):
+            self._poller.unregister(sock)
+            self._by_socket.pop(sock, None)
+        eng.sub.disable_monitor()
+        eng.monitor.close(linger=0)
+        eng.sub.close(linger=0)
+        if eng.dealer is not None:
+            eng.dealer.close(linger=0)
+
+    # -- replay -------------------------------------------------------------------------------
+    def _replay(self, eng: _Engine, start: int) -> list[tuple[int, bytes]] | None:
+        zmq = self._zmq
+        if eng.dealer is None:
+            eng.dealer = self._ctx.socket(zmq.DEALER)
+            eng.dealer.setsockopt(zmq.LINGER, 0)
+            eng.dealer.connect(eng.replay_endpoint)
+        d = eng.dealer
+        out: list[tuple[int, bytes]] = []
+        try:
+            d.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not d.poll(int(left * 1000) + 1):
+                    raise TimeoutError
+                frames = d.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    eng.malformed_frames += 1
+                    continue
+                if frames[2] == END_SEQ:
+                    return out
+                out.append((int.from_bytes(frames[2], "big"), frames[3]))
+        except (TimeoutError, zmq.ZMQError):
+            # late answers would confuse the next replay: start over with a fresh socket
+            log.warning("kvblock.cluster: %s: replay from %d got no complete answer", eng.instance, start)
+            eng.dealer.close(linger=0)
+            eng.dealer = None
+            return out or None
+
+    # -- the loop -----------------------------------------------------------------------------
+    def poll(self, timeout_ms: int = 0, max_messages: int = 10_000) -> int:
+        """Handle the messages waiting (waiting up to ``timeout_ms`` for the first); returns
+        how many batches were handled."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        zmq = self._zmq
+        handled = 0
+        with self._lock:
+            events = dict(self._poller.poll(timeout_ms))
+            while events and handled < max_messages:
+                for sock in list(events):
+                    kind, eng = self._by_socket.get(sock, (None, None))
+                    if eng is None:
+                        continue
+                    if kind == "monitor":
+                        while sock.poll(0):
+                            ev = parse_monitor_message(sock.recv_multipart())
+                            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                                eng.disconnected = True
+                            elif ev["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                                if eng.disconnected:
+                                    eng.disconnected = False
+                                    log.warning("kvblock.cluster: %s: reconnected; resynchronising", eng.instance)
+                                    eng.stream.resync()
+                                eng.last_sync = 0.0  # catch up now
+                        continue
+                    while sock.poll(0) and handled < max_messages:
+                        frames = sock.recv_multipart()
+                        handled += 1
+                        if len(frames) != 3 or len(frames[1]) != 8:
+                            eng.malformed_frames += 1
+                            continue
+                        eng.stream.on_message(int.from_bytes(frames[1], "big"), frames[2])
+                        eng.last_sync = time.monotonic()
+                events = dict(self._poller.poll(0))
+            if self.idle_sync_s is not None:
+                now = time.monotonic()
+                for eng in self.engines.values():
+                    if eng.replay_endpoint is not None and not eng.disconnected and now - eng.last_sync >= self.idle_sync_s:
+                        eng.last_sync = now
+                        handled += eng.stream.catch_up()
+        return handled
+
+    def start(self, interval_ms: int = 50) -> None:
+        """Poll in a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._running = True
+
+        def loop() -> None:
+            while self._running:
+                try:
+                    self.poll(interval_ms)
+                except Exception:  # keep the subscriber alive; the stream resyncs on the next gap
+                    log.exception("kvblock.cluster: subscriber loop error")
+                    time.sleep(interval_ms / 1000)
+
+        self._thread = threading.Thread(target=loop, daemon=True, name="kvblock-subscriber")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (if started)."""
+        self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop and close every socket."""
+        self.stop()
+        for name in list(self.engines):
+            self.remove_engine(name)
+
+    def __enter__(self) -> "KVEventSubscriber":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,315 @@
+//! `PrefixIndexCore`: the fleet prefix index (`crate::index`) for Python.
+
+use super::errors::{type_err, value_err, IntoPy};
+use crate::index::wire::event_int_of_digest;
+use crate::index::{tag_of_parent, PrefixIndex};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+/// A block hash as the 64-bit int vLLM's events publish (an int in [0, 2**64) as is; digest
+/// bytes by their last 8 bytes, big-endian).
+fn hash_of(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u64> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let d = b.as_bytes();
+        if d.is_empty() {
+            return Err(value_err(arg, "an empty block-hash digest"));
+        }
+        return Ok(event_int_of_digest(d));
+    }
+    match obj.extract::<u64>() {
+        Ok(v) => Ok(v),
+        Err(_) if obj.extract::<i128>().is_ok() => Err(value_err(arg, "a block hash int must be in [0, 2**64)")),
+        Err(_) => Err(type_err(arg, format!("a block hash must be an int or bytes, got {}", obj.get_type().name()?))),
+    }
+}
+
+/// Block hashes from a list / tuple / sequence of int or bytes, or a uint64 numpy array.
+fn hashes_of(obj: &Bound<'_, PyAny>, arg: &str, out: &mut Vec<u64>) -> PyResult<()> {
+    out.clear();
+    if let Ok(buf) = pyo3::buffer::PyBuffer::<u64>::get(obj) {
+        // a uint64 array (numpy, array.array('Q')): copied out without a Python object per hash
+        out.resize(buf.item_count(), 0);
+        buf.copy_to_slice(obj.py(), out)?;
+        return Ok(());
+    }
+    if let Ok(arr) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
+        out.extend(arr.as_array().iter());
+        return Ok(());
+    }
+    if let Ok(l) = obj.cast::<PyList>() {
+        out.reserve(l.len());
+        for x in l.iter() {
+            out.push(hash_of(&x, arg)?);
+        }
+        return Ok(());
+    }
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        for x in t.iter() {
+            out.push(hash_of(&x, arg)?);
+        }
+        return Ok(());
+    }
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(type_err(arg, "expected a sequence of block hashes, got one bytes/str object"));
+    }
+    for x in obj.try_iter().map_err(|_| type_err(arg, "expected a sequence of block hashes"))? {
+        out.push(hash_of(&x?, arg)?);
+    }
+    Ok(())
+}
+
+/// `medium` of a lookup: None is any medium.
+fn medium_filter(medium: &Option<String>) -> Option<Option<&str>> {
+    medium.as_deref().map(Some)
+}
+
+/// The prefix index of a fleet (see `kvblock.cluster.PrefixIndex`).
+#[pyclass(module = "kvblock._core", name = "PrefixIndexCore", subclass)]
+pub struct PyPrefixIndex {
+    inner: PrefixIndex,
+    hashes: Vec<u64>,
+    dense: Vec<u32>,
+}
+
+#[pymethods]
+impl PyPrefixIndex {
+    #[new]
+    #[pyo3(signature = (block_size=None, group_idx=0, *_args, **_kwargs))]
+    fn new(
+        block_size: Option<i64>,
+        group_idx: i64,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        if block_size.is_some_and(|b| b <= 0) {
+            return Err(value_err("block_size", "must be > 0 (or None for any)"));
+        }
+        if group_idx < 0 {
+            return Err(value_err("group_idx", "must be >= 0"));
+        }
+        Ok(PyPrefixIndex { inner: PrefixIndex::new(block_size, group_idx), hashes: Vec::new(), dense: Vec::new() })
+    }
+
+    #[getter]
+    fn block_size(&self) -> Option<i64> {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn group_idx(&self) -> i64 {
+        self.inner.group()
+    }
+
+    fn add_instance(&mut self, name: &str) -> PyResult<u32> {
+        self.inner.add_instance(name).py_err()
+    }
+
+    fn remove_instance(&mut self, name: &str) -> PyResult<usize> {
+        self.inner.remove_instance(name).py_err()
+    }
+
+    fn clear_instance(&mut self, name: &str) -> PyResult<usize> {
+        self.inner.clear_instance(name).py_err()
+    }
+
+    fn touch(&mut self, name: &str, now_ms: u64) -> PyResult<()> {
+        self.inner.touch(name, now_ms).py_err()
+    }
+
+    fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> Vec<String> {
+        self.inner.expire(now_ms, ttl_ms)
+    }
+
+    fn instances(&self) -> Vec<String> {
+        self.inner.instances().into_iter().map(str::to_owned).collect()
+    }
+
+    fn instance_id(&self, name: &str) -> Option<u32> {
+        self.inner.instance_id(name)
+    }
+
+    fn instance_name(&self, id: u32) -> Option<String> {
+        self.inner.instance_name(id).map(str::to_owned)
+    }
+
+    fn instance_pairs(&self, name: &str) -> PyResult<usize> {
+        self.inner.instance_pairs(name).py_err()
+    }
+
+    #[pyo3(signature = (name, payload, now_ms=0))]
+    fn apply(&mut self, name: &str, payload: &Bound<'_, PyAny>, now_ms: u64) -> PyResult<(usize, usize, usize, usize)> {
+        let st = if let Ok(b) = payload.cast::<PyBytes>() {
+            self.inner.apply_payload(name, b.as_bytes(), now_ms)
+        } else {
+            let v: Vec<u8> = payload
+                .extract::<Vec<u8>>()
+                .map_err(|_| type_err("payload", "expected the msgpack bytes of a KVEventBatch"))?;
+            self.inner.apply_payload(name, &v, now_ms)
+        }
+        .py_err()?;
+        Ok((st.stored, st.removed, st.cleared, st.skipped))
+    }
+
+    #[pyo3(signature = (name, block_hashes, parent_block_hash=None, medium=Some("GPU".to_string())))]
+    fn store(
+        &mut self,
+        name: &str,
+        block_hashes: &Bound<'_, PyAny>,
+        parent_block_hash: Option<&Bound<'_, PyAny>>,
+        medium: Option<String>,
+    ) -> PyResult<usize> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        let parent = parent_block_hash.map(|p| hash_of(p, "parent_block_hash")).transpose()?;
+        self.inner.store(name, &self.hashes, parent, medium.as_deref()).py_err()
+    }
+
+    #[pyo3(signature = (name, block_hashes, medium=Some("GPU".to_string())))]
+    fn remove(&mut self, name: &str, block_hashes: &Bound<'_, PyAny>, medium: Option<String>) -> PyResult<usize> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        self.inner.remove(name, &self.hashes, medium.as_deref()).py_err()
+    }
+
+    #[pyo3(name = "match", signature = (block_hashes, medium=None))]
+    fn match_<'py>(
+        &mut self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        medium: Option<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
+        let d = PyDict::new(py);
+        for (id, n) in self.dense.iter().enumerate() {
+            if *n > 0 {
+                if let Some(name) = self.inner.instance_name(id as u32) {
+                    d.set_item(name, *n)?;
+                }
+            }
+        }
+        Ok(d)
+    }
+
+    #[pyo3(signature = (block_hashes, medium=None, out=None))]
+    fn match_dense<'py>(
+        &mut self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        medium: Option<String>,
+        out: Option<Bound<'py, PyArray1<u32>>>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
+        match out {
+            None => Ok(PyArray1::from_slice(py, &self.dense)),
+            Some(arr) => {
+                {
+                    let mut w = arr.try_readwrite().map_err(|_| value_err("out", "must be a writable array"))?;
+                    let s = w.as_slice_mut().map_err(|_| value_err("out", "must be contiguous"))?;
+                    if s.len() < self.dense.len() {
+                        return Err(value_err("out", format!("needs {} entries (id_bound())", self.dense.len())));
+                    }
+                    s[..self.dense.len()].copy_from_slice(&self.dense);
+                    s[self.dense.len()..].fill(0);
+                }
+                Ok(arr)
+            }
+        }
+    }
+
+    /// The payload's events as `(op, medium, data)` for a store that keeps the same state
+    /// (the Redis index): `("S", medium, hash 8 bytes + parent tag 4 bytes, per block)`,
+    /// `("R", medium, hash 8 bytes per block)`, `("C", None, b"")`; events this index skips
+    /// (another group or block size) are left out. Big-endian throughout. Raises ValueError
+    /// for a malformed payload.
+    fn wire_ops<'py>(&self, py: Python<'py>, payload: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        use crate::index::wire::{decode_batch, Event};
+        let b = decode_batch(payload).py_err()?;
+        let out = PyList::empty(py);
+        for ev in &b.events {
+            match *ev {
+                Event::Cleared => out.append(("C", py.None(), PyBytes::new(py, b"")))?,
+                Event::Stored { start, end, parent, block_size, medium, group } => {
+                    if group != self.inner.group() || self.inner.block_size().is_some_and(|x| x != block_size) {
+                        continue;
+                    }
+                    let mut data = Vec::with_capacity((end - start) * 12);
+                    let mut tag = tag_of_parent(parent);
+                    for &h in &b.hashes[start..end] {
+                        data.extend_from_slice(&h.to_be_bytes());
+                        data.extend_from_slice(&tag.to_be_bytes());
+                        tag = tag_of_parent(Some(h));
+                    }
+                    out.append(("S", medium, PyBytes::new(py, &data)))?
+                }
+                Event::Removed { start, end, medium, group } => {
+                    if group != self.inner.group() {
+                        continue;
+                    }
+                    let data: Vec<u8> = b.hashes[start..end].iter().flat_map(|h| h.to_be_bytes()).collect();
+                    out.append(("R", medium, PyBytes::new(py, &data)))?
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The query of a chain for the Redis index: hash 8 bytes + expected parent tag 4 bytes
+    /// per block (big-endian).
+    fn query_bytes<'py>(&mut self, py: Python<'py>, block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        let mut data = Vec::with_capacity(self.hashes.len() * 12);
+        let mut tag = tag_of_parent(None);
+        for &h in &self.hashes {
+            data.extend_from_slice(&h.to_be_bytes());
+            data.extend_from_slice(&tag.to_be_bytes());
+            tag = tag_of_parent(Some(h));
+        }
+        Ok(PyBytes::new(py, &data))
+    }
+
+    fn id_bound(&self) -> usize {
+        self.inner.id_bound()
+    }
+
+    #[pyo3(signature = (name, medium=Some("GPU".to_string())))]
+    fn blocks_of(&self, name: &str, medium: Option<String>) -> PyResult<Vec<(u64, u32)>> {
+        self.inner.blocks_of(name, medium.as_deref()).py_err()
+    }
+
+    fn media(&self) -> Vec<Option<String>> {
+        self.inner.media().to_vec()
+    }
+
+    fn num_pairs(&self) -> usize {
+        self.inner.num_pairs()
+    }
+
+    fn num_nodes(&self) -> usize {
+        self.inner.num_nodes()
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.inner.memory_bytes()
+    }
+
+    fn totals(&self) -> (usize, usize, usize, usize) {
+        let t = self.inner.totals();
+        (t.stored, t.removed, t.cleared, t.skipped)
+    }
+}
+
+/// The 32-bit parent tag the index keeps per block (0 for a chain's first block).
+#[pyfunction]
+#[pyo3(signature = (parent_block_hash=None))]
+pub fn parent_tag(parent_block_hash: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+    Ok(tag_of_parent(parent_block_hash.map(|p| hash_of(p, "parent_block_hash")).transpose()?))
+}
+
+/// The block hashes as vLLM's 64-bit event ints (a uint64 numpy array).
+#[pyfunction]
+pub fn event_ints<'py>(py: Python<'py>, block_hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u64>>> {
+    let mut v = Vec::new();
+    hashes_of(block_hashes, "block_hashes", &mut v)?;
+    Ok(PyArray1::from_vec(py, v))
+}
