@@ -212,6 +212,37 @@ mod pool_and_manager {
     }
 
     #[test]
+    fn external_tokens_past_max_model_len_change_nothing() {
+        // issue 13: a 3-block hit adopted with external tokens past max_model_len used to
+        // touch the hits, then fail to allocate the external blocks
+        let mut p = BlockPool::new(40, true, 4, false).unwrap();
+        let mut m = Manager::new(4, 64, true, false, None, 0).unwrap();
+        let first: Vec<i64> = (0..12).collect();
+        admit(&mut m, &mut p, "a", &first, 4);
+        m.free(&mut p, "a").unwrap();
+        let b: Vec<i64> = (0..13).collect();
+        let h = hashes(&b, 4);
+        let hit = m.find_longest_cache_hit(&p, &h[..], 12).unwrap();
+        assert_eq!(hit.len(), 3);
+        let free: Vec<u32> = p.free_queue().collect();
+        let args = AllocArgs {
+            num_tokens: 13,
+            num_new_tokens: 1,
+            num_new_computed_tokens: 12,
+            new_computed: &hit,
+            has_new_computed: true,
+            num_external_computed_tokens: 200,
+            ..Default::default()
+        };
+        let e = m.allocate_slots(&mut p, "b", &args, || Ok(h.clone())).unwrap_err().to_string();
+        assert!(e.starts_with("num_external_computed_tokens:") && e.contains("max_model_len 64"), "{e}");
+        assert_eq!(p.free_queue().collect::<Vec<_>>(), free);
+        assert!(hit.iter().all(|&b| p.ref_cnt(b).unwrap() == 0));
+        assert_eq!(m.num_requests(), 0);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
     fn pool_bad_input_is_atomic() {
         let mut p = BlockPool::new(4, true, 4, false).unwrap();
         let mut out = Vec::new();

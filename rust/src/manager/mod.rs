@@ -268,12 +268,18 @@ impl Config {
         }
         let empty = ReqState::default();
         let state = state.unwrap_or(&empty);
-        // Token counts saturate: a sum past usize::MAX is capped by max_model_len anyway.
+        // Token counts saturate: a sum past usize::MAX is refused below anyway.
         let total = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens)
             .saturating_add(a.num_external_computed_tokens);
-        let total_computed = total.min(cfg.max_model_len);
+        if total > cfg.max_model_len {
+            // The capacity check counts slots up to max_model_len, while adopting external
+            // tokens takes blocks for all of them: past max_model_len the adoption would fail
+            // after the hits were touched. No request has more computed tokens than that.
+            return Err(computed_past_max_model_len(a, cfg.max_model_len));
+        }
+        let total_computed = total;
         let need_slot = total_computed
             .saturating_add(a.num_new_tokens)
             .saturating_add(a.num_lookahead_tokens)
@@ -373,6 +379,26 @@ impl Config {
         }
         Ok(Some(new))
     }
+}
+
+/// The error for computed tokens (local, hit and external) past `max_model_len`, naming the
+/// argument that took them there.
+#[cold]
+fn computed_past_max_model_len(a: &AllocArgs<'_>, max_model_len: usize) -> Error {
+    let field = if a.num_external_computed_tokens > 0 {
+        "num_external_computed_tokens"
+    } else if a.num_new_computed_tokens > 0 {
+        "num_new_computed_tokens"
+    } else {
+        "request.num_computed_tokens"
+    };
+    Error::value(
+        field,
+        format!(
+            "{} computed + {} hit + {} external tokens exceed max_model_len {max_model_len}",
+            a.num_computed_tokens, a.num_new_computed_tokens, a.num_external_computed_tokens
+        ),
+    )
 }
 
 /// The checked effect of an `allocate_slots` call (see [`Manager::prepare_allocate`]).

@@ -527,8 +527,10 @@ impl PyManager {
     /// `max_model_len`;
     /// `num_new_computed_tokens` other than the hit blocks' tokens; hit blocks for a request
     /// that already holds blocks, or external tokens for one that holds blocks but has not
-    /// adopted computed tokens (vLLM asserts an empty table); a malformed
-    /// `request.block_hashes` entry for a block this call caches.
+    /// adopted computed tokens (vLLM asserts an empty table); computed tokens
+    /// (`request.num_computed_tokens` + hit + external) past `max_model_len` (vLLM raises
+    /// from its pool after taking the hits' references); a malformed `request.block_hashes`
+    /// entry for a block this call caches.
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[allow(clippy::too_many_arguments)]
     fn allocate_slots<'py>(
