@@ -84,6 +84,10 @@ def hash_requests(requests: list[Any]) -> int:
 def hashing_threads() -> int:
     """Start the worker threads of ``hash_requests`` (if not started) and return their number."""
 
+def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
+    """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int
+    of any size or an integer-like with ``__index__``; not a bool)."""
+
 class BlockIds:
     """An immutable sequence of block ids held in Rust (no Python int per block until read)."""
 

@@ -13,6 +13,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from . import _core
+
 __all__ = [
     "LoRARequest",
     "MultiModalFeatureSpec",
@@ -146,6 +148,22 @@ def _mm_features(mm_features: Iterable[Any] | None) -> list[MultiModalFeatureSpe
     return out
 
 
+def _new_token_ids(token_ids: Any) -> list[Any]:
+    """``token_ids`` (one token id or a sequence of them) as a checked list."""
+    if isinstance(token_ids, (bool, str, bytes)) or token_ids is None:
+        raise TypeError(f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}")
+    if hasattr(type(token_ids), "__index__"):
+        return [token_ids]  # a numpy integer scalar
+    try:
+        new = list(token_ids)
+    except TypeError:
+        raise TypeError(
+            f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}"
+        ) from None
+    _core.check_token_ids(new, "token_ids")
+    return new
+
+
 class Request:
     """A request as the KV cache manager sees it (vLLM 0.33.0 names).
 
@@ -169,7 +187,8 @@ class Request:
 
     Raises:
         ValueError: an invalid salt or multimodal layout, or a prompt array that is not 1-D.
-        TypeError: non-integer token ids (raised by the hasher, before the request exists).
+        TypeError: a prompt token id that is not an int (a ``bool``, ``float``, ``None``...;
+            numpy integers are accepted), naming ``prompt_token_ids[i]``.
     """
 
     __slots__ = (
@@ -225,6 +244,7 @@ class Request:
                 )
             prompt_token_ids = prompt_token_ids.tolist()
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        _core.check_token_ids(self.prompt_token_ids, "prompt_token_ids")
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = self.prompt_token_ids.copy()
@@ -278,16 +298,23 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled token(s) and hash the blocks they complete (one batch call).
 
-        If hashing rejects a token (e.g. not an int), the tokens are not appended and the
-        error is raised.
+        ``token_ids`` is one token id or a sequence of them; a token id is an ``int`` (or an
+        integer-like such as a numpy integer), never a ``bool``, ``float`` or ``None``. The
+        tokens are checked before any is appended, whether or not they complete a block.
+
+        Raises:
+            TypeError: a token that is not a token id (naming ``token_ids[i]``), or
+                ``token_ids`` neither an int nor a sequence. Nothing is appended; the same
+                holds when the request's hasher raises.
         """
         n_out, n_all = len(self._output_token_ids), len(self._all_token_ids)
-        if isinstance(token_ids, int):
+        if type(token_ids) is int:
             self._output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
         else:
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            new = _new_token_ids(token_ids)
+            self._output_token_ids.extend(new)
+            self._all_token_ids.extend(new)
         try:
             self.update_block_hashes()
         except BaseException:

@@ -11,6 +11,7 @@ pub mod gil_cell;
 pub mod hashing;
 pub mod manager;
 pub mod request_hasher;
+pub mod tokens;
 
 use pyo3::prelude::*;
 
@@ -39,5 +40,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hashing_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::check_token_ids, m)?)?;
     Ok(())
 }
