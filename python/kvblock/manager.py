@@ -183,6 +183,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         """Record one admission: ``queries += request.num_tokens``, ``hits += num_hits``
         (or the ``preempted_*`` counters for a preempted request). No-op unless ``log_stats``
         and the request reads the prefix cache."""
+        hashing._count_arg("num_hits", num_hits, 0)
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
         self.prefix_cache_stats.record(

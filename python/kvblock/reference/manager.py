@@ -184,6 +184,7 @@ class KVCacheManager:
         (caching on and not ``request.skip_reading_prefix_cache``). A request with
         ``num_preemptions > 0`` counts only in the ``preempted_*`` fields.
         """
+        _check_count("num_hits", num_hits)
         if not self.log_stats or not self._reads_prefix_cache(request):
             return
         assert self.prefix_cache_stats is not None
@@ -333,6 +334,8 @@ class KVCacheManager:
             ("num_external_computed_tokens", num_external_computed_tokens),
             ("num_encoder_tokens", num_encoder_tokens),
             ("reserved_blocks", reserved_blocks),
+            ("request.num_computed_tokens", request.num_computed_tokens),
+            ("request.num_in_flight_tokens", getattr(request, "num_in_flight_tokens", 0)),
         ):
             _check_count(name, value)
         # 1. There must be something to compute or to adopt.

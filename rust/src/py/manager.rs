@@ -161,12 +161,15 @@ impl ManagerState {
             .get(request, Field::RequestId)?
             .cast_into::<PyString>()
             .map_err(|_| type_err("request.request_id", "must be a str"))?;
-        let num_computed: i64 = f.get(request, Field::NumComputedTokens)?.extract()?;
+        // Request fields are read as the count arguments are (args.rs): a bool or a non-int
+        // is a TypeError, a negative or out-of-range int a ValueError, each naming the field.
+        let num_computed =
+            super::args::count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
             Some(t) => t.len()?,
-            None => request.getattr(intern!(py, "num_tokens"))?.extract()?,
+            None => super::args::count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
         };
-        Ok(ReqView { id, num_computed: count(num_computed, "request.num_computed_tokens")?, num_tokens })
+        Ok(ReqView { id, num_computed, num_tokens })
     }
 
     fn blocks_of<'py>(&self, py: Python<'py>, ids: Vec<u32>) -> PyResult<Bound<'py, PyAny>> {
@@ -264,7 +267,7 @@ impl ManagerState {
 
     fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
         match self.fields.get_opt(request, Field::NumInFlightTokens)? {
-            Some(v) => count(v.extract()?, "request.num_in_flight_tokens"),
+            Some(v) => super::args::count(&v, "request.num_in_flight_tokens"),
             None => Ok(0),
         }
     }
