@@ -2,10 +2,27 @@
 ``tests/test_stubs.py``). Use the Python modules (``kvblock.hashing``, ``kvblock.BlockPool``,
 ``kvblock.KVCacheManager``) rather than these names directly."""
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
+
+__all__ = [
+    "__version__",
+    "BUILD_PROFILE",
+    "ALGORITHMS",
+    "HashFunction",
+    "RequestBlockHasher",
+    "BlockPoolCore",
+    "BlockIds",
+    "KVCacheManagerCore",
+    "hash_block_tokens",
+    "hash_blocks",
+    "hash_requests",
+    "hashing_threads",
+    "check_token_ids",
+]
 
 __version__: str
 #: "release" or "debug" (never benchmark a debug build).
@@ -16,6 +33,7 @@ ALGORITHMS: tuple[str, ...]
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ids = Sequence[int] | npt.NDArray[np.integer[Any]]
 
+@final
 class HashFunction:
     """A vLLM block-hash function: ``fn(obj) -> bytes`` digests the pickle-protocol-5
     (``sha256``, ``xxhash``) or canonical-CBOR (``sha256_cbor``, ``xxhash_cbor``) bytes of
@@ -31,6 +49,7 @@ class HashFunction:
     def serialize(self, obj: Any) -> bytes:
         """The bytes fed to the digest for ``obj``."""
 
+@final
 class RequestBlockHasher:
     """``hasher(request) -> list[bytes]``: the hashes of the request's newly completed blocks
     (vLLM's ``get_request_block_hasher`` closure, in Rust)."""
@@ -88,17 +107,19 @@ def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
     """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int
     of any size or an integer-like with ``__index__``; not a bool)."""
 
+@final
 class BlockIds:
     """An immutable sequence of block ids held in Rust (no Python int per block until read)."""
 
     def __new__(cls, ids: _Ids) -> BlockIds: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int | slice) -> Any: ...
+    def __getitem__(self, index: int | slice, /) -> Any: ...
     def __iter__(self) -> Any: ...
-    def __contains__(self, block_id: int) -> bool: ...
+    def __contains__(self, block_id: int, /) -> bool: ...
     def tolist(self) -> list[int]: ...
     def numpy(self) -> npt.NDArray[np.int32]: ...
 
+@disjoint_base
 class BlockPoolCore:
     """The Rust block pool (vLLM 0.33.0 semantics). ``kvblock.BlockPool`` subclasses it with
     vLLM's object API; the methods here are the fast id API (ints and numpy arrays)."""
@@ -106,7 +127,7 @@ class BlockPoolCore:
     def __new__(
         cls, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
         enable_kv_cache_events: bool = False, *args: Any, **kwargs: Any,
-    ) -> BlockPoolCore: ...
+    ) -> Self: ...
     @property
     def num_gpu_blocks(self) -> int: ...
     @property
@@ -158,6 +179,7 @@ class BlockPoolCore:
         num_full_blocks: int, block_size: int, group_id: int,
     ) -> None: ...
 
+@disjoint_base
 class KVCacheManagerCore:
     """The Rust manager of one KV-cache group; ``kvblock.KVCacheManager`` subclasses it."""
 
@@ -165,7 +187,7 @@ class KVCacheManagerCore:
         cls, block_pool: BlockPoolCore, block_size: int, max_model_len: int, enable_caching: bool = True,
         use_eagle: bool = False, sliding_window: int | None = None, watermark_blocks: int = 0,
         *args: Any, **kwargs: Any,
-    ) -> KVCacheManagerCore: ...
+    ) -> Self: ...
     @property
     def block_size(self) -> int: ...
     @property

@@ -241,7 +241,7 @@ class Request:
         cache_salt: str | None = None,
         mm_features: Iterable[Any] | None = None,
         prompt_embeds: Any = None,
-        block_hasher: Callable[["Request"], list[bytes]] | None = None,
+        block_hasher: Callable[["Request"], Sequence[bytes]] | None = None,
         priority: int = 0,
         *,
         max_tokens: int | None = None,
@@ -366,7 +366,7 @@ class Request:
             raise
 
     def attach_block_hasher(
-        self, block_hasher: Callable[["Request"], list[bytes]] | None, hash_now: bool = True
+        self, block_hasher: Callable[["Request"], Sequence[bytes]] | None, hash_now: bool = True
     ) -> None:
         """Use ``block_hasher`` from now on and (unless ``hash_now`` is False, e.g. to hash many
         requests at once with :func:`kvblock.hashing.hash_requests`) hash the full blocks not
