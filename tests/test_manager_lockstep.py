@@ -12,7 +12,8 @@ must change nothing. And the arguments reach past what fits: prompts up to and b
 ``max_model_len``, external tokens past it, counts that overflow the pool, batches that
 list a request twice or hold a running request.
 
-``KVBLOCK_LONG=1`` runs the long profile."""
+``KVBLOCK_LONG=1`` runs the long profile; ``KVBLOCK_LOCKSTEP_EXAMPLES=N`` sets the number of examples
+(the smoke runs on other Pythons use a few)."""
 
 from __future__ import annotations
 
@@ -380,7 +381,7 @@ class ManagerLockstep(RuleBasedStateMachine):
 
 
 ManagerLockstep.TestCase.settings = settings(
-    max_examples=10000 if LONG else 1500,
+    max_examples=int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES") or (10000 if LONG else 1500)),
     stateful_step_count=30,
     deadline=None,
     # CI replays a fixed sequence of examples, so that it passes or fails on the code alone;

@@ -7,13 +7,14 @@ import runpy
 from pathlib import Path
 
 import pytest
+from conftest import require_module
 
 SNIPPETS = sorted((Path(__file__).resolve().parent / "typing").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", SNIPPETS, ids=[p.name for p in SNIPPETS])
 def test_snippet_runs(path):
-    pytest.importorskip("typing_extensions")  # installed with mypy (the test extra)
+    require_module("typing_extensions")  # installed with mypy (the test extra)
     runpy.run_path(str(path), run_name="__main__")
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "hash_requests",
     "hashing_threads",
     "check_token_ids",
+    "token_encoder",
 ]
 
 __version__: str
@@ -102,6 +103,10 @@ def hash_requests(requests: list[Any]) -> int:
 
 def hashing_threads() -> int:
     """Start the worker threads of ``hash_requests`` (if not started) and return their number."""
+
+def token_encoder() -> str:
+    """``"avx512vbmi2"`` or ``"portable"``: the token-id encoder chosen at run time
+    (``KVBLOCK_NO_SIMD`` set before the first hash forces the portable one)."""
 
 def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
     """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int

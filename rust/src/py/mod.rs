@@ -41,5 +41,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hashing_threads, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::check_token_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::token_encoder, m)?)?;
     Ok(())
 }
