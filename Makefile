@@ -2,11 +2,11 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The other CPythons `make test` builds kvblock for and smoke-tests, each one found on this
+# The CPythons `make test` also builds kvblock for and smoke-tests, each one found on this
 # machine (python3.X on PATH or under pyenv; the version of $(PY) is skipped, the full suite
 # runs on it). A missing one is skipped with a message, except 3.10 under CI=true.
 # `make test SMOKE_PYTHONS=` runs none.
-SMOKE_PYTHONS ?= 3.10 3.12 3.13
+SMOKE_PYTHONS ?= 3.10 3.11 3.12 3.13
 
 .PHONY: test install rust-test py-test typecheck smoke lint bench demo wheels clean
 
