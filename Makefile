@@ -2,26 +2,56 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The CPythons `make test` also builds kvblock for and smoke-tests, each one found on this
+# machine (python3.X on PATH or under pyenv; the version of $(PY) is skipped, the full suite
+# runs on it). A missing one is skipped with a message, except 3.10 under CI=true.
+# `make test SMOKE_PYTHONS=` runs none.
+SMOKE_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: test install rust-test py-test lint bench demo clean
+.PHONY: test install rust-test py-test typecheck smoke lint bench demo wheels clean
 
 $(BIN)/python:
+	@echo "== creating $(VENV), the test environment, with $(PY) ($$($(PY) --version 2>&1))"
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 install: $(BIN)/python
 	rm -f python/kvblock/_core*.so
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "== torch is installed in $(VENV)"; \
+	else \
+		echo "== installing torch into $(VENV) (the torch extra: about 2.5 GB to download, 5 GB installed; a few minutes)"; \
+		$(BIN)/python -m pip install --progress-bar off "torch>=2.1" || exit 1; \
+	fi
+	@echo "== building the Rust core (cargo --release; about a minute the first time) and installing kvblock into $(VENV) with its test, bench and torch extras"
 	$(BIN)/python -m pip install -q -e ".[test,bench,torch]"
+	@echo "== installing vLLM 0.33.0 for CPU (--no-deps, then requirements/vllm-cpu-test.txt): the judge of kvblock.vllm"
 	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
 	$(BIN)/python -m pip install -q -r requirements/vllm-cpu-test.txt
 
 rust-test:
+	@echo "== cargo test --release: the Rust core's own tests (the first build takes about a minute)"
 	cargo test --release
 
 py-test: install
+	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (3-5 minutes)"
 	$(BIN)/python -m pytest -q
 
-test: rust-test py-test
+# mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
+typecheck: install
+	@echo "== type checks: mypy --strict on the README's examples and tests/typing/, stubtest of kvblock._core"
+	$(BIN)/python scripts/typecheck.py
+
+smoke:
+	@echo "== smoke tests on the other CPythons found: $(SMOKE_PYTHONS) (a build and a minute of tests each)"
+	PY=$(BIN)/python scripts/smoke_pythons.sh $(SMOKE_PYTHONS)
+
+test: rust-test py-test typecheck smoke
+
+# Portable manylinux2014 wheels for CPython 3.10-3.13 in dist/, checked with auditwheel and
+# smoke-tested in a fresh venv of each Python (scripts/build_wheels.sh).
+wheels:
+	PY=$(PY) scripts/build_wheels.sh
 
 # Formatting and clippy, warnings as errors (CI's lint job).
 lint:
@@ -38,4 +68,4 @@ demo: $(BIN)/python
 	$(BIN)/python -m kvblock info
 
 clean:
-	rm -rf target $(VENV) python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks
+	rm -rf target dist $(VENV) .venv-smoke .venv-wheels python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks

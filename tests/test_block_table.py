@@ -243,7 +243,7 @@ def test_failed_row_operations_change_nothing():
     "ids, exc, match",
     [
         ([2**31], ValueError, r"block_ids: block id 2147483648 at index 0 is not int32-representable"),
-        ([0, -1], ValueError, r"block_ids: block id -1 at index 1 is not int32-representable"),
+        ([0, -1], ValueError, r"block_ids: block id -1 at index 1 is negative \(block ids are >= 0\)"),
         ([1, 2**70], ValueError, r"block_ids: block id 1180591620717411303424 at index 1"),
         (np.array([2**63 + 5], dtype=np.uint64), ValueError, r"block_ids: block id 9223372036854775813"),
         (torch.tensor([1, 2**40]), ValueError, r"block_ids: block id 1099511627776 at index 1"),

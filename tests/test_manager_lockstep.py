@@ -4,10 +4,20 @@ salts and multimodal items, then admits, decodes, preempts, frees, evicts and re
 caching on and off, events on, sliding windows and EAGLE. After every step: the same return
 values, block tables, free-queue order, ref counts, hash -> block map, stats and events.
 
-``KVBLOCK_LONG=1`` runs the long profile."""
+Comparing the two implementations cannot find a fault they share: the reference follows
+vLLM, so where vLLM changes state before it raises, both did, and agreed. So every call that
+raises is also checked against each implementation's own state just before it (block
+tables, cached counts, free queue, ref counts, hashes, stats, pending events): a raising call
+must change nothing. And the arguments reach past what fits: prompts up to and beyond
+``max_model_len``, external tokens past it, counts that overflow the pool, batches that
+list a request twice or hold a running request.
+
+``KVBLOCK_LONG=1`` runs the long profile; ``KVBLOCK_LOCKSTEP_EXAMPLES=N`` sets the number of examples
+(the smoke runs on other Pythons use a few)."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -29,6 +39,23 @@ SALTS = [None, "s1", "s2"]
 
 def _ids(blocks):
     return None if blocks is None else blocks.get_block_ids()[0]
+
+
+def _grow(fast_req, ref_req, tok):
+    """Append an output token to both, unless they reached max_model_len (64), where a
+    scheduler finishes a request."""
+    if fast_req.num_tokens < 64:
+        fast_req.append_output_token_ids(tok)
+        ref_req.append_output_token_ids(tok)
+
+
+def _decoded(fast_req, ref_req, tok):
+    """A decode step done: one more token computed (none past the request's tokens, where
+    it sits at max_model_len) and the sampled one appended."""
+    for r in (fast_req, ref_req):
+        if r.num_computed_tokens < r.num_tokens:
+            r.num_computed_tokens += 1
+    _grow(fast_req, ref_req, tok)
 
 
 def _map(pool):
@@ -70,15 +97,45 @@ class ManagerLockstep(RuleBasedStateMachine):
         assert a.block_hashes == b.block_hashes
         return a, b
 
+    def _snapshot(self, mgr):
+        """Everything a call can change in one implementation (its pending events are
+        taken by the caller first, so that none may appear)."""
+        pool = mgr.block_pool
+        ids = [a.request_id for a, _ in self.all]
+        if mgr is self.fast:
+            tables = (mgr.num_requests, sorted(mgr._group_num_cached(0)))
+        else:
+            tables = (sorted(mgr.req_to_blocks.items()), sorted(mgr.num_cached_block.items()))
+        return (
+            [mgr.get_block_ids(i) for i in ids],
+            tables,
+            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            [(pool.blocks[i].ref_cnt, pool.blocks[i].block_hash) for i in range(self.n)],
+            _map(pool),
+            copy.deepcopy(mgr.prefix_cache_stats),
+        )
+
+    def _drain_events(self):
+        """Take both implementations' pending events (the same), so that a call that raises
+        can be seen to publish none."""
+        assert self.fast.take_events() == self.ref.take_events()
+
+    def _call_unchanged_on_error(self, mgr, f):
+        """``f()``, or the exception it raised, having checked that it changed nothing (the
+        caller drains the events first)."""
+        before = self._snapshot(mgr)
+        try:
+            return f()
+        except (ValueError, TypeError, KeyError, AssertionError) as e:
+            after = self._snapshot(mgr)
+            assert after == before, f"{'kvblock' if mgr is self.fast else 'reference'} changed state, then raised {e!r}"
+            assert mgr.take_events() == [], f"events published by a call that raised {e!r}"
+            return e
+
     def _same(self, f_fast, f_ref):
-        try:
-            a = f_fast()
-        except (ValueError, TypeError, KeyError, AssertionError) as e:
-            a = e
-        try:
-            b = f_ref()
-        except (ValueError, TypeError, KeyError, AssertionError) as e:
-            b = e
+        self._drain_events()
+        a = self._call_unchanged_on_error(self.fast, f_fast)
+        b = self._call_unchanged_on_error(self.ref, f_ref)
         if isinstance(a, Exception) or isinstance(b, Exception):
             assert type(a) is type(b), (a, b)
             return None, True
@@ -92,6 +149,15 @@ class ManagerLockstep(RuleBasedStateMachine):
             prompt = [0]
         feats = [("img", 1, 3)] if mm and len(prompt) >= 4 else None
         pair = self._pair(prompt_token_ids=prompt, lora_request=lora, cache_salt=salt, mm_features=feats)
+        self.waiting.append(pair)
+        self.all.append(pair)
+
+    @rule(prefix=st.sampled_from(PREFIXES), length=st.sampled_from([40, 56, 63, 64, 65]))
+    def new_long_request(self, prefix, length):
+        """A prompt near max_model_len (64): its blocks may not fit the pool, and a longer one
+        must be refused."""
+        prompt = (prefix + [self.counter % 4] * length)[:length]
+        pair = self._pair(prompt_token_ids=prompt)
         self.waiting.append(pair)
         self.all.append(pair)
 
@@ -120,8 +186,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.waiting.remove(pair)
         self.running.append(pair)
         tok = self.counter % 4
-        fast_req.append_output_token_ids(tok)
-        ref_req.append_output_token_ids(tok)
+        _grow(fast_req, ref_req, tok)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), tok=st.integers(0, 3), lookahead=st.sampled_from([0, 0, 1]))
@@ -134,9 +199,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         a, b = res
         assert _ids(a) == _ids(b)
         if a is not None:
-            for r in (fast_req, ref_req):
-                r.num_computed_tokens += 1
-                r.append_output_token_ids(tok)
+            _decoded(fast_req, ref_req, tok)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -146,6 +209,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         pairs = self.running[:k]
         counts, flat = self.fast.allocate_slots_batch([p[0] for p in pairs])
         pos = 0
+        # the batch's own errors happen before any change
         for (fast_req, ref_req), c in zip(pairs, counts.tolist()):
             b = self.ref.allocate_slots(ref_req, 1)
             if c < 0:
@@ -153,9 +217,7 @@ class ManagerLockstep(RuleBasedStateMachine):
                 continue
             assert flat[pos:pos + c].tolist() == _ids(b)
             pos += c
-            for r in (fast_req, ref_req):
-                r.num_computed_tokens += 1
-                r.append_output_token_ids(1)
+            _decoded(fast_req, ref_req, 1)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -163,7 +225,13 @@ class ManagerLockstep(RuleBasedStateMachine):
         """The batch admission gives what per-request lookups and allocations give."""
         k = data.draw(st.integers(1, len(self.waiting)))
         pairs = self.waiting[:k]
-        n, hit_tokens, new_counts, hit_ids, new_ids = self.fast.admit_batch([p[0] for p in pairs])
+        self._drain_events()
+        out = self._call_unchanged_on_error(self.fast, lambda: self.fast.admit_batch([p[0] for p in pairs]))
+        if isinstance(out, Exception):
+            # one of them cannot be admitted at all (a prompt past max_model_len)
+            assert any(p[1].num_tokens > 64 for p in pairs), out
+            return
+        n, hit_tokens, new_counts, hit_ids, new_ids = out
         hit_ids, new_ids = hit_ids.tolist(), new_ids.tolist()
         h = c = 0
         for i, (fast_req, ref_req) in enumerate(pairs):
@@ -185,8 +253,23 @@ class ManagerLockstep(RuleBasedStateMachine):
                 r.status = RequestStatus.RUNNING
             self.waiting.remove((fast_req, ref_req))
             self.running.append((fast_req, ref_req))
-            fast_req.append_output_token_ids(2)
-            ref_req.append_output_token_ids(2)
+            _grow(fast_req, ref_req, 2)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), waiting_too=st.booleans())
+    def bad_batch(self, data, waiting_too):
+        """A decode batch listing a request twice, or an admission batch holding a running
+        request, raises and leaves the whole batch undone."""
+        pair = data.draw(st.sampled_from(self.running))
+        if waiting_too and self.waiting:
+            batch = [self.waiting[0][0], pair[0]]
+            call = lambda: self.fast.admit_batch(batch)  # noqa: E731
+        else:
+            batch = [p[0] for p in self.running] + [pair[0]]
+            call = lambda: self.fast.allocate_slots_batch(batch)  # noqa: E731
+        self._drain_events()
+        out = self._call_unchanged_on_error(self.fast, call)
+        assert isinstance(out, ValueError), out
 
     @precondition(lambda self: self.all)
     @rule(data=st.data())
@@ -235,15 +318,20 @@ class ManagerLockstep(RuleBasedStateMachine):
             fb = rb = None
             fn = 0
         num_new_computed = data.draw(st.sampled_from([fn, fn, 0, fn + self.bs]))
+        # external tokens up to max_model_len (64) and past it, where the adoption of a
+        # hit used to raise after touching the hit blocks
+        fits = max(0, 64 - fast_req.num_computed_tokens - num_new_computed)
         kw = dict(
             num_new_computed_tokens=num_new_computed,
             num_lookahead_tokens=data.draw(st.integers(0, 2)),
-            num_external_computed_tokens=data.draw(st.sampled_from([0, 0, 1, self.bs, 2 * self.bs + 1])),
+            num_external_computed_tokens=data.draw(
+                st.sampled_from([0, 0, 1, self.bs, 2 * self.bs + 1, fits, fits + 1, 200])
+            ),
             delay_cache_blocks=data.draw(st.booleans()),
             full_sequence_must_fit=data.draw(st.booleans()),
             reserved_blocks=data.draw(st.integers(0, 3)),
         )
-        num_new = data.draw(st.integers(0, 6))
+        num_new = data.draw(st.one_of(st.integers(0, 6), st.sampled_from([40, 64, 100])))
         res, err = self._same(lambda: self.fast.allocate_slots(fast_req, num_new, new_computed_blocks=fb, **kw),
                               lambda: self.ref.allocate_slots(ref_req, num_new, new_computed_blocks=rb, **kw))
         if not err:
@@ -267,10 +355,9 @@ class ManagerLockstep(RuleBasedStateMachine):
             long_a, long_b = self._pair(prompt_token_ids=list(range(70)))
             fast_req, ref_req = long_a, long_b
             args = (70,)
-        with pytest.raises(ValueError):
-            self.fast.allocate_slots(fast_req, *args)
-        with pytest.raises(ValueError):
-            self.ref.allocate_slots(ref_req, *args)
+        res, err = self._same(lambda: self.fast.allocate_slots(fast_req, *args),
+                              lambda: self.ref.allocate_slots(ref_req, *args))
+        assert err
 
     @invariant()
     def same_state(self):
@@ -294,7 +381,7 @@ class ManagerLockstep(RuleBasedStateMachine):
 
 
 ManagerLockstep.TestCase.settings = settings(
-    max_examples=10000 if LONG else 1500,
+    max_examples=int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES") or (10000 if LONG else 1500)),
     stateful_step_count=30,
     deadline=None,
     # CI replays a fixed sequence of examples, so that it passes or fails on the code alone;

@@ -3,7 +3,8 @@ machine through random allocate / touch / cache / free / evict / reset / lookup 
 with caching on and off and KV events on. After every step: the same block ids, exceptions,
 free-queue order, ref counts, block hashes, hash -> block map and events.
 
-``KVBLOCK_LONG=1`` runs the long profile (20,000 examples)."""
+``KVBLOCK_LONG=1`` runs the long profile (20,000 examples); ``KVBLOCK_LOCKSTEP_EXAMPLES=N`` sets the
+number of examples (the smoke runs on other Pythons use a few)."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ class PoolLockstep(RuleBasedStateMachine):
 
 
 PoolLockstep.TestCase.settings = settings(
-    max_examples=20000 if LONG else 2000,
+    max_examples=int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES") or (20000 if LONG else 2000)),
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

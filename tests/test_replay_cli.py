@@ -206,6 +206,35 @@ def test_sweep_plot_errors(tmp_path, capsys):
     assert code == 2 and "cannot write plot" in err
 
 
+@pytest.mark.parametrize("target, message", [
+    ("missing-dir/x.png", "no such directory"),
+    ("x.xyz", "unknown format 'xyz'"),
+    ("x", "unknown format '(no extension)'"),
+    (".", "it is a directory"),
+])
+def test_sweep_checks_the_plot_target_before_the_sweep(tmp_path, capsys, target, message):
+    """The plot target is checked first: the trace named here does not exist, and the error
+    is the plot's (it used to come after the whole sweep, with no table printed)."""
+    code, out, err = run_cli(capsys, "sweep", str(tmp_path / "no-such-trace.jsonl"), "--capacities", "10k",
+                             "--plot", str(tmp_path / target))
+    assert code == 2 and "cannot write plot" in err and message in err and out == ""
+    assert [p.name for p in tmp_path.iterdir()] == []  # the probe file is gone
+
+
+def test_sweep_without_matplotlib_says_what_to_install_first(tmp_path, capsys, monkeypatch):
+    """matplotlib missing is found before the sweep, and the hint is the README's."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    code, out, err = run_cli(capsys, "sweep", str(tmp_path / "no-such-trace.jsonl"), "--capacities", "10k",
+                             "--plot", str(tmp_path / "x.png"))
+    hint = "pip install '.[plot]'"
+    assert code == 2 and hint in err and out == ""
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"`--plot` needs `{hint}`" in readme
+
+
 def test_parse_capacities():
     assert parse_capacities(["inf,1k", "10k", "1000", "2.5k"]) == [1000, 2500, 10000, None]
     assert parse_capacities(["1m"]) == [1_000_000]

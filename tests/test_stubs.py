@@ -8,7 +8,7 @@ from pathlib import Path
 import kvblock._core as core
 
 STUB = Path(__file__).resolve().parent.parent / "python" / "kvblock" / "_core.pyi"
-DUNDERS = {"__new__", "__call__", "__len__", "__getitem__", "__iter__", "__contains__"}
+DUNDERS = {"__new__", "__call__", "__len__", "__getitem__", "__iter__", "__contains__", "__name__"}
 
 
 def _stub_surface() -> dict[str, set[str] | None]:

@@ -2,10 +2,31 @@
 ``tests/test_stubs.py``). Use the Python modules (``kvblock.hashing``, ``kvblock.BlockPool``,
 ``kvblock.KVCacheManager``) rather than these names directly."""
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
+
+__all__ = [
+    "__version__",
+    "BUILD_PROFILE",
+    "ALGORITHMS",
+    "HashFunction",
+    "RequestBlockHasher",
+    "BlockPoolCore",
+    "BlockIds",
+    "KVCacheManagerCore",
+    "hash_block_tokens",
+    "hash_blocks",
+    "hash_requests",
+    "hashing_threads",
+    "check_token_ids",
+    "token_encoder",
+    "PrefixIndexCore",
+    "parent_tag",
+    "event_ints",
+]
 
 __version__: str
 #: "release" or "debug" (never benchmark a debug build).
@@ -16,6 +37,7 @@ ALGORITHMS: tuple[str, ...]
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ids = Sequence[int] | npt.NDArray[np.integer[Any]]
 
+@final
 class HashFunction:
     """A vLLM block-hash function: ``fn(obj) -> bytes`` digests the pickle-protocol-5
     (``sha256``, ``xxhash``) or canonical-CBOR (``sha256_cbor``, ``xxhash_cbor``) bytes of
@@ -26,11 +48,16 @@ class HashFunction:
     @property
     def name(self) -> str: ...
     @property
+    def __name__(self) -> str:
+        """vLLM's function name (``"sha256"``, ``"sha256_cbor"``, ...), for code that names
+        the hash function it was given."""
+    @property
     def digest_size(self) -> int: ...
     def __call__(self, obj: Any) -> bytes: ...
     def serialize(self, obj: Any) -> bytes:
         """The bytes fed to the digest for ``obj``."""
 
+@final
 class RequestBlockHasher:
     """``hasher(request) -> list[bytes]``: the hashes of the request's newly completed blocks
     (vLLM's ``get_request_block_hasher`` closure, in Rust)."""
@@ -84,17 +111,27 @@ def hash_requests(requests: list[Any]) -> int:
 def hashing_threads() -> int:
     """Start the worker threads of ``hash_requests`` (if not started) and return their number."""
 
+def token_encoder() -> str:
+    """``"avx512vbmi2"`` or ``"portable"``: the token-id encoder chosen at run time
+    (``KVBLOCK_NO_SIMD`` set before the first hash forces the portable one)."""
+
+def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
+    """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int
+    of any size or an integer-like with ``__index__``; not a bool)."""
+
+@final
 class BlockIds:
     """An immutable sequence of block ids held in Rust (no Python int per block until read)."""
 
     def __new__(cls, ids: _Ids) -> BlockIds: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int | slice) -> Any: ...
+    def __getitem__(self, index: int | slice, /) -> Any: ...
     def __iter__(self) -> Any: ...
-    def __contains__(self, block_id: int) -> bool: ...
+    def __contains__(self, block_id: int, /) -> bool: ...
     def tolist(self) -> list[int]: ...
     def numpy(self) -> npt.NDArray[np.int32]: ...
 
+@disjoint_base
 class BlockPoolCore:
     """The Rust block pool (vLLM 0.33.0 semantics). ``kvblock.BlockPool`` subclasses it with
     vLLM's object API; the methods here are the fast id API (ints and numpy arrays) and the
@@ -104,7 +141,7 @@ class BlockPoolCore:
         cls, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
         enable_kv_cache_events: bool = False, metrics_collector: Any = None,
         num_hash_lookahead_tokens: int = 0, *args: Any, **kwargs: Any,
-    ) -> BlockPoolCore: ...
+    ) -> Self: ...
     @property
     def num_gpu_blocks(self) -> int: ...
     @property
@@ -185,6 +222,7 @@ class BlockPoolCore:
     ) -> bytes | None: ...
     def _emit_cached_block_events(self, request: Any, num_cached_blocks: int, block_size: int, group_id: int) -> None: ...
 
+@disjoint_base
 class KVCacheManagerCore:
     """The Rust KV cache manager of every KV-cache group of a model; ``kvblock.KVCacheManager``
     and ``kvblock.vllm.KVCacheManager`` subclass it. ``kv_cache_groups``: one dict per group
@@ -198,7 +236,7 @@ class KVCacheManagerCore:
         pcp_world_size: int | None = None, watermark_blocks: int | None = None,
         needs_kv_cache_zeroing: bool = False, retention_interval: int | None = None,
         enable_mamba_shared_prefix_checkpoint: bool = False, strict_inputs: bool = False, **kwargs: Any,
-    ) -> KVCacheManagerCore: ...
+    ) -> Self: ...
     @property
     def block_size(self) -> int: ...
     @property
@@ -218,7 +256,7 @@ class KVCacheManagerCore:
         new_computed_blocks: Any = None, num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0, full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True, skip_zeroing_group_ids: Any = None,
+        has_scheduled_reqs: bool = True, skip_zeroing_group_ids: Any = (),
     ) -> Any: ...
     def allocate_slots_batch(
         self, requests: list[Any], num_new_tokens: int | _Ids | None = None, num_lookahead_tokens: int = 0
@@ -281,6 +319,7 @@ class KVCacheManagerCore:
     def _group_new_block_ids(self, group: int) -> list[int]: ...
     def _group_num_skipped_tokens(self, group: int, num_computed_tokens: int) -> int: ...
 
+@disjoint_base
 class PrefixIndexCore:
     """The fleet prefix index (``rust/src/index/``); ``kvblock.cluster.PrefixIndex`` subclasses
     it. Block hashes are ints in [0, 2**64) or digest bytes (reduced to vLLM's event int)."""

@@ -186,10 +186,7 @@ def _as_block_id_array(block_ids: Any, name: str, max_id: int = INT32_MAX) -> np
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                     raise TypeError(f"{name}: block ids must be integers, got {type(v).__name__} at index {i}")
                 if not 0 <= v <= max_id:
-                    raise ValueError(
-                        f"{name}: block id {v} at index {i} is not int32-representable "
-                        f"(must lie in [0, {max_id}])"
-                    )
+                    raise _bad_block_id(name, int(v), i, max_id)
             arr = np.array([int(v) for v in arr.tolist()], dtype=np.int64)
         if arr.dtype.kind not in "iu":
             raise TypeError(f"{name}: block ids must be integers, got dtype {arr.dtype}")
@@ -197,20 +194,23 @@ def _as_block_id_array(block_ids: Any, name: str, max_id: int = INT32_MAX) -> np
             big = arr > np.uint64(max_id)
             if big.any():
                 i = int(np.argmax(big))
-                raise ValueError(
-                    f"{name}: block id {int(arr[i])} at index {i} is not int32-representable "
-                    f"(must lie in [0, {max_id}])"
-                )
+                raise _bad_block_id(name, int(arr[i]), i, max_id)
         arr = arr.astype(np.int64, copy=False)
     bad = (arr < 0) | (arr > max_id)
     if bad.any():
         i = int(np.argmax(bad))
-        hint = "" if max_id == INT32_MAX else " after kernel-block expansion"
-        raise ValueError(
-            f"{name}: block id {int(arr[i])} at index {i} is not int32-representable{hint} "
-            f"(must lie in [0, {max_id}])"
-        )
+        raise _bad_block_id(name, int(arr[i]), i, max_id)
     return arr
+
+
+def _bad_block_id(name: str, v: int, i: int, max_id: int) -> ValueError:
+    """The error for block id ``v`` at index ``i``: negative, or past ``max_id``."""
+    if v < 0:
+        return ValueError(f"{name}: block id {v} at index {i} is negative (block ids are >= 0)")
+    hint = "" if max_id == INT32_MAX else " after kernel-block expansion"
+    return ValueError(
+        f"{name}: block id {v} at index {i} is not int32-representable{hint} (must lie in [0, {max_id}])"
+    )
 
 
 def map_to_kernel_blocks(

@@ -322,7 +322,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .replay import SimConfig
-    from .replay.plot import plot_sweep
+    from .replay.plot import check_plot_target, plot_sweep
     from .replay.progress import replay_progress
     from .replay.sweep import parse_capacities, sweep
 
@@ -331,6 +331,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return _cmd_fleet_sweep(args, out, err)
     capacities = parse_capacities(args.capacities)
     SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True).validate()
+    if args.plot:
+        check_plot_target(args.plot)  # before the sweep: it may take minutes
     traces = [_load_input(spec, args) for spec in args.traces]
     for t in traces:
         _warn_skipped(t, err)
@@ -338,9 +340,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     with replay_progress(total, "sweep", err, not args.no_progress) as progress:
         series = sweep(traces, capacities, block_size=args.block_size, hash_algo=args.hash_algo,
                        impl=args.impl, progress=progress)
-    if args.plot:
-        plot_sweep(series, args.plot, args.title)
     if args.json:
+        if args.plot:
+            plot_sweep(series, args.plot, args.title)
         print(json.dumps({"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
                           "plot": args.plot, "series": [s.to_dict() for s in series]}, indent=2))
         return 0
@@ -356,6 +358,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out.print("capacity in blocks; hit rate = hit tokens / all prompt tokens (unservable requests "
               "count as misses); vLLM rate = hits / queries of the served requests", style="dim")
     if args.plot:
+        # after the tables: the results are shown even if the plot then fails
+        plot_sweep(series, args.plot, args.title)
         out.print(f"wrote {args.plot}")
     return 0
 

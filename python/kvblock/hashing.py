@@ -86,6 +86,8 @@ def _count_arg(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{name}: expected int, got {type(value).__name__}")
     value = operator.index(value)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name}: {value} is out of range (must fit in a signed 64-bit integer)")
     if value < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {value}")
     return value
@@ -154,11 +156,39 @@ def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
     return DEFAULT_NONE_HASH_SEED
 
 
+def _check_hash_fn(hash_fn: Any) -> None:
+    if isinstance(hash_fn, str):
+        raise TypeError(
+            f"hash_fn: expected a hash function, got the str {hash_fn!r} "
+            f"(use get_hash_fn_by_name({hash_fn!r}))"
+        )
+    if not callable(hash_fn):
+        raise TypeError(
+            f"hash_fn: expected a hash function such as get_hash_fn_by_name('sha256'), "
+            f"got {type(hash_fn).__name__}"
+        )
+
+
+def _root_digest(hash_fn: Callable[[Any], bytes], seed: str) -> bytes:
+    root = hash_fn(seed)
+    if not isinstance(root, bytes):
+        raise TypeError(f"hash_fn: must return bytes, returned {type(root).__name__}")
+    return root
+
+
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
-    """Set :data:`NONE_HASH` to ``hash_fn(seed)`` with vLLM's seed rules."""
+    """Set :data:`NONE_HASH` to ``hash_fn(seed)`` with vLLM's seed rules.
+
+    Raises:
+        TypeError: ``hash_fn`` is not callable (a name such as ``"sha256"`` goes through
+            :func:`get_hash_fn_by_name` first), or it does not return ``bytes``. NONE_HASH
+            is then unchanged.
+    """
     global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
+    _check_hash_fn(hash_fn)
     seed = resolve_none_hash_seed(hash_fn)
-    NONE_HASH = BlockHash(hash_fn(seed))
+    root = _root_digest(hash_fn, seed)
+    NONE_HASH = BlockHash(root)
     _NONE_HASH_SEED = seed
     _NONE_HASH_ALGO = _algo_name(hash_fn)
 

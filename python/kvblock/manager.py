@@ -13,7 +13,10 @@ same core behind vLLM's own constructor and result types.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from . import _core, hashing
 from .block_pool import BlockPool, KVCacheBlock
@@ -62,7 +65,9 @@ class KVCacheBlocks:
         ids = tuple(list(itertools.chain(a, b)) for a, b in zip(self._ids, other._ids))
         return KVCacheBlocks._from_ids(self._pool or other._pool, ids)
 
-    def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
         """``tuple[list[int], ...]`` of block ids per group (None if ``allow_none`` and every
         selected group is empty)."""
         groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
@@ -145,6 +150,59 @@ class KVCacheManager(_core.KVCacheManagerCore):
             and no global state changes.
         TypeError: ``kv_cache_groups`` that are not kvblock specs.
     """
+
+    # Set in __new__ (the Rust base is built there).
+    request_block_hasher: Callable[[Any], list[hashing.BlockHash]]
+    hash_fn: hashing.HashFunction
+    enable_caching: bool
+    enable_kv_cache_events: bool
+    log_stats: bool
+    use_eagle: bool
+    sliding_window: int | None
+    num_kv_cache_groups: int
+    hash_block_size: int
+    kv_cache_spec_kind: str
+    prefix_cache_stats: PrefixCacheStats | None
+    empty_kv_cache_blocks: KVCacheBlocks
+
+    if TYPE_CHECKING:
+        # The scheduler calls are the Rust base's (``_core.pyi`` types them loosely, as the
+        # base cannot name these Python classes); their types as this class has them.
+        @property
+        def block_pool(self) -> BlockPool: ...
+
+        def get_computed_blocks(self, request: Request | Any) -> tuple[KVCacheBlocks, int, int]: ...
+
+        def allocate_slots(
+            self,
+            request: Request | Any,
+            num_new_tokens: int,
+            num_new_computed_tokens: int = 0,
+            new_computed_blocks: KVCacheBlocks | None = None,
+            num_lookahead_tokens: int = 0,
+            num_external_computed_tokens: int = 0,
+            delay_cache_blocks: bool = False,
+            num_encoder_tokens: int = 0,
+            full_sequence_must_fit: bool = False,
+            reserved_blocks: int = 0,
+            has_scheduled_reqs: bool = True,
+            skip_zeroing_group_ids: Sequence[int] | None = None,
+        ) -> KVCacheBlocks | None: ...
+
+        def allocate_slots_batch(
+            self,
+            requests: list[Request] | list[Any],
+            num_new_tokens: int | Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+            num_lookahead_tokens: int = 0,
+        ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
+
+        def admit_batch(
+            self, requests: list[Request] | list[Any], num_lookahead_tokens: int = 0, has_scheduled_reqs: bool = True
+        ) -> tuple[int, npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
+
+        def free(self, request: Request | Any) -> None: ...
+
+        def cache_blocks(self, request: Request | Any, num_computed_tokens: int) -> None: ...
 
     def __new__(
         cls,
@@ -253,6 +311,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         """Record one admission: ``queries += request.num_tokens``, ``hits += num_hits``
         (or the ``preempted_*`` counters for a preempted request). No-op unless ``log_stats``
         and the request reads the prefix cache."""
+        hashing._count_arg("num_hits", num_hits, 0)
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
         self.prefix_cache_stats.record(

@@ -13,6 +13,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
+from . import _core
+
 __all__ = [
     "LoRARequest",
     "MultiModalFeatureSpec",
@@ -150,6 +154,37 @@ def _mm_features(mm_features: Iterable[Any] | None) -> list[MultiModalFeatureSpe
     return out
 
 
+def _new_token_ids(token_ids: Any) -> list[Any]:
+    """``token_ids`` (one token id or a sequence of them) as a checked list."""
+    if isinstance(token_ids, (bool, str, bytes)) or token_ids is None:
+        raise TypeError(f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}")
+    if hasattr(type(token_ids), "__index__"):
+        return [token_ids]  # a numpy integer scalar
+    try:
+        new = list(token_ids)
+    except TypeError:
+        raise TypeError(
+            f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}"
+        ) from None
+    _core.check_token_ids(new, "token_ids")
+    return new
+
+
+def _is_token_ids(mask: Sequence[bool] | None, n: int) -> list[bool] | None:
+    """``prompt_is_token_ids`` checked: None, or one bool per prompt position."""
+    if mask is None:
+        return None
+    if hasattr(mask, "tolist"):
+        mask = mask.tolist()
+    out = list(mask)
+    if len(out) != n:
+        raise ValueError(f"prompt_is_token_ids: {len(out)} entries for {n} prompt tokens (one per position)")
+    for i, v in enumerate(out):
+        if type(v) is not bool and not isinstance(v, np.bool_):
+            raise TypeError(f"prompt_is_token_ids[{i}]: expected bool, got {type(v).__name__}")
+    return [bool(v) for v in out]
+
+
 class Request:
     """A request as the KV cache manager sees it (vLLM 0.33.0 names).
 
@@ -167,14 +202,26 @@ class Request:
         mm_features: multimodal items, sorted and non-overlapping:
             :class:`MultiModalFeatureSpec` or ``(identifier, offset, length)`` tuples.
         prompt_embeds: a ``[num_tokens, hidden]`` torch tensor or numpy array, or None.
+            Every block of a request with prompt embeddings gets the SHA-256 of its rows as
+            an extra hash key.
+        prompt_is_token_ids: vLLM 0.33.0's mixed prompt (chat completions with
+            ``prompt_embeds`` content parts): one bool per prompt position, True where
+            ``prompt_token_ids`` holds a real token id, False where the input is the row of
+            ``prompt_embeds`` and the token id is a placeholder. Positions marked False hold
+            token id 0 in ``all_token_ids`` (what is hashed); ``prompt_token_ids`` keeps the
+            ids as given. None (the default): every position is a token id.
         block_hasher: from :func:`kvblock.hashing.get_request_block_hasher`; None means no
             block hashes (prefix caching off).
         session_id: reported in KV events (vLLM's ``session_id``).
         max_tokens: overrides ``sampling_params.max_tokens``.
 
     Raises:
-        ValueError: an invalid salt or multimodal layout, or a prompt array that is not 1-D.
-        TypeError: non-integer token ids (raised by the hasher, before the request exists).
+        ValueError: an invalid salt or multimodal layout, a prompt array that is not 1-D,
+            ``prompt_embeds`` with another length than ``prompt_token_ids`` (as vLLM), or a
+            ``prompt_is_token_ids`` without ``prompt_token_ids`` or of another length.
+        TypeError: a ``prompt_is_token_ids`` entry that is not a bool.
+        TypeError: a prompt token id that is not an int (a ``bool``, ``float``, ``None``...;
+            numpy integers are accepted), naming ``prompt_token_ids[i]``.
     """
 
     __slots__ = (
@@ -184,7 +231,7 @@ class Request:
         "_output_token_ids", "_all_token_ids", "max_tokens", "status", "num_computed_tokens",
         "num_in_flight_tokens", "num_preemptions", "skip_reading_prefix_cache",
         "kv_cache_report_mode", "block_hashes", "_block_hasher", "_hash_block_size",
-        "_hash_lookahead", "_next_hash_at", "shared_prefix_boundary", "session_id", "__dict__",
+        "_hash_lookahead", "_next_hash_at", "shared_prefix_boundary", "session_id", "prompt_is_token_ids", "__dict__",
     )
 
     def __init__(
@@ -199,12 +246,13 @@ class Request:
         cache_salt: str | None = None,
         mm_features: Iterable[Any] | None = None,
         prompt_embeds: Any = None,
-        block_hasher: Callable[["Request"], list[bytes]] | None = None,
+        block_hasher: Callable[["Request"], Sequence[bytes]] | None = None,
         priority: int = 0,
         *,
         session_id: str | None = None,
         max_tokens: int | None = None,
         validate_cache_salt: bool = True,
+        prompt_is_token_ids: Sequence[bool] | None = None,
     ) -> None:
         if validate_cache_salt:
             _check_salt(cache_salt)
@@ -222,6 +270,8 @@ class Request:
         if prompt_token_ids is None:
             if prompt_embeds is None:
                 raise ValueError("prompt_token_ids: required unless prompt_embeds is given")
+            if prompt_is_token_ids is not None:
+                raise ValueError("prompt_is_token_ids: needs prompt_token_ids (a mixed prompt has both)")
             prompt_token_ids = [0] * len(prompt_embeds)
         elif hasattr(prompt_token_ids, "tolist"):
             if getattr(prompt_token_ids, "ndim", 1) != 1:
@@ -231,9 +281,22 @@ class Request:
                 )
             prompt_token_ids = prompt_token_ids.tolist()
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        _core.check_token_ids(self.prompt_token_ids, "prompt_token_ids")
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if prompt_embeds is not None and len(prompt_embeds) != self.num_prompt_tokens:
+            raise ValueError(
+                f"prompt_embeds: {len(prompt_embeds)} rows for {self.num_prompt_tokens} prompt token ids "
+                f"(they must have the same length)"
+            )
         self._output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = self.prompt_token_ids.copy()
+        self.prompt_is_token_ids = _is_token_ids(prompt_is_token_ids, self.num_prompt_tokens)
+        if self.prompt_is_token_ids is None:
+            self._all_token_ids: list[int] = self.prompt_token_ids.copy()
+        else:
+            # vLLM: positions whose input is an embedding row hold token id 0
+            self._all_token_ids = [
+                t if is_tok else 0 for t, is_tok in zip(self.prompt_token_ids, self.prompt_is_token_ids)
+            ]
         if max_tokens is None:
             max_tokens = getattr(sampling_params, "max_tokens", None)
         self.max_tokens = max_tokens
@@ -286,16 +349,23 @@ class Request:
     def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
         """Append sampled token(s) and hash the blocks they complete (one batch call).
 
-        If hashing rejects a token (e.g. not an int), the tokens are not appended and the
-        error is raised.
+        ``token_ids`` is one token id or a sequence of them; a token id is an ``int`` (or an
+        integer-like such as a numpy integer), never a ``bool``, ``float`` or ``None``. The
+        tokens are checked before any is appended, whether or not they complete a block.
+
+        Raises:
+            TypeError: a token that is not a token id (naming ``token_ids[i]``), or
+                ``token_ids`` neither an int nor a sequence. Nothing is appended; the same
+                holds when the request's hasher raises.
         """
         n_out, n_all = len(self._output_token_ids), len(self._all_token_ids)
-        if isinstance(token_ids, int):
+        if type(token_ids) is int:
             self._output_token_ids.append(token_ids)
             self._all_token_ids.append(token_ids)
         else:
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            new = _new_token_ids(token_ids)
+            self._output_token_ids.extend(new)
+            self._all_token_ids.extend(new)
         try:
             self.update_block_hashes()
         except BaseException:
@@ -304,7 +374,7 @@ class Request:
             raise
 
     def attach_block_hasher(
-        self, block_hasher: Callable[["Request"], list[bytes]] | None, hash_now: bool = True
+        self, block_hasher: Callable[["Request"], Sequence[bytes]] | None, hash_now: bool = True
     ) -> None:
         """Use ``block_hasher`` from now on and (unless ``hash_now`` is False, e.g. to hash many
         requests at once with :func:`kvblock.hashing.hash_requests`) hash the full blocks not

@@ -20,6 +20,8 @@ Every state-changing method validates its input before it changes anything: bad 
 
 from __future__ import annotations
 
+import operator
+
 import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -121,8 +123,14 @@ def _is_linked(block: KVCacheBlock) -> bool:
 
 
 def _check_count(name: str, n: Any) -> None:
-    if isinstance(n, bool) or not isinstance(n, int):
+    """A count argument or request field, read as kvblock's Rust core reads them: a bool or
+    a non-int (no ``__index__``) is a TypeError, an int outside int64 or a negative one a
+    ValueError, each naming ``name``."""
+    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
         raise TypeError(f"{name}: expected int, got {type(n).__name__}")
+    n = operator.index(n)
+    if not -(2**63) <= n < 2**63:
+        raise ValueError(f"{name}: {n} is out of range (must fit in a signed 64-bit integer)")
     if n < 0:
         raise ValueError(f"{name}: must be >= 0, got {n}")
 
@@ -607,7 +615,8 @@ class BlockPool:
 
         Raises:
             TypeError / ValueError: an object that is not a block of this pool, or a block
-                freed more often than it is referenced (double free); nothing is changed.
+                that is already free (a double free) or listed more often than it is
+                referenced; nothing is changed.
         """
         listed = list(ordered_blocks)
         for block in listed:
@@ -615,10 +624,13 @@ class BlockPool:
         blocks = [block for block in listed if not block.is_null]
         counts = Counter(block.block_id for block in blocks)
         for block_id, count in counts.items():
-            if self.blocks[block_id].ref_cnt < count:
+            held = self.blocks[block_id].ref_cnt
+            if held == 0:
+                raise ValueError(f"block_ids: block {block_id} is already free (ref_cnt 0): double free")
+            if held < count:
                 raise ValueError(
-                    f"block {block_id} freed {count} time(s) but has ref_cnt "
-                    f"{self.blocks[block_id].ref_cnt} (double free)"
+                    f"block_ids: block {block_id} is listed {count} times in this call but holds "
+                    f"{held} reference{'' if held == 1 else 's'}"
                 )
         caching = self.enable_caching
         without_hash: list[KVCacheBlock] = []

@@ -64,10 +64,34 @@ def resolve_none_hash_seed(hash_fn: Callable[[Any], bytes]) -> str:
     return DEFAULT_NONE_HASH_SEED
 
 
+def _check_hash_fn(hash_fn: Any) -> None:
+    if isinstance(hash_fn, str):
+        raise TypeError(
+            f"hash_fn: expected a hash function, got the str {hash_fn!r} "
+            f"(use get_hash_fn_by_name({hash_fn!r}))"
+        )
+    if not callable(hash_fn):
+        raise TypeError(
+            f"hash_fn: expected a hash function such as get_hash_fn_by_name('sha256'), "
+            f"got {type(hash_fn).__name__}"
+        )
+
+
+def _root_digest(hash_fn: Callable[[Any], bytes], seed: str) -> bytes:
+    root = hash_fn(seed)
+    if not isinstance(root, bytes):
+        raise TypeError(f"hash_fn: must return bytes, returned {type(root).__name__}")
+    return root
+
+
 def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
+    """Set NONE_HASH to ``hash_fn(seed)``; TypeError (NONE_HASH unchanged) for a
+    ``hash_fn`` that is not callable or does not return bytes."""
     global NONE_HASH, _NONE_HASH_SEED
+    _check_hash_fn(hash_fn)
     seed = resolve_none_hash_seed(hash_fn)
-    NONE_HASH = hash_fn(seed)
+    root = _root_digest(hash_fn, seed)
+    NONE_HASH = root
     _NONE_HASH_SEED = seed
 
 

@@ -184,6 +184,7 @@ class KVCacheManager:
         (caching on and not ``request.skip_reading_prefix_cache``). A request with
         ``num_preemptions > 0`` counts only in the ``preempted_*`` fields.
         """
+        _check_count("num_hits", num_hits)
         if not self.log_stats or not self._reads_prefix_cache(request):
             return
         assert self.prefix_cache_stats is not None
@@ -319,7 +320,10 @@ class KVCacheManager:
         Raises:
             TypeError / ValueError: negative or non-int counts; ``num_new_tokens == 0`` with
                 nothing to adopt; a request longer than ``max_model_len``; hit blocks whose
-                count does not match ``num_new_computed_tokens``. Nothing is changed.
+                count does not match ``num_new_computed_tokens``; computed tokens
+                (``request.num_computed_tokens`` + hit + external) past ``max_model_len``
+                (vLLM raises from ``get_new_blocks`` after taking the hits' references).
+                Nothing is changed.
             AssertionError: hit blocks for a request that already holds blocks, or external
                 tokens for one that holds blocks but has not adopted computed tokens (vLLM
                 asserts an empty table). Nothing is changed.
@@ -331,6 +335,8 @@ class KVCacheManager:
             ("num_external_computed_tokens", num_external_computed_tokens),
             ("num_encoder_tokens", num_encoder_tokens),
             ("reserved_blocks", reserved_blocks),
+            ("request.num_computed_tokens", request.num_computed_tokens),
+            ("request.num_in_flight_tokens", getattr(request, "num_in_flight_tokens", 0)),
         ):
             _check_count(name, value)
         # 1. There must be something to compute or to adopt.
@@ -377,7 +383,20 @@ class KVCacheManager:
         # 2. Computed tokens: local (already computed + prefix hit) and external.
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_uncapped_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
-        total_computed_tokens = min(num_uncapped_computed_tokens, self.max_model_len)
+        if num_uncapped_computed_tokens > self.max_model_len:
+            # The capacity check below counts slots up to max_model_len, while adopting
+            # external tokens takes blocks for all of them: vLLM would raise from
+            # get_new_blocks after touching the hit blocks. Refuse it before any change.
+            field = (
+                "num_external_computed_tokens" if num_external_computed_tokens
+                else "num_new_computed_tokens" if num_new_computed_tokens
+                else "request.num_computed_tokens"
+            )
+            raise ValueError(
+                f"{field}: {request.num_computed_tokens} computed + {num_new_computed_tokens} hit + "
+                f"{num_external_computed_tokens} external tokens exceed max_model_len {self.max_model_len}"
+            )
+        total_computed_tokens = num_uncapped_computed_tokens
 
         # 3. The watermark applies to admissions while other requests are scheduled.
         watermark_blocks = 0
@@ -521,12 +540,15 @@ class KVCacheManager:
             )
 
     def _allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new_blocks = _cdiv(num_tokens, self.block_size) - len(req_blocks)
+        num_new_blocks = _cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request_id, ()))
         if num_new_blocks <= 0:
             return []
+        # Taken before the table is made: a request that is not running, with computed tokens
+        # outside a sliding window and no hit to adopt, is counted as if they were skipped but
+        # gets blocks for all of them (as in vLLM); the pool may then be short, and the
+        # error must leave no table behind.
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        self.req_to_blocks.setdefault(request_id, []).extend(new_blocks)
         return new_blocks
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:

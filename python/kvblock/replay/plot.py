@@ -12,7 +12,55 @@ from typing import Sequence
 from .errors import ReplayError
 from .sweep import SweepSeries
 
-__all__ = ["plot_sweep"]
+__all__ = ["check_plot_target", "plot_sweep"]
+
+#: What to install for ``--plot`` (the README's command, from the checkout).
+PLOT_HINT = "--plot needs matplotlib: pip install '.[plot]' from the kvblock checkout (or pip install matplotlib)"
+
+
+def _matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+    except ImportError:
+        raise ReplayError(PLOT_HINT) from None
+    return Figure, FuncFormatter, NullFormatter
+
+
+def check_plot_target(path: str) -> None:
+    """Check, before a sweep starts, that :func:`plot_sweep` can write ``path``: matplotlib
+    imports, the extension is a format it writes, and a file can be created in the folder
+    (a probe file is made and removed; an existing ``path`` is left as it is).
+
+    Raises:
+        ReplayError: any of these fails (the message says which).
+    """
+    import os
+    import tempfile
+
+    Figure, _, _ = _matplotlib()
+    if os.path.isdir(path):
+        raise ReplayError(f"cannot write plot {path}: it is a directory")
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    formats = Figure().canvas.get_supported_filetypes()
+    if ext not in formats:
+        raise ReplayError(
+            f"cannot write plot {path}: unknown format {ext or '(no extension)'!r} "
+            f"(use one of {', '.join('.' + f for f in sorted(formats))})"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ReplayError(f"cannot write plot {path}: no such directory {folder}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ReplayError(f"cannot write plot {path}: permission denied")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".kvblock-plot-"):
+            pass
+    except OSError as e:
+        raise ReplayError(f"cannot write plot {path}: {e.strerror or e}") from None
 
 
 def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = None) -> None:
@@ -23,14 +71,7 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
         ReplayError: matplotlib is not installed, there is nothing to plot, or the file
             cannot be written.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-    except ImportError:
-        raise ReplayError("--plot needs matplotlib: pip install 'kvblock[plot]'") from None
+    Figure, FuncFormatter, NullFormatter = _matplotlib()
     if not series or not any(s.points for s in series):
         raise ReplayError("nothing to plot")
     finite = [p.capacity for s in series for p in s.points if p.capacity is not None]

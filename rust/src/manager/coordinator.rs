@@ -281,6 +281,20 @@ impl Coordinator {
         }
     }
 
+    /// Forget the slot of a request no group holds a block for, even if a group made it a
+    /// (then empty) table: a failed first allocation in strict mode leaves nothing behind.
+    pub fn forget_if_blockless(&mut self, request_id: &str) {
+        if let Some(s) = self.slot(request_id) {
+            if self.managers.iter().all(|m| m.req(s).is_none_or(|r| r.blocks.is_empty())) {
+                for m in &mut self.managers {
+                    m.ensure_slot(s);
+                    m.reqs[s] = Default::default();
+                }
+                self.reqs.remove(request_id);
+            }
+        }
+    }
+
     /// Request ids with a slot (any order).
     pub fn request_ids(&self) -> Vec<String> {
         self.reqs.ids()

@@ -170,13 +170,41 @@ impl KVCacheManager {
             }
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
-        if adopts && !running {
-            if holds {
-                return Err(Error::Assertion(format!(
-                    "request {:?} already holds blocks and cannot adopt computed tokens",
-                    req.request_id
-                )));
+        if adopts && !running && holds {
+            return Err(Error::Assertion(format!(
+                "request {:?} already holds blocks and cannot adopt computed tokens",
+                req.request_id
+            )));
+        }
+        if self.strict_inputs {
+            // vLLM caps the computed tokens at max_model_len for its capacity check but
+            // adopts external tokens uncapped (raising from its pool after taking the hits'
+            // references when they do not fit): no request computes past max_model_len
+            let computed = req
+                .num_computed_tokens
+                .saturating_add(a.num_new_computed_tokens)
+                .saturating_add(a.num_external_computed_tokens);
+            if computed > self.max_model_len {
+                let field = if a.num_external_computed_tokens > 0 {
+                    "num_external_computed_tokens"
+                } else if a.num_new_computed_tokens > 0 {
+                    "num_new_computed_tokens"
+                } else {
+                    "request.num_computed_tokens"
+                };
+                return Err(Error::value(
+                    field,
+                    format!(
+                        "{} computed + {} hit + {} external tokens exceed max_model_len {}",
+                        req.num_computed_tokens,
+                        a.num_new_computed_tokens,
+                        a.num_external_computed_tokens,
+                        self.max_model_len
+                    ),
+                ));
             }
+        }
+        if adopts && !running {
             let n = self.coord.num_groups();
             let empty: Vec<&[u32]> = vec![&[]; n];
             let nc: Vec<&[u32]> = match a.new_computed {
@@ -201,9 +229,13 @@ impl KVCacheManager {
         a: &AllocArgs<'_>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         self.check_alloc(pool, req, a)?;
+        let existed = self.coord.slot(req.request_id).is_some();
         let slot = self.coord.slot_or_insert(req.request_id);
         let res = self.allocate_in_slot(pool, slot, req, hashes, a);
-        if !matches!(res, Ok(Some(_))) {
+        if res.is_err() && self.strict_inputs && !existed {
+            // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing
+            self.coord.forget_if_blockless(req.request_id);
+        } else if !matches!(res, Ok(Some(_))) {
             self.coord.release_if_vacant(req.request_id);
         }
         res

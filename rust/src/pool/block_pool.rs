@@ -453,12 +453,7 @@ impl BlockPool {
             if *rc == 0 {
                 self.undo_decrements(&ids[..i]);
                 self.scratch = reached;
-                let listed = ids.iter().filter(|&&x| x == b).count();
-                return Err(Error::Value(if listed > 1 {
-                    format!("block_ids: block {b} is listed {listed} times but holds fewer references")
-                } else {
-                    format!("block_ids: block {b} is already free (ref_cnt 0): double free")
-                }));
+                return Err(over_freed(ids, i, b));
             }
             *rc -= 1;
             if *rc == 0 {
@@ -958,4 +953,19 @@ impl BlockPool {
         }
         Ok(())
     }
+}
+
+/// The error for block `b`, found free at `ids[i]`: a block that was free before the call
+/// (a double free), or one listed more often in this call than it holds references.
+#[cold]
+fn over_freed(ids: &[u32], i: usize, b: u32) -> Error {
+    let held = ids[..i].iter().filter(|&&x| x == b).count();
+    if held == 0 {
+        return Error::Value(format!("block_ids: block {b} is already free (ref_cnt 0): double free"));
+    }
+    let listed = ids.iter().filter(|&&x| x == b).count();
+    Error::Value(format!(
+        "block_ids: block {b} is listed {listed} times in this call but holds {held} reference{}",
+        if held == 1 { "" } else { "s" }
+    ))
 }

@@ -192,6 +192,15 @@ fn not_a_request(request: &Bound<'_, PyAny>, name: &str, e: PyErr) -> PyErr {
     pyo3::exceptions::PyTypeError::new_err(format!("request: expected a request with a `{name}` attribute, got {ty}"))
 }
 
+/// CPython's `PyMemberDescrObject` (`Include/cpython/descrobject.h`), the same on every
+/// version: the common descriptor header, then a pointer to the slot's `PyMemberDef`.
+/// pyo3-ffi declares `d_member` as a `PyGetSetDef` pointer below 3.11, so it is declared here.
+#[repr(C)]
+struct MemberDescr {
+    d_common: ffi::PyDescrObject,
+    d_member: *mut ffi::PyMemberDef,
+}
+
 /// The byte offset of `ty.__dict__[name]` in instances, if it is an object `__slots__` member
 /// (None for anything else: a property, a plain attribute, a typed member, a missing name).
 fn object_slot_offset(ty: &Bound<'_, PyType>, name: &str) -> PyResult<Option<isize>> {
@@ -204,7 +213,7 @@ fn object_slot_offset(ty: &Bound<'_, PyType>, name: &str) -> PyResult<Option<isi
     // SAFETY: `descr` is a member descriptor (checked above), whose d_member points at the
     // slot's PyMemberDef for the lifetime of the type.
     let (offset, kind) = unsafe {
-        let m = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member;
+        let m = (*(descr.as_ptr() as *mut MemberDescr)).d_member;
         ((*m).offset, (*m).type_code)
     };
     Ok((kind == ffi::Py_T_OBJECT_EX).then_some(offset))

@@ -265,3 +265,16 @@ pub fn hash_blocks<'py>(
     }
     Ok(list)
 }
+
+/// `token_encoder() -> str`: the token-id encoder block hashing uses in this process,
+/// chosen at run time: `"avx512vbmi2"` where the CPU has AVX-512 F/BW/VBMI2 (and POPCNT),
+/// else `"portable"`, the scalar path every CPU runs. Setting `KVBLOCK_NO_SIMD` (any value)
+/// before the first hash forces the portable path; digests are the same on both.
+#[pyfunction]
+pub fn token_encoder() -> &'static str {
+    if crate::hashing::token_simd::available() {
+        "avx512vbmi2"
+    } else {
+        "portable"
+    }
+}

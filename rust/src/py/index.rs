@@ -152,6 +152,7 @@ impl PyPrefixIndex {
     }
 
     #[pyo3(signature = (name, block_hashes, parent_block_hash=None, medium=Some("GPU".to_string())))]
+    #[pyo3(text_signature = "($self, /, name, block_hashes, parent_block_hash=None, medium='GPU')")]
     fn store(
         &mut self,
         name: &str,
@@ -165,6 +166,7 @@ impl PyPrefixIndex {
     }
 
     #[pyo3(signature = (name, block_hashes, medium=Some("GPU".to_string())))]
+    #[pyo3(text_signature = "($self, /, name, block_hashes, medium='GPU')")]
     fn remove(&mut self, name: &str, block_hashes: &Bound<'_, PyAny>, medium: Option<String>) -> PyResult<usize> {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         self.inner.remove(name, &self.hashes, medium.as_deref()).py_err()
@@ -273,6 +275,7 @@ impl PyPrefixIndex {
     }
 
     #[pyo3(signature = (name, medium=Some("GPU".to_string())))]
+    #[pyo3(text_signature = "($self, /, name, medium='GPU')")]
     fn blocks_of(&self, name: &str, medium: Option<String>) -> PyResult<Vec<(u64, u32)>> {
         self.inner.blocks_of(name, medium.as_deref()).py_err()
     }

@@ -115,10 +115,12 @@ struct ManagerState {
     fields: RequestFields,
 }
 
+/// A count field a request may lack (0 then); present, it reads as a count argument (None,
+/// a bool or a non-int is a TypeError), as vLLM's arithmetic on it would fail.
 fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field, arg: &str) -> PyResult<usize> {
     match fields.get_opt(request, f)? {
-        Some(v) if !v.is_none() => field_count(&v, arg),
-        _ => Ok(0),
+        Some(v) => field_count(&v, arg),
+        None => Ok(0),
     }
 }
 

@@ -13,6 +13,7 @@ pub mod hashing;
 pub mod index;
 pub mod manager;
 pub mod request_hasher;
+pub mod tokens;
 
 use pyo3::prelude::*;
 
@@ -44,5 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hashing_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::check_token_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::token_encoder, m)?)?;
     Ok(())
 }
