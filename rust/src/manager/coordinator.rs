@@ -166,13 +166,13 @@ impl Coordinator {
         for (i, g) in cfg.groups.iter().enumerate() {
             let replicated = !g.dcp_sharded;
             if cfg.pcp_world_size > 1 && !(g.kind.is_full_attention() || replicated) {
-                return Err(Error::value(
+                return Err(cfg.asserted(
                     &format!("kv_cache_groups[{i}]"),
                     "PCP only supports full attention and replicated draft groups",
                 ));
             }
             if cfg.dcp_world_size > 1 && !(g.kind.is_full_attention() || replicated) {
-                return Err(Error::value(
+                return Err(cfg.asserted(
                     &format!("kv_cache_groups[{i}]"),
                     "DCP with hybrid KV cache layouts only supports full-attention, Mamba, and replicated draft groups",
                 ));

@@ -153,8 +153,20 @@ impl GroupSpec {
 }
 
 impl ManagerConfig {
-    /// Check the configuration as vLLM's coordinator constructors do (their assertions and
-    /// `ValueError`s), as `ValueError`s naming the argument.
+    /// An error for a configuration vLLM's constructors refuse with an `assert`: an
+    /// `AssertionError` as vLLM's for vLLM's callers (`strict_inputs` off), a `ValueError`
+    /// naming the argument for kvblock's own API.
+    pub fn asserted(&self, arg: &str, msg: impl Into<String>) -> Error {
+        if self.strict_inputs {
+            Error::value(arg, msg.into())
+        } else {
+            Error::Assertion(format!("{arg}: {}", msg.into()))
+        }
+    }
+
+    /// Check the configuration as vLLM's coordinator constructors do: their `ValueError`s
+    /// as `ValueError`s, their assertions as [`ManagerConfig::asserted`] errors, each naming
+    /// the argument.
     pub fn validate(&self) -> Result<()> {
         if self.num_blocks == 0 {
             return Err(Error::value("num_blocks", "must be > 0 (block 0 is the null block)"));
@@ -175,14 +187,14 @@ impl ManagerConfig {
             g.validate(i)?;
         }
         if !self.scheduler_block_size.is_multiple_of(self.hash_block_size) {
-            return Err(Error::value(
+            return Err(self.asserted(
                 "scheduler_block_size",
                 format!("{} is not a multiple of hash_block_size {}", self.scheduler_block_size, self.hash_block_size),
             ));
         }
         for (i, g) in self.groups.iter().enumerate() {
             if !self.scheduler_block_size.is_multiple_of(g.block_size) {
-                return Err(Error::value(
+                return Err(self.asserted(
                     "scheduler_block_size",
                     format!(
                         "{} is not a multiple of kv_cache_groups[{i}]'s block size {}",
@@ -202,7 +214,7 @@ impl ManagerConfig {
         if self.enable_caching && self.groups.len() == 1 {
             let bs = self.groups[0].block_size * self.dcp_of(&self.groups[0]);
             if self.hash_block_size != bs {
-                return Err(Error::value(
+                return Err(self.asserted(
                     "hash_block_size",
                     format!("one KV-cache group hashes at its block size ({bs}), got {}", self.hash_block_size),
                 ));
@@ -212,7 +224,7 @@ impl ManagerConfig {
             for (i, g) in self.groups.iter().enumerate() {
                 let bs = g.block_size * self.dcp_of(g);
                 if g.prefix_cacheable && !bs.is_multiple_of(self.hash_block_size) {
-                    return Err(Error::value(
+                    return Err(self.asserted(
                         "hash_block_size",
                         format!("{} does not divide kv_cache_groups[{i}]'s block size {bs}", self.hash_block_size),
                     ));

@@ -164,8 +164,42 @@ impl ManagerState {
             .map_err(|_| type_err("request.request_id", "must be a str"))
     }
 
+    /// The request's block hashes. kvblock's own API (strict inputs) refuses a request
+    /// holding more hashes than `num_tokens / hash_block_size`: it was hashed at a smaller
+    /// block size than the manager's, and its hashes would claim hits for tokens they do not
+    /// cover.
     fn hashes<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<PyHashes<'py>> {
-        PyHashes::of(self.fields.get(request, Field::BlockHashes)?, "request.block_hashes")
+        let hashes = PyHashes::of(self.fields.get(request, Field::BlockHashes)?, "request.block_hashes")?;
+        if self.inner.strict_inputs && !hashes.0.is_empty() {
+            let num_tokens = match self.fields.get_opt(request, Field::AllTokenIds)? {
+                Some(t) => t.len()?,
+                None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens")?,
+            };
+            let h = self.inner.coord.hash_block_size;
+            if let Ok(hb) = request.getattr(intern!(request.py(), "_hash_block_size")) {
+                let hb: usize = hb.extract().unwrap_or(0);
+                if hb != 0 && hb != h {
+                    return Err(value_err(
+                        "request.block_hashes",
+                        format!(
+                            "the request's block hasher hashes {hb}-token blocks, the manager's hash_block_size \
+                             is {h} (build it with the manager's request_block_hasher)"
+                        ),
+                    ));
+                }
+            }
+            if hashes.0.len() > num_tokens / h {
+                return Err(value_err(
+                    "request.block_hashes",
+                    format!(
+                        "{} hashes for {num_tokens} tokens: the request was hashed at a smaller block size than \
+                         the manager's hash_block_size {h} (build it with the manager's request_block_hasher)",
+                        hashes.0.len()
+                    ),
+                ));
+            }
+        }
+        Ok(hashes)
     }
 
     fn blocks_of<'py>(&self, py: Python<'py>, groups: Vec<Vec<u32>>) -> PyResult<Bound<'py, PyAny>> {
