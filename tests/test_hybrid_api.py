@@ -76,7 +76,7 @@ def test_qwen3_next_like_mamba_and_full_attention():
     assert hit == 64 and mgr.allocate_slots(b, 20, hit, blocks) is None
     mgr.new_step_starts()
     b, hit = _run(mgr, "b", list(range(64)) + [7] * 20)
-    assert hit in (0, 16, 32, 48, 64) and hit > 0
+    assert hit == 64
     mgr.free(b)
     assert mgr.block_pool.get_num_free_blocks() == 199
 

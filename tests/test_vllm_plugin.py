@@ -283,3 +283,22 @@ def test_engine_args_scheduler_cls_runs_on_kvblock():
     assert finished == ["r0", "r1"]
     stats = sched.kv_cache_manager.block_pool
     assert stats.get_num_free_blocks() == 199  # everything back in the free queue, cached
+
+
+def test_readme_scheduler_demo_runs_on_kvblock():
+    """The README's by-hand check (scripts/vllm_scheduler_demo.py), run as a user runs it:
+    vLLM's scheduler made from EngineArgs(scheduler_cls=...) reports kvblock's manager, and
+    every request after the first hits the 96-token system prompt."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_scheduler_demo.py"
+    out = subprocess.run([sys.executable, str(script), "--requests", "3"], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    assert "KV cache manager: kvblock.vllm.manager.KVCacheManager" in out
+    assert "path: kvblock" in out
+    assert "req-0: 116 prompt tokens, prefix-cache hit 0 tokens, 8 tokens generated" in out
+    assert "req-1: 117 prompt tokens, prefix-cache hit 96 tokens, 8 tokens generated" in out
+    assert "req-2: 118 prompt tokens, prefix-cache hit 96 tokens, 8 tokens generated" in out
+    assert "free blocks at the end: 255 of 255" in out
