@@ -7,9 +7,8 @@ use super::errors::{type_err, value_err, IntoPy};
 use super::events::EventInputs;
 use super::fields::RequestFields;
 use super::gil_cell::GilCell;
-use super::hashes::PyHashes;
+use super::hashes::{list_digest, list_hash_bytes, PyHashes};
 use crate::hashing::source::ScaledHashes;
-use crate::hashing::Digest;
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 use crate::pool::cache_map::Key;
 use crate::pool::events::Event;
@@ -77,37 +76,6 @@ fn narrow<T: Copy + Into<i128>>(ids: &[T], bad: &impl Fn(usize, i128) -> PyErr) 
             u32::try_from(v).map_err(|_| bad(i, v))
         })
         .collect()
-}
-
-/// Read `hashes[i]` from a Python list of bytes as a [`Digest`].
-#[inline]
-pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<Digest> {
-    let b = list_hash_bytes(list, i, arg)?;
-    Digest::from_slice(b).ok_or_else(|| crate::error::Error::value(arg, "a block hash must be 1 to 32 bytes"))
-}
-
-/// The raw bytes of `hashes[i]` (a bytes object of 1 to 32 bytes: a 16- or 32-byte digest,
-/// or a hash made by hand), borrowed from the list item.
-///
-/// # Safety-relevant contract
-/// The slice is valid while the list holds the item and no Python code runs.
-#[inline(always)]
-pub fn list_hash_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<&'a [u8]> {
-    if i >= list.len() {
-        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
-    }
-    // SAFETY: i < len with the GIL held; the item is kept alive by the list for the borrow.
-    unsafe {
-        let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-        if pyo3::ffi::PyBytes_Check(item) == 0 {
-            return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
-        }
-        let n = pyo3::ffi::Py_SIZE(item) as usize;
-        if n == 0 || n > Digest::MAX_LEN {
-            return Err(crate::error::Error::value(arg, format!("a block hash must be 1 to 32 bytes, got {n}")));
-        }
-        Ok(std::slice::from_raw_parts(pyo3::ffi::PyBytes_AS_STRING(item) as *const u8, n))
-    }
 }
 
 /// Turn a `Key` into vLLM's `BlockHashWithGroupId` bytes.

@@ -1,8 +1,9 @@
-//! A request's `block_hashes` Python list as a [`HashSource`], read in place.
+//! Block hashes read from Python lists of bytes, in place: a request's `block_hashes` as a
+//! [`HashSource`], and single items as slices or [`Digest`]s.
 
-use super::block_pool::list_hash_bytes;
 use super::errors::{type_err, IntoPy};
 use crate::hashing::source::HashSource;
+use crate::hashing::Digest;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -38,5 +39,36 @@ impl HashSource for PyHashes<'_> {
     #[inline]
     fn get(&self, i: usize) -> crate::error::Result<&[u8]> {
         list_hash_bytes(&self.0, i, "request.block_hashes")
+    }
+}
+
+/// Read `hashes[i]` from a Python list of bytes as a [`Digest`].
+#[inline]
+pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<Digest> {
+    let b = list_hash_bytes(list, i, arg)?;
+    Digest::from_slice(b).ok_or_else(|| crate::error::Error::value(arg, "a block hash must be 1 to 32 bytes"))
+}
+
+/// The raw bytes of `hashes[i]` (a bytes object of 1 to 32 bytes: a 16- or 32-byte digest,
+/// or a hash made by hand), borrowed from the list item.
+///
+/// # Safety-relevant contract
+/// The slice is valid while the list holds the item and no Python code runs.
+#[inline(always)]
+pub fn list_hash_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<&'a [u8]> {
+    if i >= list.len() {
+        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
+    }
+    // SAFETY: i < len with the GIL held; the item is kept alive by the list for the borrow.
+    unsafe {
+        let item = pyo3::ffi::PyList_GET_ITEM(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+        if pyo3::ffi::PyBytes_Check(item) == 0 {
+            return Err(crate::error::Error::type_(arg, "block hashes must be bytes"));
+        }
+        let n = pyo3::ffi::Py_SIZE(item) as usize;
+        if n == 0 || n > Digest::MAX_LEN {
+            return Err(crate::error::Error::value(arg, format!("a block hash must be 1 to 32 bytes, got {n}")));
+        }
+        Ok(std::slice::from_raw_parts(pyo3::ffi::PyBytes_AS_STRING(item) as *const u8, n))
     }
 }
