@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     block_size = 16
     engine_args = EngineArgs(model=args.model, scheduler_cls="kvblock.vllm.Scheduler", enable_prefix_caching=True,
                              block_size=block_size, max_model_len=2048, skip_tokenizer_init=True)
-    cfg = engine_args.create_engine_config()
+    try:
+        cfg = engine_args.create_engine_config()
+    except OSError as e:  # the model's config.json is neither cached nor downloadable
+        print(f"error: cannot read the config of {args.model} ({type(e).__name__}). Offline, point "
+              "KVBLOCK_SHARED at the folder holding vllm/hf-configs (the shared reference data), or give "
+              "--model a model whose config is in your Hugging Face cache.", file=sys.stderr)
+        return 2
     register_all_kvcache_specs(cfg)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=12, head_size=64, dtype=cfg.model_config.dtype)
     kv_cache_config = KVCacheConfig(num_blocks=args.num_blocks,

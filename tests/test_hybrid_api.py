@@ -220,3 +220,45 @@ def test_group_spec_wrapper_and_eagle_flag():
     b, hit = _run(mgr, "b", list(range(48)) + [1])
     # EAGLE drops the last hit block (it recomputes it): 48 -> 32
     assert hit == 32
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: kvblock.KVCacheManager(100, kv_cache_groups=[FullAttentionSpec(16), FullAttentionSpec(32)],
+                                        hash_block_size=0), ValueError, "hash_block_size: must be > 0"),
+        (lambda: kvblock.KVCacheManager(100, kv_cache_groups=[FullAttentionSpec(16), FullAttentionSpec(32)],
+                                        hash_block_size="8"), TypeError, "hash_block_size: expected int"),
+        (lambda: kvblock.KVCacheManager(100, 16, pcp_world_size=0), ValueError, "pcp_world_size: must be > 0"),
+        (lambda: kvblock.KVCacheManager(100, 16, dcp_world_size=0), ValueError, "dcp_world_size: must be > 0"),
+        (lambda: kvblock.KVCacheManager(100, 16, max_model_len=-5), ValueError, "max_model_len: must be > 0, got -5"),
+        (lambda: kvblock.KVCacheManager(100, 16, max_model_len=0), ValueError, "max_model_len: must be > 0, got 0"),
+        (lambda: FullAttentionSpec(2**63), ValueError, "block_size: at most 2147483647 tokens per block"),
+        (lambda: kvblock.KVCacheManager(40, kv_cache_groups=[FullAttentionSpec(16), CrossAttentionSpec(16)]),
+         ValueError, r"kv_cache_groups\[1\]: cross attention is never prefix-cached; .*enable_caching=False"),
+    ],
+)
+def test_constructor_arguments_are_named(make, exc, match):
+    """Each bad argument is refused by name, with the argument's own rule (found by a fresh
+    user: hash_block_size=0 was a ZeroDivisionError, pcp_world_size=0 named dcp_world_size,
+    a huge block size blamed hash_block_size, and cross attention with caching on was built
+    and then failed on every call, keeping blocks)."""
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_decode_context_parallelism_in_kvblocks_own_api():
+    """dcp_world_size=2: a block spans 2 x 16 tokens (vLLM's resolve_dcp_kv_block_size), the
+    request is hashed at 32 tokens, and a second request hits the first one's full blocks
+    (the constructor used to refuse every DCP configuration)."""
+    mgr = kvblock.KVCacheManager(100, 16, dcp_world_size=2)
+    assert (mgr.hash_block_size, mgr.scheduler_block_size) == (32, 32)
+    a, hit = _run(mgr, "a", list(range(100)))
+    assert hit == 0 and mgr.get_block_ids("a") == ([1, 2, 3, 4],)
+    mgr.free(a)
+    b, hit = _run(mgr, "b", list(range(100)))
+    assert hit == 96 and mgr.get_block_ids("b")[0][:3] == [1, 2, 3]
+    hybrid = kvblock.KVCacheManager(100, kv_cache_groups=[FullAttentionSpec(16), MambaSpec(32, mamba_cache_mode="align")],
+                                    dcp_world_size=2)
+    assert (hybrid.hash_block_size, hybrid.scheduler_block_size) == (32, 32)
+

@@ -157,19 +157,49 @@ def test_describe_names_the_path():
     assert str(path).startswith("vLLM's own manager: ")
 
 
-def test_fallback_warns_once_and_strict_raises(caplog, monkeypatch):
+def test_fallback_warns_once_and_strict_raises(monkeypatch):
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
     from kvblock.vllm import manager as km
 
     monkeypatch.setattr(km, "_warned", set())
     monkeypatch.delenv("KVBLOCK_VLLM_STRICT", raising=False)
-    with caplog.at_level(logging.WARNING, logger="kvblock.vllm"):
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(logging.DEBUG)
+    km.logger.addHandler(keep)
+    try:
         a = kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
         b = kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
+    finally:
+        km.logger.removeHandler(keep)
     assert type(a) is VllmKVCacheManager and type(b) is VllmKVCacheManager
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvblock.vllm"]
-    assert len(lines) == 1 and "metrics_collector" in lines[0], lines
+    lines = [(r.levelname, r.getMessage()) for r in records]
+    assert len(lines) == 1 and lines[0][0] == "WARNING" and "metrics_collector" in lines[0][1], lines
+    # printed the way vLLM prints its own warnings (its handlers and format, the level named),
+    # in a process whose logging vLLM configured, as its engine does at start-up
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector\n"
+        "from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "import kvblock.vllm as kv\n"
+        "configure_logging(LoggingConfig())\n"
+        "spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)\n"
+        "cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(['l'], spec)])\n"
+        "kv.KVCacheManager(cfg, 256, 16, 16, metrics_collector=KVCacheMetricsCollector())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    printed = [line for line in (out.stdout + out.stderr).splitlines() if "using vLLM's own KV cache manager" in line]
+    assert len(printed) == 1 and "WARNING" in printed[0] and "metrics_collector" in printed[0], printed
     monkeypatch.setenv("KVBLOCK_VLLM_STRICT", "1")
     with pytest.raises(kv.UnsupportedConfiguration, match="metrics_collector"):
         kv.KVCacheManager(_config([_full()], 64), 256, 16, 16, metrics_collector=KVCacheMetricsCollector())
@@ -302,3 +332,27 @@ def test_readme_scheduler_demo_runs_on_kvblock():
     assert "req-1: 117 prompt tokens, prefix-cache hit 96 tokens, 8 tokens generated" in out
     assert "req-2: 118 prompt tokens, prefix-cache hit 96 tokens, 8 tokens generated" in out
     assert "free blocks at the end: 255 of 255" in out
+
+
+@pytest.mark.parametrize("value, on", [("", False), ("0", False), ("false", False), ("No", False), ("off", False),
+                                       ("1", True), ("true", True), ("YES", True), ("on", True)])
+def test_switches_read_like_booleans(monkeypatch, value, on):
+    """KVBLOCK_VLLM / KVBLOCK_VLLM_STRICT: "false" or "no" turn kvblock off (they turned it on
+    when only "" and "0" were off)."""
+    from kvblock.vllm.config import env_flag
+
+    monkeypatch.setenv("KVBLOCK_VLLM", value)
+    assert env_flag("KVBLOCK_VLLM") is on
+
+
+def test_a_switch_that_is_neither_on_nor_off_is_refused(monkeypatch):
+    from kvblock.vllm import plugin
+
+    monkeypatch.setenv("KVBLOCK_VLLM", "maybe")
+    before = plugin.is_patched()
+    with pytest.raises(ValueError, match=r"KVBLOCK_VLLM='maybe': expected 1/true/yes/on or 0/false/no/off"):
+        plugin.register()
+    assert plugin.is_patched() == before
+    monkeypatch.setenv("KVBLOCK_VLLM", "false")
+    plugin.register()
+    assert plugin.is_patched() == before

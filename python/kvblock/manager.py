@@ -22,7 +22,17 @@ from . import _core, hashing
 from .block_pool import BlockPool, KVCacheBlock
 from .events import BlockStored, KVCacheEvent
 from .request import Request, RequestStatus
-from .specs import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec, _groups, core_groups, resolve_block_sizes
+from .specs import (
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    _groups,
+    _positive,
+    core_groups,
+    resolve_block_sizes,
+)
 from .stats import PrefixCacheStats
 
 __all__ = ["KVCacheBlocks", "KVCacheManager"]
@@ -95,6 +105,26 @@ class KVCacheBlocks:
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks(block_ids={self.get_block_ids()})"
+
+
+def _check_own_arguments(
+    groups: Sequence[KVCacheGroupSpec], enable_caching: bool, max_model_len: Any, dcp: Any, pcp: Any
+) -> None:
+    """What kvblock's own constructor refuses before anything is built (kvblock.vllm takes
+    vLLM's arguments as vLLM does): counts that are not positive ints, each named, and
+    cross attention with prefix caching on (never cached: vLLM turns prefix caching off for
+    encoder-decoder models, and its cross-attention manager raises on every lookup)."""
+    if max_model_len is not None:
+        _positive("max_model_len", max_model_len)
+    _positive("dcp_world_size", dcp)
+    _positive("pcp_world_size", pcp)
+    if enable_caching:
+        for i, g in enumerate(groups):
+            if isinstance(g.kv_cache_spec, CrossAttentionSpec):
+                raise ValueError(
+                    f"kv_cache_groups[{i}]: cross attention is never prefix-cached; "
+                    "build an encoder-decoder model's manager with enable_caching=False"
+                )
 
 
 class KVCacheManager(_core.KVCacheManagerCore):
@@ -240,7 +270,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
             if block_size is not None or sliding_window is not None:
                 raise ValueError("block_size / sliding_window: give them in kv_cache_groups' specs")
             groups = _groups(kv_cache_groups)
-        sched, h = resolve_block_sizes(groups, enable_caching, hash_block_size)
+        _check_own_arguments(groups, enable_caching, max_model_len, dcp_world_size, pcp_world_size)
+        sched, h = resolve_block_sizes(groups, enable_caching, hash_block_size, dcp_world_size)
         if scheduler_block_size is not None:
             sched = scheduler_block_size
         hash_fn = hashing.get_hash_fn_by_name(hash_algo)

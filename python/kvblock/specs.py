@@ -43,6 +43,10 @@ def _non_negative(name: str, value: Any) -> None:
         raise ValueError(f"{name}: must be >= 0, got {value}")
 
 
+#: The largest block size a spec takes (block ids and offsets stay in int32 slot arithmetic).
+MAX_BLOCK_SIZE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """A group's layers' KV cache. ``block_size``: tokens per block (> 0)."""
@@ -56,6 +60,14 @@ class KVCacheSpec:
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size: at most {MAX_BLOCK_SIZE} tokens per block, got {self.block_size}")
+
+    @property
+    def dcp_sharded(self) -> bool:
+        """Whether decode context parallelism spreads the group's token positions over its
+        ranks (attention groups, as vLLM's ``AttentionSpec``; a Mamba state is not)."""
+        return True
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -159,6 +171,10 @@ class MambaSpec(KVCacheSpec):
         if self.prefill_checkpoint_alignment is not None:
             _positive("prefill_checkpoint_alignment", self.prefill_checkpoint_alignment)
 
+    @property
+    def dcp_sharded(self) -> bool:
+        return False
+
     def _core(self) -> dict[str, Any]:
         return {
             **super()._core(),
@@ -232,18 +248,28 @@ def core_groups(groups: Sequence[KVCacheGroupSpec]) -> list[dict[str, Any]]:
 
 
 def resolve_block_sizes(
-    groups: Sequence[KVCacheGroupSpec], enable_caching: bool = True, hash_block_size: int | None = None
+    groups: Sequence[KVCacheGroupSpec],
+    enable_caching: bool = True,
+    hash_block_size: int | None = None,
+    dcp_world_size: int = 1,
 ) -> tuple[int, int]:
     """``(scheduler_block_size, hash_block_size)`` as vLLM's ``resolve_kv_cache_block_sizes``
     picks them: one group hashes at its block size; several schedule at the LCM of their
     block sizes and hash at the GCD of the prefix-cacheable ones (or ``hash_block_size``,
     which must divide them); a Mamba group not in "align" mode, or caching off, hashes at the
-    scheduler block size.
+    scheduler block size. Under decode context parallelism (``dcp_world_size`` > 1) an
+    attention group's block spans ``block_size * dcp_world_size`` tokens (vLLM's
+    ``resolve_dcp_kv_block_size``); a Mamba group's does not.
 
     Raises:
-        ValueError: a ``hash_block_size`` that does not divide the group block sizes.
+        TypeError: a ``hash_block_size`` that is not an int.
+        ValueError: a ``hash_block_size`` that is not positive or does not divide the group
+            block sizes.
     """
-    sizes = [g.kv_cache_spec.block_size for g in groups]
+    if hash_block_size is not None:
+        _positive("hash_block_size", hash_block_size)
+    _positive("dcp_world_size", dcp_world_size)
+    sizes = [g.kv_cache_spec.block_size * (dcp_world_size if g.kv_cache_spec.dcp_sharded else 1) for g in groups]
     if len(groups) == 1:
         bs = sizes[0]
         if hash_block_size not in (None, bs) and enable_caching:
@@ -256,7 +282,7 @@ def resolve_block_sizes(
         return scheduler, scheduler if hash_block_size is None else hash_block_size
     if any(isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.mamba_cache_mode != "align" for g in groups):
         return scheduler, scheduler
-    cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable] or sizes
+    cacheable = [b for g, b in zip(groups, sizes) if g.kv_cache_spec.prefix_cacheable] or sizes
     h = hash_block_size if hash_block_size is not None else gcd(*cacheable)
     if any(b % h for b in cacheable):
         raise ValueError(

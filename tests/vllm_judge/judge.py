@@ -10,7 +10,8 @@
   swapped in (``-p kvblock.vllm.testing``) and the checked-in exclusions file.
 
 Run as a script it runs the judge and exits with pytest's status:
-``python tests/vllm_judge/judge.py [--report FILE] [pytest args...]``.
+``python tests/vllm_judge/judge.py [--report FILE] [pytest args...]``; paths or node ids under
+``tests/`` among the arguments (``tests/v1/core/test_prefix_caching.py``) narrow the run.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def run_judge(report: Path | None = None, extra_args: list[str] | None = None, p
                f"--rootdir={work}", f"--kvblock-exclusions={EXCLUSIONS}", "-q", "-rfEX"]
         if report is not None:
             cmd.append(f"--kvblock-report={report}")
-        cmd += list(extra_args or []) + ["tests"]
+        extra = list(extra_args or [])
+        # paths or node ids under tests/ (tests/v1/core/test_prefix_caching.py::...) narrow the
+        # run; without any, all of vLLM's tests run
+        cmd += extra if any(a.startswith("tests/") for a in extra) else extra + ["tests"]
         return subprocess.call(cmd, cwd=work, env=env)
 
 

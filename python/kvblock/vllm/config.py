@@ -8,6 +8,8 @@ vLLM's own manager, with the reason: :func:`describe` names it.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,21 @@ def _kinds() -> dict[type, str]:
         st.CrossAttentionManager: "cross_attention",
         st.CircularBufferManager: "circular_buffer",
     }
+
+
+def env_flag(name: str) -> bool:
+    """Whether the environment variable ``name`` turns a switch on: unset, empty, ``0``,
+    ``false``, ``no`` and ``off`` (any case) are off; ``1``, ``true``, ``yes`` and ``on`` are on.
+
+    Raises:
+        ValueError: any other value (naming the variable), rather than guessing.
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/true/yes/on or 0/false/no/off")
 
 
 def translate(kv_cache_config: Any, dcp_world_size: int = 1, pcp_world_size: int = 1, metrics_collector: Any = None) -> Path:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 from typing import Any, Sequence
 
 from vllm.distributed.kv_events import BlockStored, KVCacheEvent
@@ -34,12 +33,15 @@ from .. import _core
 from ..block_pool import KVCacheBlock
 from .block_pool import BlockPool
 from .blocks import KVCacheBlocks
-from .config import translate
+from .config import env_flag, translate
 from .coordinator import HybridCoordinatorView, make_coordinator
 
 __all__ = ["KVCacheManager", "UnsupportedConfiguration"]
 
-logger = logging.getLogger("kvblock.vllm")
+#: A child of vLLM's "vllm" logger: its lines print as vLLM's own do ("WARNING 12-02 10:00:00
+#: [manager.py:59] ..."), through the handlers vLLM configures; with VLLM_CONFIGURE_LOGGING=0
+#: they reach the application's logging configuration instead.
+logger = logging.getLogger("vllm.kvblock")
 
 #: vLLM's own manager class (read before any patching), for the fallback.
 VllmKVCacheManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
@@ -52,7 +54,7 @@ class UnsupportedConfiguration(ValueError):
 
 
 def _fallback(reason: str) -> None:
-    if os.environ.get("KVBLOCK_VLLM_STRICT", "") not in ("", "0"):
+    if env_flag("KVBLOCK_VLLM_STRICT"):
         raise UnsupportedConfiguration(f"kvblock does not manage this KV cache configuration: {reason}")
     if reason not in _warned:
         _warned.add(reason)

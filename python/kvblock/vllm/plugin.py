@@ -21,8 +21,9 @@ vLLM's coordinator and per-type managers, used only by the fallback, keep vLLM's
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
+
+from .config import env_flag
 
 __all__ = ["is_patched", "patch", "register", "unpatch"]
 
@@ -166,8 +167,14 @@ def unpatch() -> None:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (``kvblock = "kvblock.vllm:register"``): swaps
-    kvblock in when ``KVBLOCK_VLLM=1`` (in every vLLM process that loads plugins), else does
-    nothing. Idempotent. Raises RuntimeError for a vLLM other than 0.33.x."""
-    if os.environ.get("KVBLOCK_VLLM", "") in ("", "0"):
+    kvblock in when ``KVBLOCK_VLLM`` is on (``1``, ``true``, ``yes``, ``on``), in every vLLM
+    process that loads plugins; unset or off (``0``, ``false``, ``no``, ``off``) it does
+    nothing. Idempotent.
+
+    Raises:
+        RuntimeError: a vLLM other than 0.33.x.
+        ValueError: a ``KVBLOCK_VLLM`` value that is neither on nor off.
+    """
+    if not env_flag("KVBLOCK_VLLM"):
         return
     patch()
