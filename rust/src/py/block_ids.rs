@@ -13,13 +13,15 @@ use pyo3::types::{PyList, PySlice};
 #[pyclass(module = "kvblock._core", name = "BlockIds", frozen, sequence)]
 pub struct PyBlockIds {
     pub ids: Vec<u32>,
+    /// The blocks' generations when a lookup returned them (kvblock's stale-hit check).
+    pub generations: Option<Vec<u32>>,
 }
 
 #[pymethods]
 impl PyBlockIds {
     #[new]
     fn new(ids: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(PyBlockIds { ids: block_ids_of(ids, "ids")? })
+        Ok(PyBlockIds { ids: block_ids_of(ids, "ids")?, generations: None })
     }
 
     fn __len__(&self) -> usize {

@@ -281,6 +281,24 @@ impl PyBlockPool {
         self.state.with(py, |me| me.inner.num_free_blocks())
     }
 
+    /// A block's generation: how many times it was handed out anew or lost its keys (a hit
+    /// that recorded another generation is stale).
+    fn block_generation(&self, py: Python<'_>, block_id: u32) -> PyResult<u32> {
+        self.state.with(py, |me| me.inner.generation(block_id))?.py_err()
+    }
+
+    /// Retention state of a block: `(priority asked for or None, priority now, free-queue
+    /// level or None when not free)`; None with retention off.
+    fn _retention_of(&self, py: Python<'_>, block_id: u32) -> PyResult<Option<(Option<u8>, u8, Option<usize>)>> {
+        let me = self.state.borrow(py)?;
+        me.inner.check_ids(&[block_id]).py_err()?;
+        Ok(me.inner.retention().map(|r| {
+            let (p, _) = r.get(block_id);
+            let level = me.inner.is_free(block_id).then(|| me.inner.queue_level(block_id));
+            (p, r.effective(block_id), level)
+        }))
+    }
+
     /// KV cache usage in [0, 1]: `1 - free / (num_gpu_blocks - 1)`.
     fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
         self.state.with(py, |me| me.inner.usage())
