@@ -317,7 +317,7 @@ class Request:
         #: Retention of its blocks once freed (a manager with ``priority_retention`` reads it
         #: at admission): ``[(start, end, priority, duration_s)]`` token ranges of the prompt,
         #: priorities 0-100 (higher kept longer), ``duration_s`` None for no decay.
-        self.retention = None if retention is None else [tuple(r) for r in retention]
+        self.retention = retention
         #: Retention priority (0-100) of its tokens outside ``retention``'s ranges (None: the
         #: manager's default).
         self.retention_priority = retention_priority

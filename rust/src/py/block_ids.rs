@@ -24,6 +24,13 @@ impl PyBlockIds {
         Ok(PyBlockIds { ids: block_ids_of(ids, "ids")?, generations: None })
     }
 
+    /// The blocks' generations when `get_computed_blocks` returned them (kvblock's own API;
+    /// None otherwise): `allocate_slots` refuses the hit if one has moved on.
+    #[getter]
+    fn generations(&self) -> Option<Vec<u32>> {
+        self.generations.clone()
+    }
+
     fn __len__(&self) -> usize {
         self.ids.len()
     }

@@ -682,6 +682,9 @@ impl PyManager {
         if !me.inner.enable_caching {
             return Err(value_err("prefix", "prefix caching is off: nothing is cached to pin"));
         }
+        if hashes.0.is_empty() {
+            return Err(value_err("prefix", "holds no full block: nothing to pin"));
+        }
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let now = super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
