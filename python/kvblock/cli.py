@@ -142,7 +142,7 @@ def _warn_skipped(trace: Any, err: Any) -> None:
 
 #: replay options that map to SimConfig fields (None = not given on the command line).
 _CONFIG_OPTIONS = ("num_blocks", "block_size", "hash_algo", "impl", "max_running", "token_budget",
-                   "chunked_prefill", "asap", "step_ms", "time_scale")
+                   "chunked_prefill", "asap", "step_ms", "time_scale", "retention", "ttl_s", "pin_tokens")
 
 
 def _replay_config(args: argparse.Namespace, trace: Any) -> Any:
@@ -433,6 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache manager: kvblock (Rust) or the pure-Python reference (default kvblock)")
     g.add_argument("--ideal", action="store_true",
                    help="requests finish instantly: measure the prefix cache alone")
+    g.add_argument("--retention", choices=("lru", "priority", "pin-system-prompts", "ttl"), default=_UNSET,
+                   help="eviction policy: lru (vLLM's, default), priority (shared prefixes kept over one-off "
+                   "prompts), pin-system-prompts (pin hit system prompts, up to 1/4 of the pool), ttl (prompts "
+                   "kept first for --ttl-s after use)")
+    g.add_argument("--ttl-s", type=_float, default=_UNSET, metavar="S",
+                   help="the ttl policy's seconds on the simulated clock (default 300)")
+    g.add_argument("--pin-tokens", type=_int, default=_UNSET, metavar="N",
+                   help="tokens pin-system-prompts pins per prompt (default 2048)")
     fl = rp.add_argument_group("fleet (any of these runs N engines behind a router)")
     fl.add_argument("--instances", type=_int, default=None, metavar="N",
                     help="engine instances, each with --num-blocks blocks (default 1)")

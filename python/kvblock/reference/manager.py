@@ -461,7 +461,7 @@ class KVCacheManager:
             and request_id not in self.num_cached_block
             and not self.req_to_blocks.get(request_id)
         ):
-            ret = request_retention(request, request.num_prompt_tokens)
+            ret = request_retention(request, getattr(request, "num_prompt_tokens", request.num_tokens))
         self.tick()
         # 1. There must be something to compute or to adopt.
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
