@@ -358,6 +358,57 @@ impl PyBlockPool {
         with_block_ids(ids, "block_ids", |s| inner.touch(s, skip_null).py_err())
     }
 
+    /// Turn priority retention on for this (fresh) pool: free cached blocks wait by
+    /// priority (0–100), the lowest evicted first (see `kvblock.KVCacheManager`'s
+    /// `priority_retention`). Raises ValueError for a priority outside 0–100 or a bucket width
+    /// <= 0, RuntimeError once a block was cached or retention is on already.
+    #[pyo3(signature = (default_priority=35, decay_granularity_s=1.0))]
+    fn enable_retention(&self, py: Python<'_>, default_priority: i64, decay_granularity_s: f64) -> PyResult<()> {
+        let p = crate::pool::retention::check_priority(default_priority, "default_priority").py_err()?;
+        self.state.borrow_mut(py)?.inner.enable_retention(p, decay_granularity_s).py_err()
+    }
+
+    /// Read the clock (seconds): free blocks whose priority ran out decay to the default.
+    /// No-op with retention off; ValueError for a non-finite time.
+    fn set_time(&self, py: Python<'_>, now_s: f64) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.set_time(now_s).py_err()
+    }
+
+    /// Ask for retention priorities for held blocks: `priorities[i]` (0–100) for `ids[i]`,
+    /// decaying `duration_s` seconds after release (None: never). Free and null blocks are
+    /// skipped; no-op with retention off. Raises ValueError, changing nothing, for a bad id,
+    /// priority, duration or length mismatch.
+    #[pyo3(signature = (ids, priorities, duration_s=None))]
+    fn assign_retention_ids(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        priorities: &Bound<'_, PyAny>,
+        duration_s: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let d = match duration_s {
+            Some(d) => super::retention::duration_of(d, "duration_s")?,
+            None => None,
+        };
+        let prios = block_ids_of(priorities, "priorities")?;
+        let mut me = self.state.borrow_mut(py)?;
+        let inner = &mut me.inner;
+        with_block_ids(ids, "block_ids", |s| {
+            if s.len() != prios.len() {
+                return Err(value_err("priorities", format!("{} values for {} blocks", prios.len(), s.len())));
+            }
+            inner.check_ids(s).py_err()?;
+            let ps = prios
+                .iter()
+                .map(|&p| crate::pool::retention::check_priority(p as i64, "priorities").py_err())
+                .collect::<PyResult<Vec<u8>>>()?;
+            for (&b, &p) in s.iter().zip(&ps) {
+                inner.assign_retention(b, p, d);
+            }
+            Ok(())
+        })
+    }
+
     /// Allocate one block and return its id (`allocate_ids(1)` without the array).
     fn allocate_id(&self, py: Python<'_>) -> PyResult<u32> {
         let mut me = self.state.borrow_mut(py)?;
