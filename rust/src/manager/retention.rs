@@ -227,11 +227,8 @@ impl RetentionState {
     /// Unpin every prefix whose TTL is over at `now_s` (earliest expiry first). Returns how
     /// many expired.
     pub fn expire(&mut self, pool: &mut BlockPool, now_s: f64) -> Result<usize> {
-        let mut due: Vec<(f64, Digest)> = self
-            .pins
-            .iter()
-            .filter_map(|(k, p)| p.expires_at.filter(|&t| t <= now_s).map(|t| (t, *k)))
-            .collect();
+        let mut due: Vec<(f64, Digest)> =
+            self.pins.iter().filter_map(|(k, p)| p.expires_at.filter(|&t| t <= now_s).map(|t| (t, *k))).collect();
         if due.is_empty() {
             return Ok(0);
         }

@@ -237,7 +237,13 @@ impl Retention {
         }
         self.now_s = now_s;
         let cur = (now_s / self.granularity_s).floor();
-        self.now_bucket = if cur <= 0.0 { 0 } else if cur >= (NO_EXPIRY - 1) as f64 { NO_EXPIRY - 1 } else { cur as u64 };
+        self.now_bucket = if cur <= 0.0 {
+            0
+        } else if cur >= (NO_EXPIRY - 1) as f64 {
+            NO_EXPIRY - 1
+        } else {
+            cur as u64
+        };
         while let Some((&k, &(first, _))) = self.buckets.first_key_value() {
             if k > self.now_bucket {
                 break;

@@ -289,6 +289,7 @@ impl PyBlockPool {
 
     /// Retention state of a block: `(priority asked for or None, priority now, free-queue
     /// level or None when not free)`; None with retention off.
+    #[allow(clippy::type_complexity)]
     fn _retention_of(&self, py: Python<'_>, block_id: u32) -> PyResult<Option<(Option<u8>, u8, Option<usize>)>> {
         let me = self.state.borrow(py)?;
         me.inner.check_ids(&[block_id]).py_err()?;

@@ -226,7 +226,10 @@ impl ManagerState {
             return self.empty(py);
         }
         let make = self.make_blocks.as_ref().ok_or_else(not_initialised)?;
-        let ids = groups.into_iter().map(|ids| Bound::new(py, PyBlockIds { ids, generations: None })).collect::<PyResult<Vec<_>>>()?;
+        let ids = groups
+            .into_iter()
+            .map(|ids| Bound::new(py, PyBlockIds { ids, generations: None }))
+            .collect::<PyResult<Vec<_>>>()?;
         let ids = PyTuple::new(py, ids)?;
         make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
@@ -670,7 +673,12 @@ impl PyManager {
     /// Pin the cached blocks of the prefix with these full-block hashes (see
     /// `kvblock.KVCacheManager.pin_prefix`); returns the pinned tokens.
     #[pyo3(signature = (block_hashes, ttl_s=None))]
-    fn _pin_prefix(&self, py: Python<'_>, block_hashes: &Bound<'_, PyAny>, ttl_s: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    fn _pin_prefix(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        ttl_s: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
         let ttl = match ttl_s {
             Some(t) => super::retention::duration_of(t, "ttl_s")?,
             None => None,
@@ -689,10 +697,12 @@ impl PyManager {
         let mut p = pool.get().state.borrow_mut(py)?;
         let now = super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         let expires_at = match ttl {
-            Some(t) => Some(match now {
-                Some(n) => n,
-                None => super::retention::read_clock(py, me.clock.as_ref())?,
-            } + t),
+            Some(t) => Some(
+                match now {
+                    Some(n) => n,
+                    None => super::retention::read_clock(py, me.clock.as_ref())?,
+                } + t,
+            ),
             None => None,
         };
         let h = me.inner.coord.hash_block_size;
@@ -724,7 +734,10 @@ impl PyManager {
     /// The pinned prefixes: `[(last block hash, pinned tokens, block ids, expires_at|None)]`,
     /// sorted by hash.
     #[allow(clippy::type_complexity)]
-    fn _pins<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Bound<'py, pyo3::types::PyBytes>, usize, Vec<u32>, Option<f64>)>> {
+    fn _pins<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Bound<'py, pyo3::types::PyBytes>, usize, Vec<u32>, Option<f64>)>> {
         let me = self.state.borrow(py)?;
         let mut v: Vec<_> = me.inner.retention.pins.iter().collect();
         v.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));

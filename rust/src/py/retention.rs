@@ -63,7 +63,10 @@ pub fn request_retention(request: &Bound<'_, PyAny>, num_prompt_tokens: usize) -
             let t: Vec<Bound<'_, PyAny>> =
                 item.extract().map_err(|_| type_err(&arg, "expected (start, end, priority, duration_s)"))?;
             if t.len() != 4 {
-                return Err(value_err(&arg, format!("expected (start, end, priority, duration_s), got {} items", t.len())));
+                return Err(value_err(
+                    &arg,
+                    format!("expected (start, end, priority, duration_s), got {} items", t.len()),
+                ));
             }
             let start = int_of(&t[0], &format!("{arg}.start"))?;
             let end = int_of(&t[1], &format!("{arg}.end"))?;
