@@ -430,3 +430,70 @@ def test_bad_constructor_arguments(kw):
 def test_clock_must_be_callable():
     with pytest.raises(TypeError):
         _mgr(8, 2, clock=5)
+
+
+# -- the replay CLI -------------------------------------------------------------------------------
+
+
+def _cli(capsys, *argv):
+    from kvblock.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = int(e.code)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+@pytest.mark.parametrize("policy", ["priority", "pin-system-prompts", "ttl"])
+def test_replay_retention_kvblock_and_reference_agree(capsys, policy):
+    """A scheduled replay with each policy: kvblock and the reference give identical results
+    (hits, evictions, preemptions, block ids per step)."""
+    import json
+
+    code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--limit", "60", "--num-blocks", "600",
+                        "--retention", policy, "--pin-tokens", "1024", "--ttl-s", "20", "--compare", "--json",
+                        "--no-progress")
+    assert code == 0
+    assert json.loads(out)["identical"] is True
+
+
+def test_replay_retention_changes_hits_and_lru_is_vllm(capsys):
+    import json
+
+    rates = {}
+    for policy in ("lru", "priority"):
+        code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000",
+                            "--retention", policy, "--json", "--no-progress", "--fingerprint")
+        assert code == 0
+        d = json.loads(out)
+        rates[policy] = (d["prefix_cache"]["hits"], d["fingerprint"])
+    code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000", "--json",
+                        "--no-progress", "--fingerprint")
+    d = json.loads(out)
+    assert (d["prefix_cache"]["hits"], d["fingerprint"]) == rates["lru"]  # --retention lru is the default
+    assert "retention" not in d["config"]
+    assert rates["priority"][0] != rates["lru"][0]
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "--workload", "chat", "--retention", "mru"],
+    ["replay", "--workload", "chat", "--retention", "ttl", "--ttl-s", "0"],
+    ["replay", "--workload", "chat", "--retention", "pin-system-prompts", "--pin-tokens", "3"],
+    ["sweep", "builtin:chat", "--retention", "lru,mru"],
+])
+def test_replay_retention_bad_options(capsys, argv):
+    code, _, err = _cli(capsys, *argv, "--no-progress")
+    assert code == 2 and err.strip()
+
+
+def test_sweep_one_series_per_policy(capsys):
+    import json
+
+    code, out, _ = _cli(capsys, "sweep", "builtin:chat", "--capacities", "500,2k", "--retention",
+                        "lru,priority", "--json", "--no-progress")
+    assert code == 0
+    names = [s["name"] for s in json.loads(out)["series"]]
+    assert names == ["chat", "chat (priority)"]
