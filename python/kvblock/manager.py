@@ -379,7 +379,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
         the TTL (``ttl_s`` seconds on the manager's clock, None: none) ends, whatever the
         requests that made them do. Pinned blocks are not free (``get_num_free_blocks``
         excludes them). The pin is named by the prefix's last full block hash: pinning it
-        again restarts its TTL and takes in blocks cached since.
+        again restarts its TTL and takes in blocks cached since. Pinned blocks are in use, so
+        :meth:`reset_prefix_cache` fails (False) while any pin is held. A TTL runs out at the
+        first manager call at or after its end.
 
         Returns the pinned tokens (a multiple of the block size; 0, pinning nothing, when no
         block of the prefix is cached).
