@@ -299,3 +299,65 @@ mod tests {
         assert!(check_duration(-1.0, "d").is_err() && check_duration(f64::NAN, "d").is_err());
     }
 }
+
+#[cfg(test)]
+mod pool_tests {
+    use crate::hashing::Digest;
+    use crate::pool::block_pool::BlockPool;
+
+    fn keys(tag: u8, n: usize) -> Vec<Digest> {
+        (0..n).map(|i| Digest::from_slice(&[tag, i as u8, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]).unwrap()).collect()
+    }
+
+    /// Cache `n` fresh blocks under `tag`'s keys at priority `p` (None: default) and free them.
+    fn cache(pool: &mut BlockPool, tag: u8, n: usize, p: Option<(u8, Option<f64>)>) -> Vec<u32> {
+        let mut ids = Vec::new();
+        pool.get_new_blocks(n, &mut ids).unwrap();
+        pool.cache_full_blocks(&ids, 0, n, &keys(tag, n), 16, 0, None, 0).unwrap();
+        if let Some((p, d)) = p {
+            for &b in &ids {
+                pool.assign_retention(b, p, d);
+            }
+        }
+        let rev: Vec<u32> = ids.iter().rev().copied().collect();
+        pool.free_blocks(&rev, false).unwrap();
+        ids
+    }
+
+    #[test]
+    fn eviction_takes_the_lowest_priority_then_lru_and_bumps_generations() {
+        let mut pool = BlockPool::new(9, true, 16, false).unwrap();
+        pool.enable_retention(35, 1.0).unwrap();
+        pool.set_time(0.0).unwrap();
+        let hi = cache(&mut pool, 1, 2, Some((90, None)));
+        let mid = cache(&mut pool, 2, 2, None);
+        let lo = cache(&mut pool, 3, 2, Some((0, None)));
+        let order: Vec<u32> = pool.free_queue().collect();
+        // two never-used blocks first (no hash), then priority 0, 35, 90, each tail first
+        assert_eq!(&order[2..], &[lo[1], lo[0], mid[1], mid[0], hi[1], hi[0]]);
+        let g = pool.generation(lo[1]).unwrap();
+        let mut out = Vec::new();
+        pool.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out[2], lo[1]);
+        assert_eq!(pool.generation(lo[1]).unwrap(), g + 1);
+        pool.check_invariants().unwrap();
+        assert!(pool.enable_retention(35, 1.0).is_err());
+    }
+
+    #[test]
+    fn decay_moves_blocks_to_the_default_tail() {
+        let mut pool = BlockPool::new(7, true, 16, false).unwrap();
+        pool.enable_retention(35, 1.0).unwrap();
+        pool.set_time(10.0).unwrap();
+        let hi = cache(&mut pool, 1, 2, Some((90, Some(2.0))));
+        let mid = cache(&mut pool, 2, 2, None);
+        pool.set_time(11.9).unwrap();
+        assert_eq!(pool.queue_level(hi[0]), 91);
+        pool.set_time(12.0).unwrap();
+        assert_eq!(pool.queue_level(hi[0]), 36);
+        let order: Vec<u32> = pool.free_queue().collect();
+        assert_eq!(&order[2..], &[mid[1], mid[0], hi[1], hi[0]]);
+        assert!(pool.set_time(f64::NAN).is_err());
+        pool.check_invariants().unwrap();
+    }
+}
