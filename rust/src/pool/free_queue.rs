@@ -318,7 +318,7 @@ impl FreeQueue {
         })
     }
 
-    /// Bytes of per-block metadata (the two link arrays; one more byte with levels).
+    /// Bytes of per-block metadata with one level (the two link arrays; levels add a byte).
     pub fn bytes_per_block() -> usize {
         2 * std::mem::size_of::<u32>()
     }
