@@ -32,6 +32,8 @@ from .request import (
 )
 from .stats import PrefixCacheStats
 
+StaleHitError = _core.StaleHitError
+
 __version__ = _core.__version__
 
 
@@ -63,6 +65,7 @@ __all__ = [
     "Request",
     "RequestStatus",
     "SamplingParams",
+    "StaleHitError",
     "__version__",
     "get_hash_fn_by_name",
     "get_request_block_hasher",

@@ -142,7 +142,7 @@ def _warn_skipped(trace: Any, err: Any) -> None:
 
 #: replay options that map to SimConfig fields (None = not given on the command line).
 _CONFIG_OPTIONS = ("num_blocks", "block_size", "hash_algo", "impl", "max_running", "token_budget",
-                   "chunked_prefill", "asap", "step_ms", "time_scale")
+                   "chunked_prefill", "asap", "step_ms", "time_scale", "retention", "ttl_s", "pin_tokens")
 
 
 def _replay_config(args: argparse.Namespace, trace: Any) -> Any:
@@ -317,6 +317,22 @@ def _si(n: int) -> str:
     return f"{n / 1e6:,.2f}M"
 
 
+def _policy_list(specs: Sequence[str]) -> list[str]:
+    from .replay import ReplayError
+    from .replay.retention import POLICIES
+
+    out: list[str] = []
+    for part in ",".join(specs).split(","):
+        p = part.strip()
+        if not p:
+            continue
+        if p not in POLICIES:
+            raise ReplayError(f"unknown --retention {p!r}; choose from {', '.join(POLICIES)}")
+        if p not in out:
+            out.append(p)
+    return out or ["lru"]
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -330,16 +346,24 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.instances is not None:
         return _cmd_fleet_sweep(args, out, err)
     capacities = parse_capacities(args.capacities)
-    SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True).validate()
+    policies = _policy_list(args.retention)
+    for pol in policies:
+        SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True,
+                  retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
     if args.plot:
         check_plot_target(args.plot)  # before the sweep: it may take minutes
     traces = [_load_input(spec, args) for spec in args.traces]
     for t in traces:
         _warn_skipped(t, err)
-    total = sum(len(t.requests) for t in traces) * len(capacities)
+    total = sum(len(t.requests) for t in traces) * len(capacities) * len(policies)
+    series = []
     with replay_progress(total, "sweep", err, not args.no_progress) as progress:
-        series = sweep(traces, capacities, block_size=args.block_size, hash_algo=args.hash_algo,
-                       impl=args.impl, progress=progress)
+        for k, pol in enumerate(policies):
+            base = k * total // len(policies)
+            series += sweep(traces, capacities, block_size=args.block_size, hash_algo=args.hash_algo,
+                            impl=args.impl, progress=None if progress is None else (lambda d, b=base: progress(b + d)),
+                            retention=pol,
+                            pin_tokens=args.pin_tokens, ttl_s=args.ttl_s)
     if args.json:
         if args.plot:
             plot_sweep(series, args.plot, args.title)
@@ -433,6 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache manager: kvblock (Rust) or the pure-Python reference (default kvblock)")
     g.add_argument("--ideal", action="store_true",
                    help="requests finish instantly: measure the prefix cache alone")
+    g.add_argument("--retention", choices=("lru", "priority", "pin-system-prompts", "ttl"), default=_UNSET,
+                   help="eviction policy: lru (vLLM's, default), priority (shared prefixes kept over one-off "
+                   "prompts), pin-system-prompts (pin hit system prompts, up to 1/4 of the pool), ttl (prompts "
+                   "kept first for --ttl-s after use)")
+    g.add_argument("--ttl-s", type=_float, default=_UNSET, metavar="S",
+                   help="the ttl policy's seconds on the simulated clock (default 300)")
+    g.add_argument("--pin-tokens", type=_int, default=_UNSET, metavar="N",
+                   help="tokens pin-system-prompts pins per prompt (default 2048)")
     fl = rp.add_argument_group("fleet (any of these runs N engines behind a router)")
     fl.add_argument("--instances", type=_int, default=None, metavar="N",
                     help="engine instances, each with --num-blocks blocks (default 1)")
@@ -468,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--block-size", type=_int, default=16, metavar="N", help="tokens per block (default 16)")
     sw.add_argument("--hash-algo", choices=ALGORITHMS, default="sha256", help="block hash (default sha256)")
     sw.add_argument("--impl", choices=("kvblock", "reference"), default="kvblock", help="KV cache manager")
+    sw.add_argument("--retention", nargs="+", default=["lru"], metavar="LIST",
+                    help="eviction policies to sweep, e.g. lru,priority,pin-system-prompts,ttl (default lru; "
+                    "one series per trace and policy)")
+    sw.add_argument("--ttl-s", type=_float, default=300.0, metavar="S", help="the ttl policy's seconds (default 300)")
+    sw.add_argument("--pin-tokens", type=_int, default=None, metavar="N",
+                    help="tokens pin-system-prompts pins per prompt (default 2048)")
     _add_input_options(sw)
     fs = sw.add_argument_group("fleet sweep (with --instances: hit rate against instance count per router)")
     fs.add_argument("--instances", nargs="+", default=None, metavar="LIST",

@@ -8,11 +8,26 @@ methods inherited from ``kvblock._core.KVCacheManagerCore``: each reads the requ
 whole action, for every group, in one boundary crossing; per-request block tables live in
 Rust. Stats, events and the result types are Python. ``kvblock.vllm.KVCacheManager`` is the
 same core behind vLLM's own constructor and result types.
+
+Beyond vLLM (kvblock's own API only; ``kvblock.vllm`` keeps vLLM 0.33.0's behaviour):
+
+* **Stale hits are impossible.** The hit blocks ``get_computed_blocks`` returns carry each
+  block's generation (bumped whenever the pool hands the block out anew or drops its keys).
+  ``allocate_slots`` refuses hits whose block moved on since (evicted and reused by another
+  request between the two calls, as custom schedulers and batch admission allow) with
+  :class:`kvblock.StaleHitError` (a ``ValueError``), changing nothing: the caller looks the
+  request up again. ``admit_batch`` looks each request up right before allocating it, so its
+  hits cannot go stale. Hits built by hand (``KVCacheBlocks(...)``) carry no generations and
+  are not checked.
+* ``probe(request)``: the hit length, touching nothing (no LRU move, stats or events).
+* Priority retention (``priority_retention=True``), pinned prefixes (:meth:`KVCacheManager.pin_prefix`)
+  with a cap and TTLs, read off an injectable ``clock``.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -172,6 +187,23 @@ class KVCacheManager(_core.KVCacheManagerCore):
         dcp_world_size, pcp_world_size: context-parallel world sizes (full attention).
         enable_mamba_shared_prefix_checkpoint: checkpoint Mamba states at shared-prefix
             junctions (EAGLE Mamba "align" groups).
+        priority_retention: evict by retention priority (TensorRT-LLM's 0–100 scale) before
+            recency: the free queue becomes one LRU list per priority and eviction takes the
+            least recently used block of the lowest priority present (O(1) per block).
+            Priorities come from each request's ``retention`` (``[(start, end, priority,
+            duration_s)]`` token ranges) and ``retention_priority`` (the rest of its tokens),
+            read when the manager first admits it and applied to its blocks when it is freed
+            (a block keeps the highest priority its holders asked for); a priority decays to
+            the default ``duration_s`` seconds after release (lazily, by buckets of
+            ``decay_granularity_s``). Off (the default): vLLM 0.33.0's LRU order exactly, and
+            requests' retention fields are not read.
+        default_retention_priority: the priority of blocks no request asked more of (35).
+        decay_granularity_s: width of the decay time buckets (seconds, > 0): a priority ends
+            at most this late.
+        max_pinned_fraction: cap on the blocks :meth:`pin_prefix` may hold, as a fraction of
+            the pool (``[0, 1]``).
+        clock: ``clock() -> seconds`` read by priority decay and pin TTLs (default
+            ``time.monotonic``); inject one in tests.
 
     Raises:
         ValueError: ``num_blocks <= 0``, a spec or argument vLLM rejects (block sizes that do
@@ -232,6 +264,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
 
         def free(self, request: Request | Any) -> None: ...
 
+        def probe(self, request: Request | Any, max_cache_hit_length: int | None = None) -> int: ...
+
         def cache_blocks(self, request: Request | Any, num_computed_tokens: int) -> None: ...
 
     def __new__(
@@ -258,6 +292,11 @@ class KVCacheManager(_core.KVCacheManagerCore):
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        priority_retention: bool = False,
+        default_retention_priority: int = 35,
+        decay_granularity_s: float = 1.0,
+        max_pinned_fraction: float = 0.25,
+        clock: Callable[[], float] | None = None,
     ) -> "KVCacheManager":
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
@@ -283,6 +322,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
             int(h), hash_fn, num_hash_lookahead_tokens, digest_memo_blocks=digest_memo_blocks
         )
         mml = DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len
+        if clock is not None and not callable(clock):
+            raise TypeError("clock: must be a callable returning seconds")
         self = super().__new__(
             cls,
             pool,
@@ -302,6 +343,11 @@ class KVCacheManager(_core.KVCacheManagerCore):
             retention_interval=prefix_cache_retention_interval,
             enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
             strict_inputs=True,
+            priority_retention=priority_retention,
+            default_retention_priority=default_retention_priority,
+            decay_granularity_s=decay_granularity_s,
+            clock=time.monotonic if clock is None else clock,
+            max_pinned_fraction=max_pinned_fraction,
         )
         self.hash_fn = hash_fn
         self.kv_cache_groups = groups
@@ -328,6 +374,81 @@ class KVCacheManager(_core.KVCacheManagerCore):
             hashing.init_none_hash(self.hash_fn)
         self.request_block_hasher = request_block_hasher
         return self
+
+    # -- beyond vLLM: pinned prefixes (probe(request) is inherited from the Rust core) ----------
+    def _prefix_hashes(
+        self, prefix: Sequence[int] | Sequence[bytes], lora_request: Any = None, cache_salt: str | None = None
+    ) -> list[bytes]:
+        items = list(prefix)
+        if items and all(isinstance(x, bytes) for x in items):
+            if lora_request is not None or cache_salt is not None:
+                raise ValueError("lora_request / cache_salt: give them with token ids, block hashes already hold them")
+            return items
+        if any(isinstance(x, bytes) for x in items):
+            raise TypeError("prefix: token ids or block hashes (bytes), not a mix")
+        req = Request(
+            "kvblock-pin", items, lora_request=lora_request, cache_salt=cache_salt,
+            block_hasher=self.request_block_hasher,
+        )
+        return list(req.block_hashes)
+
+    def pin_prefix(
+        self,
+        prefix: Sequence[int] | Sequence[bytes],
+        ttl_s: float | None = None,
+        *,
+        lora_request: Any = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Pin a prefix's cached blocks against eviction.
+
+        ``prefix``: token ids (hashed with :attr:`request_block_hasher`, with ``lora_request``
+        / ``cache_salt`` as a request would be) or the prefix's block hashes (bytes, one per
+        full block of ``hash_block_size`` tokens). The longest cached part of it (every
+        group's hit blocks, as :meth:`get_computed_blocks` finds them) gets one reference
+        that no request owns: those blocks are never evicted until :meth:`unpin_prefix` or
+        the TTL (``ttl_s`` seconds on the manager's clock, None: none) ends, whatever the
+        requests that made them do. Pinned blocks are not free (``get_num_free_blocks``
+        excludes them). The pin is named by the prefix's last full block hash: pinning it
+        again restarts its TTL and takes in blocks cached since. Pinned blocks are in use, so
+        :meth:`reset_prefix_cache` fails (False) while any pin is held. A TTL runs out at the
+        first manager call at or after its end.
+
+        Returns the pinned tokens (a multiple of the block size; 0, pinning nothing, when no
+        block of the prefix is cached).
+
+        Raises, changing nothing: ``ValueError`` for a prefix without a full block, a
+        negative or non-finite TTL, caching off, or when the distinct pinned blocks would
+        exceed ``max_pinned_fraction`` of the pool; ``TypeError`` for a prefix mixing token
+        ids and hashes.
+        """
+        return self._pin_prefix(self._prefix_hashes(prefix, lora_request, cache_salt), ttl_s)
+
+    def unpin_prefix(
+        self, prefix: Sequence[int] | Sequence[bytes], *, lora_request: Any = None, cache_salt: str | None = None
+    ) -> int:
+        """Release a pin made by :meth:`pin_prefix` (same prefix): its blocks go back to the free
+        queue (tail first) unless requests hold them. Returns the tokens it held.
+
+        Raises ``ValueError``, changing nothing, if the prefix is not pinned (or its TTL
+        ran out)."""
+        return self._unpin_prefix(self._prefix_hashes(prefix, lora_request, cache_salt))
+
+    @property
+    def pinned_prefixes(self) -> list[tuple[bytes, int, list[int], float | None]]:
+        """The pins: ``(last block hash, pinned tokens, block ids, expires_at or None)``,
+        sorted by hash (``expires_at`` in the clock's seconds)."""
+        return self._pins()
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks pins hold."""
+        return self._pinned_blocks[0]
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        """The cap on :attr:`num_pinned_blocks` (``floor(max_pinned_fraction * (num_blocks - 1))``)."""
+        return self._pinned_blocks[1]
 
     # -- vLLM's KVCacheManager API (the scheduler calls are inherited from the Rust core) -------
     @property

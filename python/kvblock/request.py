@@ -214,6 +214,11 @@ class Request:
             block hashes (prefix caching off).
         session_id: reported in KV events (vLLM's ``session_id``).
         max_tokens: overrides ``sampling_params.max_tokens``.
+        retention: ``[(start, end, priority, duration_s)]``: retention priorities (0-100,
+            TensorRT-LLM's scale) for prompt token ranges, read by a manager built with
+            ``priority_retention=True`` (checked there: ``ValueError`` for a priority
+            outside 0-100, a negative duration or a range outside the prompt).
+        retention_priority: the priority of its other tokens (None: the manager's default).
 
     Raises:
         ValueError: an invalid salt or multimodal layout, a prompt array that is not 1-D,
@@ -231,7 +236,8 @@ class Request:
         "_output_token_ids", "_all_token_ids", "max_tokens", "status", "num_computed_tokens",
         "num_in_flight_tokens", "num_preemptions", "skip_reading_prefix_cache",
         "kv_cache_report_mode", "block_hashes", "_block_hasher", "_hash_block_size",
-        "_hash_lookahead", "_next_hash_at", "shared_prefix_boundary", "session_id", "prompt_is_token_ids", "__dict__",
+        "_hash_lookahead", "_next_hash_at", "shared_prefix_boundary", "session_id", "prompt_is_token_ids",
+        "retention", "retention_priority", "__dict__",
     )
 
     def __init__(
@@ -253,6 +259,8 @@ class Request:
         max_tokens: int | None = None,
         validate_cache_salt: bool = True,
         prompt_is_token_ids: Sequence[bool] | None = None,
+        retention: Sequence[tuple[int, int, int, float | None]] | None = None,
+        retention_priority: int | None = None,
     ) -> None:
         if validate_cache_salt:
             _check_salt(cache_salt)
@@ -306,6 +314,13 @@ class Request:
         self.num_preemptions = 0
         self.shared_prefix_boundary = 0
         self.session_id: str | None = session_id
+        #: Retention of its blocks once freed (a manager with ``priority_retention`` reads it
+        #: at admission): ``[(start, end, priority, duration_s)]`` token ranges of the prompt,
+        #: priorities 0-100 (higher kept longer), ``duration_s`` None for no decay.
+        self.retention = retention
+        #: Retention priority (0-100) of its tokens outside ``retention``'s ranges (None: the
+        #: manager's default).
+        self.retention_priority = retention_priority
         self.skip_reading_prefix_cache = self._skip_reading_prefix_cache()
         extra_args = getattr(sampling_params, "extra_args", None) or {}
         self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")

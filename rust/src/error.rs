@@ -28,6 +28,10 @@ pub enum Error {
     /// A precondition vLLM asserts (maps to `AssertionError`, as vLLM's `assert` raises).
     #[error("{0}")]
     Assertion(String),
+    /// Hit blocks evicted and reused since the lookup that returned them (maps to
+    /// `kvblock.StaleHitError`, a `ValueError`).
+    #[error("{0}")]
+    StaleHit(String),
     /// Memory for the structure could not be allocated (maps to `MemoryError`).
     #[error("{0}")]
     Memory(String),

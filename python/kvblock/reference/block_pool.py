@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .retention import BlockRetention, LeveledFreeQueue
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from ..hashing import (
     block_hash_to_event_int,
@@ -351,6 +352,13 @@ class BlockPool:
         hash_block_size: tokens per entry of ``request.block_hashes`` (> 0).
         enable_kv_cache_events: whether cache changes are queued as KV events
             (:meth:`take_events`).
+        priority_retention: free cached blocks wait by retention priority
+            (:mod:`kvblock.reference.retention`); off: vLLM's single LRU queue.
+        default_retention_priority, decay_granularity_s: see
+            :class:`kvblock.reference.retention.BlockRetention`.
+
+    Every block has a generation, bumped when it is handed out anew or loses its keys to
+    ``evict_blocks`` (stale-hit detection).
 
     Block 0 becomes the null block, so a fresh free queue is ``[1, 2, ..., num_gpu_blocks-1]``.
     """
@@ -361,6 +369,10 @@ class BlockPool:
         enable_caching: bool,
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
+        *,
+        priority_retention: bool = False,
+        default_retention_priority: int = 35,
+        decay_granularity_s: float = 1.0,
     ) -> None:
         _check_count("num_gpu_blocks", num_gpu_blocks)
         if num_gpu_blocks < 1:
@@ -373,7 +385,14 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.retention: BlockRetention | None = None
+        self.free_block_queue: Any
+        if priority_retention:
+            self.retention = BlockRetention(default_retention_priority, decay_granularity_s)
+            self.free_block_queue = LeveledFreeQueue(self.blocks, KVCacheBlock(block_id=-1))
+        else:
+            self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.generation = [0] * num_gpu_blocks
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
@@ -562,7 +581,29 @@ class BlockPool:
             if self.enable_caching:
                 self._maybe_evict_cached_block(block)
             block.ref_cnt = 1
+            self.generation[block.block_id] += 1
+            if self.retention is not None:
+                self.retention.reset(block.block_id)
         return blocks
+
+    # -- retention (off unless priority_retention) -------------------------------------------
+    def set_time(self, now_s: float) -> None:
+        """Read the clock: free blocks whose priority ran out join the default level's tail."""
+        r = self.retention
+        if r is None:
+            return
+        level = 1 + r.default
+        queue = self.free_block_queue
+        for b in r.advance(now_s):
+            block = self.blocks[b]
+            if b in queue.level_of:
+                queue.remove(block)
+                queue.append_at(block, level)
+
+    def assign_retention(self, block: KVCacheBlock, priority: int, duration_s: float | None) -> None:
+        """A holder of ``block`` asks for ``priority`` for ``duration_s`` after release."""
+        if self.retention is not None and not block.is_null and block.ref_cnt > 0:
+            self.retention.assign(block.block_id, priority, duration_s)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s key from the map and reset its hash; True if a key was removed."""
@@ -603,6 +644,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 queue.remove(block)
+                if self.retention is not None:
+                    self.retention.unlink_bucket(block.block_id)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -643,7 +686,11 @@ class BlockPool:
                 else:
                     without_hash.append(block)
         self.free_block_queue.prepend_n(without_hash)
-        self.free_block_queue.append_n(with_hash)
+        if self.retention is None:
+            self.free_block_queue.append_n(with_hash)
+        else:
+            for block in with_hash:
+                self.free_block_queue.append_at(block, self.retention.release_level(block.block_id))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove the given blocks from the prefix cache (their keys; events emitted).
@@ -660,7 +707,8 @@ class BlockPool:
             if block_id >= self.num_gpu_blocks:
                 raise ValueError(f"Invalid block_id {block_id} >= {self.num_gpu_blocks}")
         for block_id in ids:
-            self._maybe_evict_cached_block(self.blocks[block_id])
+            if self._maybe_evict_cached_block(self.blocks[block_id]):
+                self.generation[block_id] += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block, if no block is in use.

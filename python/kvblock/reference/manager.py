@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ from ..request import RequestStatus
 from ..stats import PrefixCacheStats
 from . import hashing as ref_hashing
 from .block_pool import BlockPool, KVCacheBlock, _check_count
+from .retention import StaleHitError, block_priority, check_duration, request_retention
 
 __all__ = ["KVCacheBlocks", "KVCacheManager"]
 
@@ -53,6 +56,8 @@ class KVCacheBlocks:
     """
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
+    #: The blocks' generations when get_computed_blocks found them (stale-hit check).
+    generations: tuple[list[int], ...] | None = None
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         """Per-group concatenation into new lists."""
@@ -99,6 +104,12 @@ class KVCacheManager:
         watermark: fraction of ``num_blocks`` kept free when admitting waiting or preempted
             requests while others are scheduled.
         sliding_window: if set, the group is sliding-window attention over this many tokens.
+        priority_retention, default_retention_priority, decay_granularity_s,
+            max_pinned_fraction, clock: kvblock's retention (see
+            :class:`kvblock.KVCacheManager`).
+
+    Beyond vLLM, as kvblock's own API: stale hits raise :class:`StaleHitError`,
+    :meth:`probe`, :meth:`pin_prefix` / :meth:`unpin_prefix`.
 
     Requests must be built with ``block_hasher=manager.request_block_hasher``.
 
@@ -119,6 +130,11 @@ class KVCacheManager:
         use_eagle: bool = False,
         watermark: float = 0.0,
         sliding_window: int | None = None,
+        priority_retention: bool = False,
+        default_retention_priority: int = 35,
+        decay_granularity_s: float = 1.0,
+        max_pinned_fraction: float = 0.25,
+        clock: Any = None,
     ) -> None:
         _check_count("block_size", block_size)
         if block_size < 1:
@@ -144,7 +160,18 @@ class KVCacheManager:
             ref_hashing.init_none_hash(self.hash_fn)
         self.request_block_hasher = ref_hashing.get_request_block_hasher(block_size, self.hash_fn)
 
-        self.block_pool = BlockPool(num_blocks, enable_caching, block_size, enable_kv_cache_events)
+        if not 0 <= max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction: {max_pinned_fraction} must be in [0, 1]")
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching, block_size, enable_kv_cache_events,
+            priority_retention=priority_retention, default_retention_priority=default_retention_priority,
+            decay_granularity_s=decay_granularity_s,
+        )
+        self.clock = time.monotonic if clock is None else clock
+        self.max_pinned_blocks = math.floor(max_pinned_fraction * (num_blocks - 1))
+        self.pins: dict[bytes, tuple[list[KVCacheBlock], int, float | None]] = {}
+        self.pin_count: dict[int, int] = {}
+        self.request_retention: dict[str, Any] = {}
         self.watermark_blocks = int(watermark * num_blocks)
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
@@ -223,7 +250,94 @@ class KVCacheManager:
             self.block_pool.emit_cached_block_events(
                 request, len(blocks), self.block_size, _KV_CACHE_GROUP_ID
             )
-        return self.create_kv_cache_blocks((blocks,)), num_computed_tokens, 0
+        result = self.create_kv_cache_blocks((blocks,))
+        if blocks:
+            result.generations = ([self.block_pool.generation[b.block_id] for b in blocks],)
+        return result, num_computed_tokens, 0
+
+    def probe(self, request: Any) -> int:
+        """The hit length :meth:`get_computed_blocks` would report; nothing changes (no
+        events even in "full" report mode)."""
+        if not self._reads_prefix_cache(request):
+            return 0
+        max_cache_hit_length = max(request.num_tokens - 1, 0)
+        return len(self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length)) * self.block_size
+
+    # -- retention: the clock, pins ------------------------------------------------------------
+    def tick(self) -> float | None:
+        """Read the clock if priorities or TTL pins need it: decay, then expire pins (earliest
+        first). Returns the reading, if taken."""
+        if self.block_pool.retention is None and not any(p[2] is not None for p in self.pins.values()):
+            return None
+        now = float(self.clock())
+        self.block_pool.set_time(now)
+        due = sorted((p[2], k) for k, p in self.pins.items() if p[2] is not None and p[2] <= now)
+        for _, k in due:
+            self._release_pin(k)
+        return now
+
+    def _release_pin(self, key: bytes) -> int:
+        blocks, num_tokens, _ = self.pins.pop(key)
+        for b in blocks:
+            self.pin_count[b.block_id] -= 1
+            if not self.pin_count[b.block_id]:
+                del self.pin_count[b.block_id]
+        self.block_pool.free_blocks(list(reversed(blocks)))
+        return num_tokens
+
+    def pin_prefix(self, block_hashes: Sequence[bytes], ttl_s: float | None = None) -> int:
+        """Pin the cached blocks of the prefix with these full-block hashes (see
+        :meth:`kvblock.KVCacheManager.pin_prefix`); returns the pinned tokens."""
+        ttl = check_duration(ttl_s, "ttl_s")
+        hashes = list(block_hashes)
+        if not self.enable_caching:
+            raise ValueError("prefix: prefix caching is off: nothing is cached to pin")
+        if not hashes:
+            raise ValueError("prefix: holds no full block: nothing to pin")
+        now = self.tick()
+        expires_at = None if ttl is None else (float(self.clock()) if now is None else now) + ttl
+        key = hashes[-1]
+        hit = [b for b in self._find_longest_cache_hit(hashes, len(hashes) * self.block_size) if not b.is_null]
+        num_tokens = len(self._find_longest_cache_hit(hashes, len(hashes) * self.block_size)) * self.block_size
+        old = self.pins.get(key)
+        if num_tokens == 0 or not hit:
+            if old is not None:
+                self.pins[key] = (old[0], old[1], expires_at)
+                return old[1]
+            return 0
+        old_ids = [b.block_id for b in old[0]] if old else []
+        after = {i for i, c in self.pin_count.items() if c != old_ids.count(i)} | {b.block_id for b in hit}
+        if len(after) > self.max_pinned_blocks:
+            raise ValueError(f"prefix: pinning it would hold {len(after)} distinct blocks, over the cap of {self.max_pinned_blocks}")
+        self.block_pool.touch(hit)
+        for b in hit:
+            self.pin_count[b.block_id] = self.pin_count.get(b.block_id, 0) + 1
+        if old is not None:
+            self.pins[key] = (hit, num_tokens, expires_at)
+            for b in old[0]:
+                self.pin_count[b.block_id] -= 1
+                if not self.pin_count[b.block_id]:
+                    del self.pin_count[b.block_id]
+            self.block_pool.free_blocks(list(reversed(old[0])))
+        else:
+            self.pins[key] = (hit, num_tokens, expires_at)
+        return num_tokens
+
+    def unpin_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """Release the pin of this prefix; ``ValueError`` if it is not pinned."""
+        hashes = list(block_hashes)
+        if not hashes:
+            raise ValueError("prefix: holds no full block: it is not pinned")
+        if hashes[-1] not in self.pins:
+            raise ValueError("prefix: is not pinned")
+        self.tick()
+        if hashes[-1] not in self.pins:
+            raise ValueError("prefix: is not pinned (its TTL ran out)")
+        return self._release_pin(hashes[-1])
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pin_count)
 
     def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[KVCacheBlock]:
         num_blocks = min(max_length // self.block_size, len(block_hashes))
@@ -339,6 +453,16 @@ class KVCacheManager:
             ("request.num_in_flight_tokens", getattr(request, "num_in_flight_tokens", 0)),
         ):
             _check_count(name, value)
+        request_id = request.request_id
+        ret = None
+        if (
+            self.block_pool.retention is not None
+            and request_id not in self.request_retention
+            and request_id not in self.num_cached_block
+            and not self.req_to_blocks.get(request_id)
+        ):
+            ret = request_retention(request, getattr(request, "num_prompt_tokens", request.num_tokens))
+        self.tick()
         # 1. There must be something to compute or to adopt.
         if num_new_tokens == 0 and num_new_computed_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError(
@@ -349,7 +473,14 @@ class KVCacheManager:
                 f"request {request.request_id} has {request.num_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
-        request_id = request.request_id
+        gens = getattr(new_computed_blocks, "generations", None)
+        if gens is not None and new_computed_blocks is not self.empty_kv_cache_blocks:
+            for j, (b, g) in enumerate(zip(new_computed_blocks.blocks[0], gens[0])):
+                if not b.is_null and self.block_pool.generation[b.block_id] != g:
+                    raise StaleHitError(
+                        f"new_computed_blocks: hit block {b.block_id} (position {j}) was evicted and reused "
+                        f"after get_computed_blocks returned it; look the request up again"
+                    )
         hit_blocks = self._new_computed_block_list(request_id, new_computed_blocks)
         if len(hit_blocks) * self.block_size != num_new_computed_tokens:
             raise ValueError(
@@ -443,6 +574,8 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed_tokens + num_new_tokens, request.num_tokens))
 
+        if ret is not None:
+            self.request_retention[request_id] = ret
         # 13. Only the newly allocated blocks.
         return self.create_kv_cache_blocks((new_blocks,))
 
@@ -584,8 +717,17 @@ class KVCacheManager:
         unknown or already freed request does nothing.
         """
         request_id = request.request_id
+        self.tick()
+        ret = self.request_retention.pop(request_id, None)
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        if blocks and ret is not None:
+            bs = self.block_size
+            for j, b in enumerate(blocks):
+                if not b.is_null:
+                    pd = block_priority(ret, j * bs, (j + 1) * bs)
+                    if pd is not None:
+                        self.block_pool.assign_retention(b, *pd)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

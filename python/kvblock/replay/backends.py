@@ -24,8 +24,9 @@ class Impl:
 
     Attributes:
         name: ``"kvblock"`` or ``"reference"``.
-        make_manager: ``(num_blocks, block_size, hash_algo) -> manager`` (caching and
-            ``log_stats`` on; initialises the implementation's ``NONE_HASH`` as vLLM does).
+        make_manager: ``(num_blocks, block_size, hash_algo, **retention) -> manager``
+            (caching and ``log_stats`` on; initialises the implementation's ``NONE_HASH`` as
+            vLLM does; ``retention``: the retention policy's manager arguments).
         hash_chain: ``(tokens, block_size, hash_algo, parent) -> digests`` of every full
             block of the int64 array ``tokens``, chained from ``parent``.
         root: the implementation's current ``NONE_HASH``.
@@ -34,16 +35,16 @@ class Impl:
     """
 
     name: str
-    make_manager: Callable[[int, int, str], Any]
+    make_manager: Callable[..., Any]
     hash_chain: Callable[[np.ndarray, int, str, bytes], list]
     root: Callable[[], bytes]
     token_lists: bool
 
 
-def _kv_manager(num_blocks: int, block_size: int, hash_algo: str) -> Any:
+def _kv_manager(num_blocks: int, block_size: int, hash_algo: str, **retention: Any) -> Any:
     from ..manager import KVCacheManager
 
-    return KVCacheManager(num_blocks, block_size, hash_algo=hash_algo, log_stats=True)
+    return KVCacheManager(num_blocks, block_size, hash_algo=hash_algo, log_stats=True, **retention)
 
 
 def _kv_hash_chain(tokens: np.ndarray, block_size: int, hash_algo: str, parent: bytes) -> list:
@@ -59,10 +60,10 @@ def _kv_root() -> bytes:
     return hashing.NONE_HASH
 
 
-def _ref_manager(num_blocks: int, block_size: int, hash_algo: str) -> Any:
+def _ref_manager(num_blocks: int, block_size: int, hash_algo: str, **retention: Any) -> Any:
     from ..reference.manager import KVCacheManager
 
-    return KVCacheManager(num_blocks, block_size, hash_algo=hash_algo, log_stats=True)
+    return KVCacheManager(num_blocks, block_size, hash_algo=hash_algo, log_stats=True, **retention)
 
 
 def _ref_hash_chain(tokens: Any, block_size: int, hash_algo: str, parent: bytes) -> list:

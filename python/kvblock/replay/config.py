@@ -33,6 +33,9 @@ class SimConfig:
         step_ms: simulated duration of one scheduler step (milliseconds).
         time_scale: multiply arrival timestamps by this (0.5 = twice the request rate).
         fingerprint: compute the block-id fingerprint of the workload README §5.1.
+        retention: eviction policy, one of :data:`kvblock.replay.retention.POLICIES`
+            (``lru``: vLLM's); ttl_s: the ``ttl`` policy's seconds; pin_tokens: tokens the
+            ``pin-system-prompts`` policy pins (None: 2048).
     """
 
     num_blocks: int | None = 32768
@@ -47,6 +50,9 @@ class SimConfig:
     step_ms: float = 20.0
     time_scale: float = 1.0
     fingerprint: bool = False
+    retention: str = "lru"
+    ttl_s: float = 300.0
+    pin_tokens: int | None = None
 
     def validate(self) -> "SimConfig":
         """Return self if every setting is valid.
@@ -73,6 +79,9 @@ class SimConfig:
             raise ReplayError(f"--step-ms must be > 0, got {self.step_ms}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ReplayError(f"--time-scale must be > 0, got {self.time_scale}")
+        from .retention import RetentionPolicy
+
+        RetentionPolicy(self.retention, self.block_size, self.pin_tokens, self.ttl_s)  # checks them
         return self
 
     def with_defaults(self, defaults: SchedulerDefaults, explicit: set[str]) -> "SimConfig":
@@ -106,6 +115,9 @@ class SimConfig:
         d["num_blocks_unlimited"] = self.num_blocks is None
         if self.ideal:
             for k in ("max_running", "token_budget", "chunked_prefill", "asap", "step_ms", "time_scale"):
+                d.pop(k)
+        if self.retention == "lru":
+            for k in ("retention", "ttl_s", "pin_tokens"):
                 d.pop(k)
         return d
 

@@ -35,7 +35,7 @@ class SimRequest:
         "request_id", "num_tokens", "num_computed_tokens", "block_hashes", "status",
         "num_preemptions", "skip_reading_prefix_cache", "kv_cache_report_mode",
         "num_in_flight_tokens", "spec", "output_len", "num_output_tokens", "tail", "hit_blocks",
-        "cached_blocks", "table_blocks", "hashed",
+        "cached_blocks", "table_blocks", "hashed", "retention", "retention_priority",
     )
 
     def __init__(self, spec: TraceRequest) -> None:
@@ -56,6 +56,8 @@ class SimRequest:
         self.cached_blocks = 0
         self.table_blocks = 0
         self.hashed = False
+        self.retention = None
+        self.retention_priority = None
 
     def __repr__(self) -> str:
         return (

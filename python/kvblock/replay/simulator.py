@@ -49,6 +49,7 @@ from ..request import RequestStatus
 from .backends import Impl, get_impl
 from .blockhash import RequestHasher
 from .config import SimConfig
+from .retention import RetentionPolicy
 from .result import ReplayResult, Unservable
 from .simrequest import SimRequest
 from .trace import Trace, TraceRequest
@@ -114,7 +115,8 @@ class Replayer:
             raise ValueError("cfg does not match this Replayer's impl / block_size / hash_algo")
         num_blocks = cfg.resolved_num_blocks(trace)
         t0 = time.perf_counter()
-        mgr = self.impl.make_manager(num_blocks, cfg.block_size, cfg.hash_algo)
+        policy = RetentionPolicy(cfg.retention, cfg.block_size, cfg.pin_tokens, cfg.ttl_s)
+        mgr = self.impl.make_manager(num_blocks, cfg.block_size, cfg.hash_algo, **policy.manager_kwargs())
         hasher = self._hasher(trace)
         hasher.start_run()
         res = ReplayResult(
@@ -125,9 +127,11 @@ class Replayer:
         )
         fp = hashlib.sha256() if cfg.fingerprint else None
         if cfg.ideal:
-            _run_ideal(trace, cfg, mgr, hasher, res, fp, progress)
+            _run_ideal(trace, cfg, mgr, hasher, res, fp, progress, policy)
         else:
-            _Scheduler(trace, cfg, mgr, hasher, res, fp, progress).run()
+            sched = _Scheduler(trace, cfg, mgr, hasher, res, fp, progress)
+            sched.policy = policy
+            sched.run()
         stats = mgr.make_prefix_cache_stats()
         res.queries, res.hits, res.requests_recorded = stats.queries, stats.hits, stats.requests
         res.preempted_queries, res.preempted_hits = stats.preempted_queries, stats.preempted_hits
@@ -168,9 +172,11 @@ def _unservable(tr: TraceRequest, cfg: SimConfig, usable: int) -> Unservable | N
 
 def _run_ideal(
     trace: Trace, cfg: SimConfig, mgr: Any, hasher: RequestHasher, res: ReplayResult,
-    fp: Any, progress: ProgressFn | None,
+    fp: Any, progress: ProgressFn | None, policy: RetentionPolicy | None = None,
 ) -> int:
     """Admit each request alone, record its hit and free it at once."""
+    if policy is not None and policy.name == "lru":
+        policy = None
     b = cfg.block_size
     usable = res.usable_blocks
     clock = time.perf_counter_ns
@@ -192,6 +198,8 @@ def _run_ideal(
         req = SimRequest(tr)
         req.block_hashes = hasher.prompt_hashes(tr)
         num_tokens = tr.prompt_len
+        if policy is not None:
+            policy.before_admit(req, tr.arrival_ms * cfg.time_scale / 1000.0)
         t0 = clock()
         hit, n_hit, _ = get_computed_blocks(req)
         t1 = clock()
@@ -199,6 +207,8 @@ def _run_ideal(
         t2 = clock()
         if new is None:
             raise RuntimeError(f"allocate_slots failed for {tr.request_id} in an idle pool")
+        if policy is not None:
+            policy.after_admit(mgr, req, n_hit)
         record(req, n_hit)
         if fp is not None:
             fp.update(("h" + _ids(hit)).encode())
@@ -255,6 +265,8 @@ class _Scheduler:
         self.lookup_calls = self.admit_calls = self.step_calls = 0
         self.blocks_queried = self.blocks_hit = 0
         self.usage = array("i")
+        #: the retention policy (None or ``lru``: vLLM's)
+        self.policy: RetentionPolicy | None = None
         #: the type of the requests :meth:`add` makes (a fleet adds the event fields)
         self.request_type: type[SimRequest] = SimRequest
         #: ``(req, now)`` when a request is first admitted / samples its first token
@@ -348,6 +360,9 @@ class _Scheduler:
         cfg, mgr, res, fp = self.cfg, self.mgr, self.res, self.fp
         b = cfg.block_size
         clock = time.perf_counter_ns
+        policy = self.policy if self.policy is not None and self.policy.name != "lru" else None
+        if policy is not None:
+            policy.clock.t = self.now / 1000.0
         get_computed_blocks, allocate_slots = mgr.get_computed_blocks, mgr.allocate_slots
         record = mgr.record_prefix_cache_stats
         hasher = self.hasher
@@ -404,6 +419,8 @@ class _Scheduler:
                 if not req.hashed:
                     req.block_hashes = hasher.prompt_hashes(req.spec)
                     req.hashed = True
+                if policy is not None:
+                    policy.before_admit(req, self.now / 1000.0)
                 t0 = clock()
                 hit, n_hit, _ = get_computed_blocks(req)
                 lookup_ns += clock() - t0
@@ -419,6 +436,8 @@ class _Scheduler:
                 admit_calls += 1
                 if new is None:
                     break
+                if policy is not None:
+                    policy.after_admit(self.mgr, req, n_hit)
                 waiting.popleft()
                 record(req, n_hit)
                 if req.num_preemptions == 0:

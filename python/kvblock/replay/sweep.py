@@ -126,8 +126,15 @@ def sweep(
     hash_algo: str = "sha256",
     impl: str = "kvblock",
     progress: Callable[[int], None] | None = None,
+    retention: str = "lru",
+    pin_tokens: int | None = None,
+    ttl_s: float = 300.0,
 ) -> list[SweepSeries]:
     """Ideal replays of every trace at every capacity.
+
+    ``retention``, ``pin_tokens``, ``ttl_s``: the eviction policy
+    (:mod:`kvblock.replay.retention`); a series of another policy than ``lru`` is named
+    ``"<trace> (<policy>)"``.
 
     Each trace's block hashes are computed once and reused across its capacities.
 
@@ -144,9 +151,11 @@ def sweep(
     out: list[SweepSeries] = []
     base = 0
     for trace in traces:
-        series = SweepSeries(trace.name, trace.source, block_size)
+        name = trace.name if retention == "lru" else f"{trace.name} ({retention})"
+        series = SweepSeries(name, trace.source, block_size)
         for cap in capacities:
-            cfg = SimConfig(num_blocks=cap, block_size=block_size, hash_algo=hash_algo, impl=impl, ideal=True)
+            cfg = SimConfig(num_blocks=cap, block_size=block_size, hash_algo=hash_algo, impl=impl, ideal=True,
+                            retention=retention, pin_tokens=pin_tokens, ttl_s=ttl_s).validate()
             offset = base
             r = replayer.run(trace, cfg, None if progress is None else (lambda d, o=offset: progress(o + d)))
             base += len(trace.requests)

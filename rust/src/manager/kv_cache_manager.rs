@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
+use crate::manager::retention::RetentionState;
 use crate::manager::single_type::ReqInfo;
 use crate::manager::spec::{Kind, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
@@ -52,6 +53,10 @@ pub struct AllocArgs<'a> {
     pub reserved_blocks: usize,
     pub has_scheduled_reqs: bool,
     pub skip_zeroing_group_ids: &'a [u32],
+    /// The hit blocks' generations when `get_computed_blocks` found them (aligned with
+    /// `new_computed`); a block whose generation moved since was evicted and handed out
+    /// again: the call fails with [`Error::StaleHit`], changing nothing.
+    pub new_computed_generations: Option<&'a [Vec<u32>]>,
 }
 
 /// The KV cache manager.
@@ -62,6 +67,8 @@ pub struct KVCacheManager {
     pub enable_caching: bool,
     pub watermark_blocks: usize,
     pub strict_inputs: bool,
+    /// Request retention priorities and pinned prefixes (kvblock's own API).
+    pub retention: RetentionState,
 }
 
 impl KVCacheManager {
@@ -73,6 +80,7 @@ impl KVCacheManager {
             enable_caching: cfg.enable_caching,
             watermark_blocks: cfg.watermark_blocks,
             strict_inputs: cfg.strict_inputs,
+            retention: RetentionState::default(),
         })
     }
 
@@ -122,6 +130,18 @@ impl KVCacheManager {
                 for &b in g {
                     if b != NULL_BLOCK && pool.ref_of(b) == 0 && !pool.is_free(b) {
                         return Err(Error::State(format!("hit block {b} has ref_cnt 0 but is not in the free queue")));
+                    }
+                }
+            }
+            if let Some(gens) = a.new_computed_generations {
+                for (i, (g, gg)) in nc.iter().zip(gens).enumerate() {
+                    for (j, (&b, &gen)) in g.iter().zip(gg).enumerate() {
+                        if b != NULL_BLOCK && pool.generation_of(b) != gen {
+                            return Err(Error::StaleHit(format!(
+                                "new_computed_blocks: hit block {b} (kv_cache_groups[{i}], position {j}) was evicted and \
+                                 reused after get_computed_blocks returned it; look the request up again"
+                            )));
+                        }
                     }
                 }
             }
@@ -402,6 +422,7 @@ impl KVCacheManager {
 
     /// `free(request)`.
     pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
+        self.retention.apply_on_free(&self.coord, pool, request_id);
         self.coord.free(pool, request_id)
     }
 

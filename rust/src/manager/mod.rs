@@ -18,6 +18,7 @@ pub mod full_attention;
 pub mod kv_cache_manager;
 pub mod mamba;
 pub mod requests;
+pub mod retention;
 pub mod single_type;
 pub mod sliding_window;
 pub mod spec;

@@ -13,6 +13,7 @@ use crate::hashing::Digest;
 use crate::pool::cache_map::{CacheMap, Key};
 use crate::pool::events::Event;
 use crate::pool::free_queue::{FreeQueue, UNLINKED};
+use crate::pool::retention::{Retention, NUM_LEVELS};
 use hashbrown::HashMap;
 
 /// The null block's id.
@@ -44,6 +45,11 @@ pub struct BlockPool {
     events: Vec<Event>,
     scratch: Vec<u32>,
     scratch2: Vec<u32>,
+    /// Times each block was handed out anew or lost its keys: a hit read at generation `g`
+    /// is still the block it named iff the generation is still `g`.
+    generation: Vec<u32>,
+    /// Priority retention (None: plain LRU, vLLM's order).
+    retention: Option<Box<Retention>>,
 }
 
 impl BlockPool {
@@ -83,7 +89,71 @@ impl BlockPool {
             events: Vec::new(),
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            generation: Error::try_vec("the block arena", num_blocks, 0)?,
+            retention: None,
         })
+    }
+
+    /// Turn priority retention on ([`crate::pool::retention`]): the free queue becomes one
+    /// list per level. Only before any block was cached (the pool as built).
+    pub fn enable_retention(&mut self, default_priority: u8, granularity_s: f64) -> Result<()> {
+        if self.retention.is_some() {
+            return Err(Error::State("retention is already on".into()));
+        }
+        if !self.map.is_empty() || self.num_free_blocks() + 1 != self.num_blocks {
+            return Err(Error::State("retention can only be turned on for a fresh pool".into()));
+        }
+        let r = Retention::new(self.num_blocks, default_priority, granularity_s)?;
+        self.queue.set_levels(NUM_LEVELS)?;
+        self.retention = Some(Box::new(r));
+        Ok(())
+    }
+
+    /// The retention state, if on.
+    pub fn retention(&self) -> Option<&Retention> {
+        self.retention.as_deref()
+    }
+
+    /// Read the clock (seconds, any origin, non-decreasing for sensible decay): free blocks
+    /// whose priority ran out move to the default level's tail, in expiry order. No-op with
+    /// retention off.
+    pub fn set_time(&mut self, now_s: f64) -> Result<()> {
+        let Some(r) = self.retention.as_deref_mut() else { return Ok(()) };
+        let mut out = std::mem::take(&mut self.scratch);
+        out.clear();
+        r.advance(now_s, &mut out)?;
+        let level = 1 + r.default_priority() as usize;
+        for &b in &out {
+            if self.queue.contains(b) {
+                self.queue.remove(b)?;
+                self.queue.append_at(b, level);
+            }
+        }
+        self.scratch = out;
+        Ok(())
+    }
+
+    /// A holder of (valid, in-use) block `b` asks for retention priority `p` (0–100) for
+    /// `duration_s` seconds after release (None: for good); see [`Retention::assign`]. No-op
+    /// with retention off or for the null block.
+    pub fn assign_retention(&mut self, b: u32, p: u8, duration_s: Option<f64>) {
+        if let Some(r) = self.retention.as_deref_mut() {
+            if b != NULL_BLOCK && self.ref_cnt[b as usize] > 0 {
+                r.assign(b, p, duration_s);
+            }
+        }
+    }
+
+    /// A block's generation (see [`BlockPool::generation_of`] users: stale-hit checks).
+    pub fn generation(&self, b: u32) -> Result<u32> {
+        self.check_id(b)?;
+        Ok(self.generation[b as usize])
+    }
+
+    /// A valid block's generation.
+    #[inline(always)]
+    pub fn generation_of(&self, b: u32) -> u32 {
+        self.generation[b as usize]
     }
 
     /// Set `num_hash_lookahead_tokens` (tokens after each block covered by its hash; events
@@ -227,6 +297,12 @@ impl BlockPool {
     /// Blocks that have further keys, with them.
     pub fn secondary_items(&self) -> Vec<(u32, Vec<Key>)> {
         self.secondary.keys().map(|&b| (b, self.secondary_keys(b))).collect()
+    }
+
+    /// The free-queue level of a free block (0 with retention off; with it on, 0 for blocks
+    /// without a hash, `1 + priority` for cached ones).
+    pub fn queue_level(&self, b: u32) -> usize {
+        self.queue.level_of(b)
     }
 
     /// True if the block is in the free queue.
@@ -375,7 +451,7 @@ impl BlockPool {
         if let Some(&b) = out[start..].iter().find(|&&b| self.ref_cnt[b as usize] != 0) {
             // a block in use was put in the queue by a raw free-queue call: handing it out
             // would give it two owners; put the popped blocks back where they were
-            self.queue.prepend_n(&out[start..]);
+            self.queue.restore_front(&out[start..]);
             out.truncate(start);
             return Err(Error::State(format!(
                 "block {b} is in the free queue but in use (put there by a raw free-queue call)"
@@ -393,6 +469,13 @@ impl BlockPool {
                 self.evict(b);
             }
             self.ref_cnt[b as usize] = 1;
+            let g = &mut self.generation[b as usize];
+            *g = g.wrapping_add(1);
+        }
+        if let Some(r) = self.retention.as_deref_mut() {
+            for &b in &out[start..] {
+                r.reset(b);
+            }
         }
         Ok(())
     }
@@ -415,6 +498,9 @@ impl BlockPool {
             }
             if self.ref_cnt[b as usize] == 0 {
                 self.queue.remove(b)?;
+                if let Some(r) = self.retention.as_deref_mut() {
+                    r.unlink_bucket(b);
+                }
             }
             self.ref_cnt[b as usize] += 1;
         }
@@ -476,7 +562,10 @@ impl BlockPool {
             unhashed.clear();
             for &b in &reached {
                 if self.key_slot[b as usize] != NO_KEY {
-                    self.queue.append(b);
+                    match self.retention.as_deref_mut() {
+                        Some(r) => self.queue.append_at(b, r.release_level(b)),
+                        None => self.queue.append(b),
+                    }
                 } else {
                     unhashed.push(b);
                 }
@@ -749,7 +838,10 @@ impl BlockPool {
             self.check_id(b)?;
         }
         for &b in ids {
-            self.evict(b);
+            if self.evict(b) {
+                let g = &mut self.generation[b as usize];
+                *g = g.wrapping_add(1);
+            }
         }
         Ok(())
     }

@@ -3,6 +3,12 @@
 //!
 //! The head is the next block to allocate (and, with caching on, to evict): the queue is the
 //! LRU list. Order is behaviour, not an implementation detail (spec §3.3, §4.1).
+//!
+//! For retention policies ([`crate::pool::retention`]) the queue can hold several *levels*:
+//! one list per level, each with its own head and tail sentinels in the same two arrays, and
+//! an occupancy bitmap. Popping takes the head of the lowest non-empty level (a bit scan), so
+//! every operation stays O(1) per block whatever the number of levels. With one level (the
+//! default) the queue is exactly vLLM's.
 
 use crate::error::{Error, Result};
 
@@ -17,7 +23,18 @@ pub struct FreeQueue {
     prev: Vec<u32>,
     next: Vec<u32>,
     len: usize,
+    /// Number of blocks (sentinels start here).
+    n: u32,
+    /// The level each block is (or was last) linked at; empty with one level.
+    level: Vec<u8>,
+    /// Bit `l` set iff level `l` holds a block.
+    occupied: [u64; 2],
+    /// Number of levels (1 ..= [`MAX_LEVELS`]).
+    levels: usize,
 }
+
+/// Most levels a queue can hold.
+pub const MAX_LEVELS: usize = 128;
 
 impl FreeQueue {
     /// A queue holding `0..num_blocks` in ascending order.
@@ -35,22 +52,99 @@ impl FreeQueue {
         }
         next[head as usize] = if n == 0 { tail } else { 0 }; // head sentinel
         prev[tail as usize] = if n == 0 { head } else { n - 1 }; // tail sentinel
-        Ok(FreeQueue { prev, next, len: num_blocks })
+        Ok(FreeQueue { prev, next, len: num_blocks, n, level: Vec::new(), occupied: [(n > 0) as u64, 0], levels: 1 })
+    }
+
+    /// Split the queue into `levels` lists (1 ..= [`MAX_LEVELS`]); every block now queued
+    /// stays where it is, at level 0. Only an empty-of-levels queue (one level) can be split.
+    pub fn set_levels(&mut self, levels: usize) -> Result<()> {
+        if !(1..=MAX_LEVELS).contains(&levels) {
+            return Err(Error::value("levels", format!("{levels} is outside 1..={MAX_LEVELS}")));
+        }
+        if self.levels != 1 {
+            return Err(Error::State("the free queue's levels are already set".into()));
+        }
+        if levels == 1 {
+            return Ok(());
+        }
+        let extra = 2 * (levels - 1);
+        self.prev.try_reserve_exact(extra).map_err(|_| Error::value("levels", "out of memory"))?;
+        self.next.try_reserve_exact(extra).map_err(|_| Error::value("levels", "out of memory"))?;
+        self.level = Error::try_vec("the free queue", self.n as usize, 0u8)?;
+        for l in 1..levels as u32 {
+            let (h, t) = (self.n + 2 * l, self.n + 2 * l + 1);
+            self.prev.push(UNLINKED); // h
+            self.next.push(t);
+            self.prev.push(h); // t
+            self.next.push(UNLINKED);
+        }
+        self.levels = levels;
+        Ok(())
+    }
+
+    /// Number of levels.
+    #[inline(always)]
+    pub fn levels(&self) -> usize {
+        self.levels
+    }
+
+    #[inline(always)]
+    fn head_of(&self, l: usize) -> u32 {
+        self.n + 2 * l as u32
+    }
+
+    #[inline(always)]
+    fn tail_of(&self, l: usize) -> u32 {
+        self.n + 2 * l as u32 + 1
     }
 
     #[inline(always)]
     fn head(&self) -> u32 {
-        (self.prev.len() - 2) as u32
+        self.n
     }
 
     #[inline(always)]
     fn tail(&self) -> u32 {
-        (self.prev.len() - 1) as u32
+        self.n + 1
+    }
+
+    /// The lowest level holding a block.
+    #[inline(always)]
+    fn lowest(&self) -> Option<usize> {
+        if self.occupied[0] != 0 {
+            Some(self.occupied[0].trailing_zeros() as usize)
+        } else if self.occupied[1] != 0 {
+            Some(64 + self.occupied[1].trailing_zeros() as usize)
+        } else {
+            None
+        }
+    }
+
+    /// The highest level holding a block.
+    #[inline(always)]
+    fn highest(&self) -> Option<usize> {
+        if self.occupied[1] != 0 {
+            Some(127 - self.occupied[1].leading_zeros() as usize)
+        } else if self.occupied[0] != 0 {
+            Some(63 - self.occupied[0].leading_zeros() as usize)
+        } else {
+            None
+        }
+    }
+
+    /// The level block `b` is linked at (0 with one level).
+    #[inline(always)]
+    pub fn level_of(&self, b: u32) -> usize {
+        if self.levels == 1 {
+            0
+        } else {
+            self.level[b as usize] as usize
+        }
     }
 
     /// Number of blocks the queue can hold.
     pub fn capacity(&self) -> usize {
-        self.prev.len() - 2
+        self.n as usize
     }
 
     /// Number of free blocks (`num_free_blocks`).
@@ -74,15 +168,13 @@ impl FreeQueue {
     /// The first free block, if any.
     #[inline]
     pub fn front(&self) -> Option<u32> {
-        let h = self.next[self.head() as usize];
-        (h != self.tail()).then_some(h)
+        self.lowest().map(|l| self.next[self.head_of(l) as usize])
     }
 
     /// The last free block, if any.
     #[inline]
     pub fn back(&self) -> Option<u32> {
-        let t = self.prev[self.tail() as usize];
-        (t != self.head()).then_some(t)
+        self.highest().map(|l| self.prev[self.tail_of(l) as usize])
     }
 
     /// Block `b`'s neighbours `(prev, next)`: block ids, or ids `>= capacity()` for the
@@ -103,16 +195,25 @@ impl FreeQueue {
         self.prev[b as usize] = UNLINKED;
         self.next[b as usize] = UNLINKED;
         self.len -= 1;
+        if p >= self.n && n >= self.n {
+            // the level's list is now empty
+            let l = self.level_of(b);
+            self.occupied[l / 64] &= !(1u64 << (l % 64));
+        }
     }
 
     #[inline(always)]
-    fn link_after(&mut self, at: u32, b: u32) {
+    fn link_after(&mut self, at: u32, b: u32, l: usize) {
         let n = self.next[at as usize];
         self.prev[b as usize] = at;
         self.next[b as usize] = n;
         self.next[at as usize] = b;
         self.prev[n as usize] = b;
         self.len += 1;
+        if self.levels != 1 {
+            self.level[b as usize] = l as u8;
+        }
+        self.occupied[l / 64] |= 1u64 << (l % 64);
     }
 
     /// Pop the head block (`ValueError("No free blocks available")` if empty).
@@ -123,18 +224,36 @@ impl FreeQueue {
         Ok(b)
     }
 
-    /// Pop `n` blocks from the head, in order. Fails, changing nothing, if fewer are free.
+    /// Pop `n` blocks from the head (the lowest level first), in order. Fails, changing
+    /// nothing, if fewer are free.
     pub fn popleft_n(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
         if n > self.len {
             return Err(Error::NotEnoughFreeBlocks { requested: n, free: self.len });
         }
         out.reserve(n);
+        if self.levels == 1 {
+            for _ in 0..n {
+                let b = self.next[self.head() as usize];
+                self.unlink(b);
+                out.push(b);
+            }
+            return Ok(());
+        }
         for _ in 0..n {
-            let b = self.next[self.head() as usize];
+            let Some(b) = self.front() else { break };
             self.unlink(b);
             out.push(b);
         }
         Ok(())
+    }
+
+    /// Put back blocks just popped (`blocks`, in pop order) where they were: each at the head
+    /// of the level it was popped from.
+    pub fn restore_front(&mut self, blocks: &[u32]) {
+        for &b in blocks.iter().rev() {
+            let l = self.level_of(b);
+            self.link_after(self.head_of(l), b, l);
+        }
     }
 
     /// Unlink block `b` from anywhere in the queue (a cache hit on a free block).
@@ -147,12 +266,20 @@ impl FreeQueue {
         Ok(())
     }
 
-    /// Link block `b` (not in the queue) at the tail.
+    /// Link block `b` (not in the queue) at the tail (of level 0).
     #[inline]
     pub fn append(&mut self, b: u32) {
         debug_assert!(!self.contains(b));
         let last = self.prev[self.tail() as usize];
-        self.link_after(last, b);
+        self.link_after(last, b, 0);
+    }
+
+    /// Link block `b` (not in the queue) at the tail of level `l` (`l < levels()`).
+    #[inline]
+    pub fn append_at(&mut self, b: u32, l: usize) {
+        debug_assert!(!self.contains(b) && l < self.levels);
+        let last = self.prev[self.tail_of(l) as usize];
+        self.link_after(last, b, l);
     }
 
     /// Link `blocks` at the tail, in order.
@@ -162,32 +289,36 @@ impl FreeQueue {
         }
     }
 
-    /// Link `blocks` at the head, in order: `blocks[0]` becomes the new head.
+    /// Link `blocks` at the head (of level 0), in order: `blocks[0]` becomes the new head.
     pub fn prepend_n(&mut self, blocks: &[u32]) {
         let mut at = self.head();
         for &b in blocks {
             debug_assert!(!self.contains(b));
-            self.link_after(at, b);
+            self.link_after(at, b, 0);
             at = b;
         }
     }
 
-    /// Free blocks from head to tail.
+    /// Free blocks from head to tail: level by level, the lowest first (eviction order).
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        let tail = self.tail();
+        let mut l = 0;
         let mut cur = self.next[self.head() as usize];
-        std::iter::from_fn(move || {
-            if cur == tail {
-                None
-            } else {
+        std::iter::from_fn(move || loop {
+            if cur < self.n {
                 let b = cur;
                 cur = self.next[b as usize];
-                Some(b)
+                return Some(b);
             }
+            // a tail sentinel: on to the next level
+            l += 1;
+            if l >= self.levels {
+                return None;
+            }
+            cur = self.next[self.head_of(l) as usize];
         })
     }
 
-    /// Bytes of per-block metadata (the two link arrays).
+    /// Bytes of per-block metadata with one level (the two link arrays; levels add a byte).
     pub fn bytes_per_block() -> usize {
         2 * std::mem::size_of::<u32>()
     }
@@ -224,5 +355,32 @@ mod tests {
         assert_eq!(q.popleft(), Err(Error::NoFreeBlocks));
         q.append(0);
         assert_eq!(ids(&q), vec![0]);
+    }
+
+    #[test]
+    fn levels_pop_lowest_first() {
+        let mut q = FreeQueue::new(8).unwrap();
+        let mut out = vec![];
+        q.popleft_n(8, &mut out).unwrap();
+        q.set_levels(102).unwrap();
+        assert!(q.set_levels(3).is_err());
+        q.append_at(0, 101);
+        q.append_at(1, 36);
+        q.append_at(2, 36);
+        q.append_at(3, 70);
+        q.prepend_n(&[4]);
+        assert_eq!(ids(&q), vec![4, 1, 2, 3, 0]);
+        assert_eq!((q.front(), q.back()), (Some(4), Some(0)));
+        q.remove(1).unwrap();
+        assert_eq!(q.level_of(2), 36);
+        out.clear();
+        q.popleft_n(3, &mut out).unwrap();
+        assert_eq!(out, vec![4, 2, 3]);
+        q.restore_front(&out);
+        assert_eq!(ids(&q), vec![4, 2, 3, 0]);
+        out.clear();
+        q.popleft_n(4, &mut out).unwrap();
+        assert!(q.is_empty() && q.front().is_none() && q.back().is_none());
+        assert_eq!(ids(&q), Vec::<u32>::new());
     }
 }

@@ -5,3 +5,4 @@ pub mod block_pool;
 pub mod cache_map;
 pub mod events;
 pub mod free_queue;
+pub mod retention;

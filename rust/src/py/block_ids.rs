@@ -13,13 +13,22 @@ use pyo3::types::{PyList, PySlice};
 #[pyclass(module = "kvblock._core", name = "BlockIds", frozen, sequence)]
 pub struct PyBlockIds {
     pub ids: Vec<u32>,
+    /// The blocks' generations when a lookup returned them (kvblock's stale-hit check).
+    pub generations: Option<Vec<u32>>,
 }
 
 #[pymethods]
 impl PyBlockIds {
     #[new]
     fn new(ids: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(PyBlockIds { ids: block_ids_of(ids, "ids")? })
+        Ok(PyBlockIds { ids: block_ids_of(ids, "ids")?, generations: None })
+    }
+
+    /// The blocks' generations when `get_computed_blocks` returned them (kvblock's own API;
+    /// None otherwise): `allocate_slots` refuses the hit if one has moved on.
+    #[getter]
+    fn generations(&self) -> Option<Vec<u32>> {
+        self.generations.clone()
     }
 
     fn __len__(&self) -> usize {

@@ -249,6 +249,25 @@ impl PyBlockPool {
         self.state.with(py, |me| me.inner.num_free_blocks())
     }
 
+    /// A block's generation: how many times it was handed out anew or lost its keys (a hit
+    /// that recorded another generation is stale).
+    fn block_generation(&self, py: Python<'_>, block_id: u32) -> PyResult<u32> {
+        self.state.with(py, |me| me.inner.generation(block_id))?.py_err()
+    }
+
+    /// Retention state of a block: `(priority asked for or None, priority now, free-queue
+    /// level or None when not free)`; None with retention off.
+    #[allow(clippy::type_complexity)]
+    fn _retention_of(&self, py: Python<'_>, block_id: u32) -> PyResult<Option<(Option<u8>, u8, Option<usize>)>> {
+        let me = self.state.borrow(py)?;
+        me.inner.check_ids(&[block_id]).py_err()?;
+        Ok(me.inner.retention().map(|r| {
+            let (p, _) = r.get(block_id);
+            let level = me.inner.is_free(block_id).then(|| me.inner.queue_level(block_id));
+            (p, r.effective(block_id), level)
+        }))
+    }
+
     /// KV cache usage in [0, 1]: `1 - free / (num_gpu_blocks - 1)`.
     fn get_usage(&self, py: Python<'_>) -> PyResult<f64> {
         self.state.with(py, |me| me.inner.usage())
@@ -306,6 +325,57 @@ impl PyBlockPool {
         let mut me = self.state.borrow_mut(py)?;
         let inner = &mut me.inner;
         with_block_ids(ids, "block_ids", |s| inner.touch(s, skip_null).py_err())
+    }
+
+    /// Turn priority retention on for this (fresh) pool: free cached blocks wait by
+    /// priority (0–100), the lowest evicted first (see `kvblock.KVCacheManager`'s
+    /// `priority_retention`). Raises ValueError for a priority outside 0–100 or a bucket width
+    /// <= 0, RuntimeError once a block was cached or retention is on already.
+    #[pyo3(signature = (default_priority=35, decay_granularity_s=1.0))]
+    fn enable_retention(&self, py: Python<'_>, default_priority: i64, decay_granularity_s: f64) -> PyResult<()> {
+        let p = crate::pool::retention::check_priority(default_priority, "default_priority").py_err()?;
+        self.state.borrow_mut(py)?.inner.enable_retention(p, decay_granularity_s).py_err()
+    }
+
+    /// Read the clock (seconds): free blocks whose priority ran out decay to the default.
+    /// No-op with retention off; ValueError for a non-finite time.
+    fn set_time(&self, py: Python<'_>, now_s: f64) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.set_time(now_s).py_err()
+    }
+
+    /// Ask for retention priorities for held blocks: `priorities[i]` (0–100) for `ids[i]`,
+    /// decaying `duration_s` seconds after release (None: never). Free and null blocks are
+    /// skipped; no-op with retention off. Raises ValueError, changing nothing, for a bad id,
+    /// priority, duration or length mismatch.
+    #[pyo3(signature = (ids, priorities, duration_s=None))]
+    fn assign_retention_ids(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        priorities: &Bound<'_, PyAny>,
+        duration_s: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let d = match duration_s {
+            Some(d) => super::retention::duration_of(d, "duration_s")?,
+            None => None,
+        };
+        let prios = block_ids_of(priorities, "priorities")?;
+        let mut me = self.state.borrow_mut(py)?;
+        let inner = &mut me.inner;
+        with_block_ids(ids, "block_ids", |s| {
+            if s.len() != prios.len() {
+                return Err(value_err("priorities", format!("{} values for {} blocks", prios.len(), s.len())));
+            }
+            inner.check_ids(s).py_err()?;
+            let ps = prios
+                .iter()
+                .map(|&p| crate::pool::retention::check_priority(p as i64, "priorities").py_err())
+                .collect::<PyResult<Vec<u8>>>()?;
+            for (&b, &p) in s.iter().zip(&ps) {
+                inner.assign_retention(b, p, d);
+            }
+            Ok(())
+        })
     }
 
     /// Allocate one block and return its id (`allocate_ids(1)` without the array).

@@ -4,6 +4,14 @@ use crate::error::Error;
 use pyo3::exceptions::{PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::PyErr;
 
+pyo3::create_exception!(
+    _core,
+    StaleHitError,
+    PyValueError,
+    "Hit blocks passed to allocate_slots were evicted and handed out again after get_computed_blocks \
+     returned them (kvblock's own API): nothing changed; look the request up again."
+);
+
 /// Convert a core error into the Python exception vLLM callers expect.
 pub fn to_py(e: Error) -> PyErr {
     match e {
@@ -12,6 +20,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::State(m) => PyRuntimeError::new_err(m),
         Error::Memory(m) => PyMemoryError::new_err(m),
         Error::Assertion(m) => pyo3::exceptions::PyAssertionError::new_err(m),
+        Error::StaleHit(m) => StaleHitError::new_err(m),
         e @ (Error::Value(_) | Error::NotEnoughFreeBlocks { .. } | Error::NoFreeBlocks) => {
             PyValueError::new_err(e.to_string())
         }

@@ -113,6 +113,8 @@ struct ManagerState {
     /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
     waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
     fields: RequestFields,
+    /// The clock retention and TTL pins read (seconds); None: wall time.
+    clock: Option<Py<PyAny>>,
 }
 
 /// A count field a request may lack (0 then); present, it reads as a count argument (None,
@@ -155,6 +157,23 @@ impl ManagerState {
             shared_prefix_boundary,
             waiting,
         })
+    }
+
+    /// The retention of a request this manager does not know yet (read with retention on
+    /// only; None for one it knows, or one without `retention` / `retention_priority`).
+    fn new_request_retention(
+        &self,
+        request: &Bound<'_, PyAny>,
+        v: &ReqView<'_>,
+    ) -> PyResult<Option<crate::manager::retention::RequestRetention>> {
+        if self.pool.get().state.borrow(request.py())?.inner.retention().is_none() {
+            return Ok(None);
+        }
+        let id = request_id_str(&v.id)?;
+        if self.inner.retention.requests.contains_key(id) || self.inner.holds_blocks(id) {
+            return Ok(None);
+        }
+        super::retention::request_retention(request, v.num_prompt_tokens)
     }
 
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
@@ -207,7 +226,30 @@ impl ManagerState {
             return self.empty(py);
         }
         let make = self.make_blocks.as_ref().ok_or_else(not_initialised)?;
-        let ids = groups.into_iter().map(|ids| Bound::new(py, PyBlockIds { ids })).collect::<PyResult<Vec<_>>>()?;
+        let ids = groups
+            .into_iter()
+            .map(|ids| Bound::new(py, PyBlockIds { ids, generations: None }))
+            .collect::<PyResult<Vec<_>>>()?;
+        let ids = PyTuple::new(py, ids)?;
+        make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
+    }
+
+    /// [`ManagerState::blocks_of`] for a lookup's hits, each group's `BlockIds` carrying the
+    /// blocks' generations now (kvblock's stale-hit check).
+    fn hits_of<'py>(&self, py: Python<'py>, groups: Vec<Vec<u32>>) -> PyResult<Bound<'py, PyAny>> {
+        if groups.iter().all(|g| g.is_empty()) {
+            return self.empty(py);
+        }
+        let make = self.make_blocks.as_ref().ok_or_else(not_initialised)?;
+        let p = self.pool.get().state.borrow(py)?;
+        let ids = groups
+            .into_iter()
+            .map(|ids| {
+                let generations = Some(ids.iter().map(|&b| p.inner.generation_of(b)).collect());
+                Bound::new(py, PyBlockIds { ids, generations })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        drop(p);
         let ids = PyTuple::new(py, ids)?;
         make.make(py, &[ids.as_any(), self.pool.bind(py).as_any(), &py.None().into_bound(py)])
     }
@@ -290,12 +332,18 @@ impl ManagerState {
         Ok(hit)
     }
 
-    /// The per-group hit block ids of `new_computed_blocks`; None for None or the shared
-    /// empty result (vLLM's identity test).
-    fn hit_ids(&self, py: Python<'_>, blocks: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<Vec<u32>>>> {
-        let Some(b) = blocks else { return Ok(None) };
+    /// The per-group hit block ids of `new_computed_blocks` (None for None or the shared
+    /// empty result: vLLM's identity test), with the generations a lookup recorded in them (None unless
+    /// every group's ids came from `get_computed_blocks`).
+    #[allow(clippy::type_complexity)]
+    fn hit_ids_and_generations(
+        &self,
+        py: Python<'_>,
+        blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Option<Vec<Vec<u32>>>, Option<Vec<Vec<u32>>>)> {
+        let Some(b) = blocks else { return Ok((None, None)) };
         if b.is_none() || self.empty.as_ref().is_some_and(|e| e.bind(py).is(b)) {
-            return Ok(None);
+            return Ok((None, None));
         }
         let groups = match b.getattr(intern!(py, "_ids")) {
             Ok(g) if !g.is_none() => g,
@@ -305,7 +353,7 @@ impl ManagerState {
                     type_err("new_computed_blocks", format!("expected KVCacheBlocks, got {ty}"))
                 })?;
                 if self.empty_blocks.as_ref().is_some_and(|e| e.bind(py).is(&blocks)) {
-                    return Ok(None);
+                    return Ok((None, None));
                 }
                 let mut out = Vec::new();
                 for g in blocks.try_iter()? {
@@ -321,20 +369,27 @@ impl ManagerState {
                     }
                     out.push(ids);
                 }
-                return Ok(Some(out));
+                return Ok((Some(out), None));
             }
         };
         let groups =
             groups.cast_into::<PyTuple>().map_err(|_| type_err("new_computed_blocks", "expected KVCacheBlocks"))?;
         let mut out = Vec::with_capacity(groups.len());
+        let mut gens = Some(Vec::with_capacity(groups.len()));
         for g in groups.iter() {
             if let Ok(ids) = g.cast::<PyBlockIds>() {
-                out.push(ids.get().ids.clone());
+                let ids = ids.get();
+                out.push(ids.ids.clone());
+                match (&mut gens, &ids.generations) {
+                    (Some(v), Some(g)) => v.push(g.clone()),
+                    _ => gens = None,
+                }
             } else {
                 out.push(block_ids_of(&g, "new_computed_blocks")?);
+                gens = None;
             }
         }
-        Ok(Some(out))
+        Ok((Some(out), gens))
     }
 }
 
@@ -421,7 +476,7 @@ fn counts_array<'py>(py: Python<'py>, v: Vec<i32>, groups: usize) -> PyResult<Bo
 #[pymethods]
 impl PyManager {
     #[new]
-    #[pyo3(signature = (block_pool, kv_cache_groups, max_model_len, scheduler_block_size, hash_block_size, *, max_in_flight_tokens=None, enable_caching=true, use_eagle=false, num_hash_lookahead_tokens=None, num_prefill_lookahead=None, dcp_world_size=None, pcp_world_size=None, watermark_blocks=None, needs_kv_cache_zeroing=false, retention_interval=None, enable_mamba_shared_prefix_checkpoint=false, strict_inputs=false, **_kwargs))]
+    #[pyo3(signature = (block_pool, kv_cache_groups, max_model_len, scheduler_block_size, hash_block_size, *, max_in_flight_tokens=None, enable_caching=true, use_eagle=false, num_hash_lookahead_tokens=None, num_prefill_lookahead=None, dcp_world_size=None, pcp_world_size=None, watermark_blocks=None, needs_kv_cache_zeroing=false, retention_interval=None, enable_mamba_shared_prefix_checkpoint=false, strict_inputs=false, priority_retention=false, default_retention_priority=None, decay_granularity_s=1.0, clock=None, max_pinned_fraction=0.0, **_kwargs))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_pool: Bound<'_, PyBlockPool>,
@@ -441,6 +496,11 @@ impl PyManager {
         retention_interval: Option<&Bound<'_, PyAny>>,
         enable_mamba_shared_prefix_checkpoint: bool,
         strict_inputs: bool,
+        priority_retention: bool,
+        default_retention_priority: Option<&Bound<'_, PyAny>>,
+        decay_granularity_s: f64,
+        clock: Option<Py<PyAny>>,
+        max_pinned_fraction: f64,
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         use super::args::count as c;
@@ -507,7 +567,22 @@ impl PyManager {
         if pool_caching != enable_caching {
             return Err(value_err("enable_caching", "must match the pool's"));
         }
-        let inner = KVCacheManager::new(&cfg).py_err()?;
+        let default_prio = match default_retention_priority {
+            Some(d) if !d.is_none() => super::retention::priority_of(d, "default_retention_priority")?,
+            _ => crate::pool::retention::DEFAULT_PRIORITY,
+        };
+        if !(0.0..=1.0).contains(&max_pinned_fraction) {
+            return Err(value_err("max_pinned_fraction", format!("{max_pinned_fraction} must be in [0, 1]")));
+        }
+        if clock.as_ref().is_some_and(|c| !c.bind(py).is_callable()) {
+            return Err(type_err("clock", "must be a callable returning seconds"));
+        }
+        let mut inner = KVCacheManager::new(&cfg).py_err()?;
+        inner.retention.max_pinned_blocks = (max_pinned_fraction * (num_blocks - 1) as f64).floor() as usize;
+        if priority_retention {
+            let mut p = block_pool.get().state.borrow_mut(py)?;
+            p.inner.enable_retention(default_prio, decay_granularity_s).py_err()?;
+        }
         let state = ManagerState {
             pool: block_pool.unbind(),
             inner,
@@ -516,6 +591,7 @@ impl PyManager {
             make_blocks: None,
             waiting_states: None,
             fields: RequestFields::generic(py),
+            clock,
         };
         Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })
     }
@@ -563,7 +639,127 @@ impl PyManager {
         let num_tokens =
             if max_len.is_none() && me.reads_cache(request)? { me.view(request, false)?.num_tokens } else { 0 };
         let (blocks, n, boundary) = me.lookup(request, num_tokens, max_len)?;
-        Ok((me.blocks_of(py, blocks)?, n, boundary))
+        let blocks = if me.inner.strict_inputs { me.hits_of(py, blocks)? } else { me.blocks_of(py, blocks)? };
+        Ok((blocks, n, boundary))
+    }
+
+    /// `probe(request, max_cache_hit_length=None) -> num_cached_tokens`: the hit length
+    /// `get_computed_blocks` would report, touching nothing: no LRU move, no reference count,
+    /// no stats, no events (a "full" report-mode request included). For routers and
+    /// schedulers scoring a waiting queue. 0 with caching off or
+    /// `request.skip_reading_prefix_cache`.
+    #[pyo3(signature = (request, max_cache_hit_length=None))]
+    fn probe(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        max_cache_hit_length: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let me = self.state.borrow(py)?;
+        let max_len = match max_cache_hit_length {
+            Some(m) if !m.is_none() => Some(super::args::count(m, "max_cache_hit_length")?),
+            _ => None,
+        };
+        if !me.reads_cache(request)? {
+            return Ok(0);
+        }
+        let num_tokens = me.view(request, false)?.num_tokens;
+        let hashes = me.hashes(request)?;
+        let p = me.pool.get().state.borrow(py)?;
+        let (_, n, _) = me.inner.get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_len).py_err()?;
+        Ok(n)
+    }
+
+    /// Pin the cached blocks of the prefix with these full-block hashes (see
+    /// `kvblock.KVCacheManager.pin_prefix`); returns the pinned tokens.
+    #[pyo3(signature = (block_hashes, ttl_s=None))]
+    fn _pin_prefix(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+        ttl_s: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let ttl = match ttl_s {
+            Some(t) => super::retention::duration_of(t, "ttl_s")?,
+            None => None,
+        };
+        let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
+        hashes.check(0, hashes.0.len())?;
+        let mut guard = self.state.borrow_mut(py)?;
+        let me = &mut *guard;
+        if !me.inner.enable_caching {
+            return Err(value_err("prefix", "prefix caching is off: nothing is cached to pin"));
+        }
+        if hashes.0.is_empty() {
+            return Err(value_err("prefix", "holds no full block: nothing to pin"));
+        }
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let now = super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
+        let expires_at = match ttl {
+            Some(t) => Some(
+                match now {
+                    Some(n) => n,
+                    None => super::retention::read_clock(py, me.clock.as_ref())?,
+                } + t,
+            ),
+            None => None,
+        };
+        let h = me.inner.coord.hash_block_size;
+        me.inner.retention.pin(&me.inner.coord, &mut p.inner, &hashes, h, expires_at).py_err()
+    }
+
+    /// Unpin the prefix with these full-block hashes; returns the tokens it held.
+    fn _unpin_prefix(&self, py: Python<'_>, block_hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
+        if hashes.0.is_empty() {
+            return Err(value_err("prefix", "holds no full block: it is not pinned"));
+        }
+        hashes.check(0, hashes.0.len())?;
+        let key = crate::hashing::source::HashSource::digest(&hashes, hashes.0.len() - 1).py_err()?;
+        let mut guard = self.state.borrow_mut(py)?;
+        let me = &mut *guard;
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        if !me.inner.retention.pins.contains_key(&key) {
+            return Err(value_err("prefix", "is not pinned"));
+        }
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
+        if !me.inner.retention.pins.contains_key(&key) {
+            return Err(value_err("prefix", "is not pinned (its TTL ran out)"));
+        }
+        me.inner.retention.unpin(&mut p.inner, &key).py_err()
+    }
+
+    /// The pinned prefixes: `[(last block hash, pinned tokens, block ids, expires_at|None)]`,
+    /// sorted by hash.
+    #[allow(clippy::type_complexity)]
+    fn _pins<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Bound<'py, pyo3::types::PyBytes>, usize, Vec<u32>, Option<f64>)>> {
+        let me = self.state.borrow(py)?;
+        let mut v: Vec<_> = me.inner.retention.pins.iter().collect();
+        v.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        Ok(v.into_iter()
+            .map(|(k, p)| (pyo3::types::PyBytes::new(py, k.as_bytes()), p.num_tokens, p.blocks.clone(), p.expires_at))
+            .collect())
+    }
+
+    /// Distinct blocks pins hold, and the cap.
+    #[getter]
+    fn _pinned_blocks(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        self.state.with(py, |me| (me.inner.retention.num_pinned_blocks(), me.inner.retention.max_pinned_blocks))
+    }
+
+    /// Read the clock now: priorities that ran out decay, TTL pins that expired are unpinned.
+    fn tick(&self, py: Python<'_>) -> PyResult<()> {
+        let mut guard = self.state.borrow_mut(py)?;
+        let me = &mut *guard;
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
+        Ok(())
     }
 
     /// The coordinator's `find_longest_cache_hit(block_hashes, max_cache_hit_length)`: (hit
@@ -662,7 +858,8 @@ impl PyManager {
             // checked first: the result could not be built after the allocation
             return Err(not_initialised());
         }
-        let hits = me.hit_ids(py, new_computed_blocks)?;
+        let (hits, gens) = me.hit_ids_and_generations(py, new_computed_blocks)?;
+        let gens = if me.inner.strict_inputs { gens } else { None };
         let skip: Vec<u32> = match skip_zeroing_group_ids {
             Some(s) if !s.is_none() => s.extract()?,
             _ => Vec::new(),
@@ -679,8 +876,10 @@ impl PyManager {
             reserved_blocks: count(reserved_blocks, "reserved_blocks")?,
             has_scheduled_reqs,
             skip_zeroing_group_ids: &skip,
+            new_computed_generations: gens.as_deref(),
         };
         let v = me.view(request, has_scheduled_reqs)?;
+        let ret = me.new_request_retention(request, &v)?;
         let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
         {
             let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args), hashes.0.len());
@@ -689,6 +888,7 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         let inner = &mut me.inner;
         let res = p.tagged(request, events.as_ref(), |pool, tag| {
             let view = v.as_view(tag)?;
@@ -697,7 +897,12 @@ impl PyManager {
         drop(p);
         match res? {
             None => Ok(py.None().into_bound(py)),
-            Some(new) => me.blocks_of(py, new),
+            Some(new) => {
+                if let Some(r) = ret {
+                    me.inner.retention.requests.insert(request_id_str(&v.id)?.to_owned(), r);
+                }
+                me.blocks_of(py, new)
+            }
         }
     }
 
@@ -772,7 +977,8 @@ impl PyManager {
                 hashes.check(0, v.num_tokens / me.inner.coord.hash_block_size)?;
                 let report = reads && me.reports_hits(&r, events_enabled)?;
                 let events = me.event_inputs(&r, events_enabled)?;
-                checked.push((r, v, reads, hashes, report, events));
+                let ret = me.new_request_retention(&r, &v)?;
+                checked.push((r, v, reads, hashes, report, events, ret));
             }
             (groups, checked)
         };
@@ -783,7 +989,11 @@ impl PyManager {
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut admitted = 0;
         let pool = me.pool.bind(py).clone();
-        for (r, v, reads, hashes, report, events) in &checked {
+        {
+            let mut p = pool.get().state.borrow_mut(py)?;
+            super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
+        }
+        for (r, v, reads, hashes, report, events, ret) in &checked {
             let mut p = pool.get().state.borrow_mut(py)?;
             let (hit, n, _) = if *reads {
                 me.inner.get_computed_blocks(&p.inner, true, v.num_tokens, hashes, None).py_err()?
@@ -812,6 +1022,9 @@ impl PyManager {
             match res {
                 None => break,
                 Some(new) => {
+                    if let Some(ret) = ret {
+                        me.inner.retention.requests.insert(request_id_str(&v.id)?.to_owned(), ret.clone());
+                    }
                     hit_tokens.push(n as i32);
                     new_counts.extend(new.iter().map(|g| g.len() as i32));
                     for g in hit {
@@ -922,6 +1135,7 @@ impl PyManager {
         let mut counts = Vec::with_capacity(n * groups);
         let mut all = Vec::new();
         let mut p = pool.get().state.borrow_mut(py)?;
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         for (i, (r, v, hashes, events)) in checked.iter().enumerate() {
             let args = args_of(i);
             let inner = &mut me.inner;
@@ -953,9 +1167,11 @@ impl PyManager {
     /// `free` by request id.
     fn free_request_id(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
         let py = slf.py();
-        let mut me = slf.get().state.borrow_mut(py)?;
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         me.inner.free(&mut p.inner, request_id).py_err()
     }
 

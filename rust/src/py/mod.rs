@@ -13,6 +13,7 @@ pub mod hashing;
 pub mod index;
 pub mod manager;
 pub mod request_hasher;
+pub mod retention;
 pub mod tokens;
 
 use pyo3::prelude::*;
@@ -38,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
+    m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
     m.add_class::<index::PyPrefixIndex>()?;
     m.add_function(wrap_pyfunction!(index::parent_tag, m)?)?;
     m.add_function(wrap_pyfunction!(index::event_ints, m)?)?;

@@ -1,0 +1,110 @@
+"""Retention policies for replays (``kvblock replay --retention POLICY``).
+
+* ``lru``: vLLM 0.33.0's eviction (the default; the manager is built exactly as before).
+* ``priority``: priority retention, fed online by what the replay has seen: the leading
+  blocks of a prompt that an earlier prompt also began with (a shared prefix) get priority
+  80 for good, the rest the default 35, so one-off prompts are evicted before shared
+  prefixes.
+* ``pin-system-prompts``: each prompt whose leading blocks were a cache hit pins the first
+  ``pin_tokens`` of them (the system prompt; default the workload's, else 2048 tokens), up
+  to a quarter of the pool; pins over the cap are skipped.
+* ``ttl``: priority 80 for the whole prompt, decaying to 35 ``ttl_s`` seconds (default 300,
+  Anthropic's 5-minute cache) after release on the replay's simulated clock.
+
+Both implementations (kvblock and the reference) take the same manager arguments, so
+``--compare`` holds with any policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ReplayError
+
+__all__ = ["POLICIES", "RetentionPolicy", "SimClock"]
+
+#: The policy names.
+POLICIES = ("lru", "priority", "pin-system-prompts", "ttl")
+SHARED_PRIORITY = 80
+DEFAULT_PIN_TOKENS = 2048
+PIN_FRACTION = 0.25
+
+
+class SimClock:
+    """The replay's simulated clock in seconds (set by the simulator)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class RetentionPolicy:
+    """One replay's policy state.
+
+    Args:
+        name: one of :data:`POLICIES`.
+        block_size: tokens per block.
+        pin_tokens: tokens ``pin-system-prompts`` pins (None: 2048).
+        ttl_s: the ``ttl`` policy's seconds.
+
+    Raises:
+        ReplayError: an unknown policy, a non-positive ``ttl_s`` or ``pin_tokens``.
+    """
+
+    def __init__(self, name: str, block_size: int, pin_tokens: int | None = None, ttl_s: float = 300.0) -> None:
+        if name not in POLICIES:
+            raise ReplayError(f"unknown --retention {name!r}; choose from {', '.join(POLICIES)}")
+        if not ttl_s > 0:
+            raise ReplayError(f"--ttl-s must be > 0, got {ttl_s}")
+        if pin_tokens is not None and pin_tokens < block_size:
+            raise ReplayError(f"--pin-tokens must be at least one block ({block_size}), got {pin_tokens}")
+        self.name = name
+        self.block_size = block_size
+        self.pin_blocks = (DEFAULT_PIN_TOKENS if pin_tokens is None else pin_tokens) // block_size
+        self.ttl_s = ttl_s
+        self.clock = SimClock()
+        self.seen: set[bytes] = set()
+        self.pinned: set[bytes] = set()
+        self.pins = 0
+
+    def manager_kwargs(self) -> dict[str, Any]:
+        """Extra manager arguments ({} for ``lru``: vLLM's manager exactly)."""
+        if self.name == "lru":
+            return {}
+        if self.name == "pin-system-prompts":
+            return {"max_pinned_fraction": PIN_FRACTION, "clock": self.clock}
+        return {"priority_retention": True, "clock": self.clock}
+
+    def before_admit(self, req: Any, now_s: float) -> None:
+        """Set the clock and the request's retention before its first admission."""
+        self.clock.t = now_s
+        if self.name == "priority":
+            hashes = req.block_hashes
+            k = 0
+            while k < len(hashes) and hashes[k] in self.seen:
+                k += 1
+            self.seen.update(hashes)
+            req.retention = [(0, k * self.block_size, SHARED_PRIORITY, None)] if k else None
+        elif self.name == "ttl" and req.num_tokens > 0:
+            req.retention = [(0, req.num_tokens, SHARED_PRIORITY, self.ttl_s)]
+
+    def after_admit(self, mgr: Any, req: Any, num_hit_tokens: int) -> None:
+        """``pin-system-prompts``: pin the leading hit blocks (once per prefix)."""
+        if self.name != "pin-system-prompts":
+            return
+        k = min(num_hit_tokens // self.block_size, self.pin_blocks)
+        if k == 0:
+            return
+        prefix = list(req.block_hashes[:k])
+        if prefix[-1] in self.pinned:
+            return
+        try:
+            mgr.pin_prefix(prefix)
+        except ValueError:
+            return  # over the cap: not pinned
+        self.pinned.add(prefix[-1])
+        self.pins += 1
