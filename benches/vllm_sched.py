@@ -63,11 +63,12 @@ class Workload:
     follow_up: Callable[[str], list[RequestSpec]] = field(default=lambda rid: [])
 
 
-def shared_workload() -> Workload:
+def shared_workload(num_requests: int = W.NUM_REQUESTS) -> Workload:
     """The shared workload's requests (README §1) under vLLM's scheduler: 64 running, a token
-    budget that admits a whole wave of 64 prefills in one step, as the workload's loop does."""
+    budget that admits a whole wave of 64 prefills in one step, as the workload's loop does
+    (its first ``num_requests`` requests)."""
     specs = []
-    for i in range(W.NUM_REQUESTS):
+    for i in range(num_requests):
         prompt, outputs = W.e2e_request_tokens(i)
         specs.append(RequestSpec(f"req-{i}", prompt, outputs))
     return Workload("shared", W.NUM_BLOCKS, W.BLOCK_SIZE, W.MAX_MODEL_LEN, W.MAX_RUNNING,
@@ -190,11 +191,12 @@ class SchedRun:
     step_ns: list[int]  # schedule() + update_from_output() per step
     manager_ns: int  # time inside the KV cache manager's methods (timed runs: 0)
     manager_calls: int
-    manager_by_name: dict[str, list[int]]
+    manager_by_name: dict[str, list[int]]  # name -> [ns with the wrapper, calls]
     finished: int
     hits: int
     queries: int
     kind: str = ""
+    manager_overhead_ns: int = 0  # the timer's own cost per call (subtracted in manager_ns)
 
     @property
     def mean_step_s(self) -> float:
@@ -217,7 +219,9 @@ class ManagerTimer:
         self.calls = 0
         self._depth = 0
         self.by_name: dict[str, list[int]] = {}
+        self.empty = None
         self.overhead_ns = self._calibrate()
+        self.empty = manager.empty_kv_cache_blocks
         for name in dir(type(manager)):
             if name.startswith("_"):
                 continue
@@ -234,27 +238,34 @@ class ManagerTimer:
     def _wrap(self, fn: Callable[..., Any], name: str = "") -> Callable[..., Any]:
         clock = time.perf_counter_ns
         acc = self.by_name.setdefault(name, [0, 0])
+        # allocate_slots split: calls that allocate nothing (most decode steps) and the rest
+        acc_new = self.by_name.setdefault(name + " [new blocks]", [0, 0]) if name == "allocate_slots" else acc
+        empty = self.empty
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth = 1
             t0 = clock()
+            res = None
             try:
-                return fn(*args, **kwargs)
+                res = fn(*args, **kwargs)
+                return res
             finally:
                 dt = clock() - t0
                 self.ns += dt
                 self.calls += 1
-                acc[0] += dt
-                acc[1] += 1
+                a = acc if res is None or res is empty else acc_new
+                a[0] += dt
+                a[1] += 1
                 self._depth = 0
 
         return timed
 
     def _calibrate(self) -> int:
         self.ns = self.calls = 0
-        empty = self._wrap(lambda *a, **k: None)
+        # a C builtin that does next to nothing: what the wrapper adds around a call
+        empty = self._wrap(max)
         for _ in range(20_000):
             empty(1, 2)
         per = self.ns // max(self.calls, 1)
@@ -281,7 +292,7 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
         requests = sched.requests
         fp = hashlib.sha256()
         step_ns: list[int] = []
-        finished = 0
+        finished = hits = queries = 0
         clock = time.perf_counter_ns
         gc.collect()
         gc.freeze()
@@ -305,7 +316,12 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
                 t3 = clock()
                 step_ns.append(t1 - t0 + t3 - t2)
                 _feed(fp, out)
-                done = [o.request_id for e in eco.values() for o in e.outputs if o.finish_reason is not None]
+                done = []
+                for e in eco.values():
+                    done += [o.request_id for o in e.outputs if o.finish_reason is not None]
+                    if e.scheduler_stats is not None:
+                        hits += e.scheduler_stats.prefix_cache_stats.hits
+                        queries += e.scheduler_stats.prefix_cache_stats.queries
                 fp.update(("f" + ",".join(done)).encode())
                 finished += len(done)
                 for rid in done:
@@ -315,11 +331,11 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
                         sched.add_request(make_request(eng, spec))
         finally:
             gc.unfreeze()
-        stats = sched.kv_cache_manager.prefix_cache_stats
-        assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == wl.num_blocks - 1
+        free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        assert free == wl.num_blocks - 1, f"{free} free blocks at the end, expected {wl.num_blocks - 1}"
         return SchedRun(fp.hexdigest(), len(step_ns), step_ns, timer.net_ns if timer else 0,
-                        timer.calls if timer else 0, dict(timer.by_name) if timer else {}, finished, stats.hits if stats else -1,
-                        stats.queries if stats else -1, kind)
+                        timer.calls if timer else 0, dict(timer.by_name) if timer else {}, finished, hits,
+                        queries, kind, timer.overhead_ns if timer else 0)
 
 
 def _ids(group_ids: Any) -> str:

@@ -157,10 +157,10 @@ impl ManagerState {
         })
     }
 
-    /// The request id, `num_computed_tokens` and `num_tokens`, as [`ManagerState::view`] reads
-    /// them, and `num_in_flight_tokens` checked (vLLM's `allocate_slots` computes with it on
-    /// every call): what deciding [`KVCacheManager::allocate_is_noop`] takes.
-    fn quick_view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyString>, usize, usize)> {
+    /// The request id, `num_computed_tokens`, `num_tokens` and `num_in_flight_tokens`, as
+    /// [`ManagerState::view`] reads them: what deciding [`KVCacheManager::allocate_is_noop`]
+    /// takes.
+    fn quick_view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyString>, usize, usize, usize)> {
         let py = request.py();
         let f = &self.fields;
         let id = self.id_of(request)?;
@@ -169,8 +169,8 @@ impl ManagerState {
             Some(t) => t.len()?,
             None => field_count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
         };
-        opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
-        Ok((id, num_computed, num_tokens))
+        let in_flight = opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
+        Ok((id, num_computed, num_tokens, in_flight))
     }
 
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
@@ -698,8 +698,8 @@ impl PyManager {
         };
         if hits.is_none() {
             // a decode step between block boundaries: answered from three request fields
-            let (id, num_computed, num_tokens) = me.quick_view(request)?;
-            if me.inner.allocate_is_noop(request_id_str(&id)?, num_computed, num_tokens, &args) {
+            let (id, num_computed, num_tokens, in_flight) = me.quick_view(request)?;
+            if me.inner.allocate_is_noop(request_id_str(&id)?, num_computed, num_tokens, in_flight, &args) {
                 return me.empty(py);
             }
         }
