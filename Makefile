@@ -58,8 +58,11 @@ lint:
 	cargo fmt --check
 	cargo clippy --features python --all-targets -- -D warnings
 
+# The pytest benchmarks (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
+# then their kvblock-vs-vLLM table in Markdown (benches/summary.py) and the criterion benches.
 bench: install
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
+	$(BIN)/python benches/summary.py
 	cargo bench --bench core
 	cargo bench --bench index
 

@@ -29,8 +29,34 @@ if _cpu != "none" and hasattr(os, "sched_setaffinity"):
         pass
 
 from collections import defaultdict  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("KVBLOCK_SHARED", REPO.parent / "shared"))
+
+
+def pytest_configure(config) -> None:
+    """vLLM's scheduler benchmarks build a ``ModelConfig``, which reads a model's
+    config.json: as the test suite does, lay an offline Hugging Face cache of
+    shared/vllm/hf-configs in a temporary folder and point VLLM_TARGET_DEVICE / HF_HOME /
+    HF_HUB_OFFLINE at it (values already set are kept)."""
+    import atexit
+    import shutil
+    import sys
+    import tempfile
+
+    configs = SHARED / "vllm" / "hf-configs"
+    if not configs.is_dir():
+        return
+    sys.path.insert(0, str(REPO / "tests" / "vllm_judge"))
+    import judge
+
+    home = Path(tempfile.mkdtemp(prefix="kvblock-bench-hf-"))
+    atexit.register(shutil.rmtree, home, True)
+    for key, value in judge.offline_env(judge.lay_hf_cache(home, configs)).items():
+        os.environ.setdefault(key, value)
 
 _RESULTS: dict[str, dict[str, tuple[float, float, float]]] = defaultdict(dict)
 _LINES: list[str] = []
@@ -71,7 +97,26 @@ def record_measured():
     return run
 
 
+#: where the run's measurements are written for ``benches/summary.py`` (the README table)
+SUMMARY_JSON = Path(os.environ.get("KVBLOCK_BENCH_SUMMARY", REPO / ".benchmarks" / "kvblock-summary.json"))
+
+
+def _write_summary() -> None:
+    import json
+    import platform
+
+    SUMMARY_JSON.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "results": {g: {impl: {"min_s": v[0], "median_s": v[1]} for impl, v in r.items()} for g, r in _RESULTS.items()},
+        "lines": _LINES,
+    }
+    SUMMARY_JSON.write_text(json.dumps(data, indent=1))
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _RESULTS or _LINES:
+        _write_summary()
     if _LINES:
         terminalreporter.section("kvblock measurements")
         for line in _LINES:

@@ -342,6 +342,70 @@ mod pool_and_manager {
         ))
         .is_err());
     }
+
+    /// What the fast paths may skip: the pool's observable state and the manager's.
+    fn snapshot(m: &KVCacheManager, p: &BlockPool, id: &str) -> String {
+        let mut free = Vec::new();
+        let mut q = p.clone();
+        q.get_new_blocks(q.num_free_blocks(), &mut free).unwrap();
+        format!("{:?} {:?} {:?}", m, m.coord.get_blocks(id), free)
+    }
+
+    #[test]
+    fn decode_fast_paths_change_nothing() {
+        // allocate_is_noop / cache_is_noop (the binding's decode fast paths) hold only where the
+        // full call returns no blocks and changes nothing; both happen, so the check bites
+        let window = Kind::SlidingWindow { window: 8, extra_retained_tokens: 0 };
+        for groups in
+            [vec![group(Kind::FullAttention, 4, 0)], vec![group(Kind::FullAttention, 4, 0), group(window, 4, 1)]]
+        {
+            let cfg = config(groups, 64, 4);
+            let mut m = KVCacheManager::new(&cfg).unwrap();
+            let mut p = BlockPool::new(64, true, 4, false).unwrap();
+            let mut tokens: Vec<i64> = (0..10).collect();
+            admit(&mut m, &mut p, "a", &tokens, 4);
+            let prompt = tokens.len();
+            let mut computed = prompt;
+            tokens.push(1000);
+            let (mut noops, mut full) = (0, 0);
+            for step in 0..40 {
+                let hs = hashes(&tokens, 4);
+                let req = RequestView {
+                    request_id: "a",
+                    num_computed_tokens: computed,
+                    num_tokens: tokens.len(),
+                    num_prompt_tokens: prompt,
+                    ..Default::default()
+                };
+                let args = AllocArgs { num_new_tokens: 1, has_scheduled_reqs: true, ..Default::default() };
+                let noop = m.allocate_is_noop("a", computed, tokens.len(), 0, &args);
+                let before = snapshot(&m, &p, "a");
+                let new = m.allocate_slots(&mut p, &req, &hs, &args).unwrap().unwrap();
+                if noop {
+                    assert!(new.iter().all(|g| g.is_empty()), "step {step}: a no-op allocated {new:?}");
+                    assert_eq!(snapshot(&m, &p, "a"), before, "step {step}: a no-op allocate_slots changed state");
+                    noops += 1;
+                } else {
+                    full += 1;
+                }
+                computed += 1;
+                tokens.push(1001 + step);
+                let hs = hashes(&tokens, 4);
+                let req = RequestView { num_computed_tokens: computed, num_tokens: tokens.len(), ..req };
+                let noop = m.cache_is_noop("a", computed);
+                let before = snapshot(&m, &p, "a");
+                m.cache_blocks(&mut p, &req, &hs, computed).unwrap();
+                if noop {
+                    assert_eq!(snapshot(&m, &p, "a"), before, "step {step}: a no-op cache_blocks changed state");
+                }
+            }
+            // with 4-token blocks, one decode step in four allocates a block and one caches one
+            assert!(noops >= 15 && full >= 15, "{noops} no-op and {full} full decode steps");
+            m.free(&mut p, "a").unwrap();
+            assert_eq!(p.num_free_blocks(), 63);
+            p.check_invariants().unwrap();
+        }
+    }
 }
 
 mod plain_blocks {

@@ -179,7 +179,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
             (get_kv_cache_spec_kind(g.kv_cache_spec).value, get_kv_cache_spec_sliding_window(g.kv_cache_spec))
             for g in kv_cache_config.kv_cache_groups
         )
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in kv_cache_config.kv_cache_groups))
+        # held as (empty) ids too, so that get_block_ids() on it, which vLLM's scheduler calls
+        # for most decode steps, takes the ids path; its blocks are vLLM's empty tuples
+        self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(pool, tuple(() for _ in kv_cache_config.kv_cache_groups))
+        self.empty_kv_cache_blocks._blocks = tuple(() for _ in kv_cache_config.kv_cache_groups)
         self._init_python(self.empty_kv_cache_blocks, KVCacheBlocks, RequestStatus.WAITING, RequestStatus.PREEMPTED, Request)
         self.coordinator = make_coordinator(self, kv_cache_config)
         self.mamba_shared_prefix_checkpoint = self._coordinator_info()["mamba_shared_prefix_checkpoint"]
@@ -267,7 +270,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return events
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return self.create_kv_cache_blocks(tuple(self._block_ids(request_id)))
+        return self._get_blocks(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(self._block_ids(request_id))
@@ -309,6 +312,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
         pairs = self._take_kv_cache_block_copies()
+        if not pairs:
+            return [], []
         view = self.block_pool._view
         copies = [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
         return copies, [view(b) for pair in pairs for b in pair]

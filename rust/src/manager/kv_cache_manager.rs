@@ -368,6 +368,81 @@ impl KVCacheManager {
         Ok(Some(new_blocks))
     }
 
+    /// True if `allocate_slots(request, ...)` with these arguments would change nothing and
+    /// return no new blocks: a request that holds a table in every group, asks for slots its
+    /// table already covers, adopts nothing, has no block leaving an attention window and no
+    /// newly full block to cache (a decode step between block boundaries). Groups must be full
+    /// attention or sliding window at the hash block size; no watermark, no reserved blocks.
+    /// For anything else this is false and the full path runs. The binding answers such a call
+    /// from the request id and three counts, without reading the rest of the request.
+    pub fn allocate_is_noop(
+        &self,
+        request_id: &str,
+        num_computed_tokens: usize,
+        num_tokens: usize,
+        num_in_flight_tokens: usize,
+        a: &AllocArgs<'_>,
+    ) -> bool {
+        if a.new_computed.is_some()
+            || a.num_new_tokens == 0
+            || a.num_new_computed_tokens != 0
+            || a.num_external_computed_tokens != 0
+            || a.num_encoder_tokens != 0
+            || a.full_sequence_must_fit
+            || a.reserved_blocks != 0
+            || !a.skip_zeroing_group_ids.is_empty()
+            || self.watermark_blocks != 0
+            || (self.strict_inputs && num_tokens > self.max_model_len)
+        {
+            return false;
+        }
+        let Some(slot) = self.coord.slot(request_id) else { return false };
+        let total = num_computed_tokens.min(self.max_model_len);
+        let need_slot =
+            total.saturating_add(a.num_new_tokens).saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
+        let processed = total.saturating_sub(num_in_flight_tokens);
+        let caches = self.enable_caching && !a.delay_cache_blocks;
+        let computed = total.saturating_add(a.num_new_tokens).min(num_tokens);
+        self.coord.managers.iter().enumerate().all(|(gid, m)| {
+            let bs = m.cfg.block_size;
+            matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. })
+                && bs == self.coord.hash_block_size
+                && m.req(slot).is_some_and(|r| {
+                    // the last block `remove_skipped_blocks` would free is null already
+                    let skipped = (m.cfg.num_skipped_tokens(processed) / bs).min(r.blocks.len());
+                    r.present
+                        && r.partial_hit.is_none()
+                        && r.blocks.len().saturating_mul(bs) >= need_slot
+                        && (skipped == 0 || r.blocks[skipped - 1] == NULL_BLOCK)
+                        && (!caches
+                            || !m.cfg.enable_caching
+                            || !m.cfg.spec.prefix_cacheable
+                            || r.num_cached.is_some_and(|c| c >= self.coord.num_cacheable_tokens(computed, gid) / bs))
+                })
+        })
+    }
+
+    /// True if `cache_blocks(request, num_computed_tokens)` would change nothing: caching is
+    /// off, or every group is full attention or sliding window at the hash block size and has
+    /// cached every full block of those tokens already (vLLM's early return in `cache_blocks`).
+    pub fn cache_is_noop(&self, request_id: &str, num_computed_tokens: usize) -> bool {
+        if !self.enable_caching {
+            return true;
+        }
+        let Some(slot) = self.coord.slot(request_id) else { return false };
+        self.coord.managers.iter().enumerate().all(|(gid, m)| {
+            let bs = m.cfg.block_size;
+            matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. })
+                && bs == self.coord.hash_block_size
+                && (!m.cfg.enable_caching
+                    || !m.cfg.spec.prefix_cacheable
+                    || m.req(slot).is_some_and(|r| {
+                        r.num_cached
+                            .is_some_and(|c| c >= self.coord.num_cacheable_tokens(num_computed_tokens, gid) / bs)
+                    }))
+        })
+    }
+
     /// The hash indices an `allocate_slots` (or `cache_blocks`) call may read: check them
     /// before calling, so the call cannot fail half way on a malformed hash.
     pub fn cache_read_range(

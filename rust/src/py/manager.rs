@@ -176,6 +176,22 @@ impl ManagerState {
         super::retention::request_retention(request, v.num_prompt_tokens)
     }
 
+    /// The request id, `num_computed_tokens`, `num_tokens` and `num_in_flight_tokens`, as
+    /// [`ManagerState::view`] reads them: what deciding [`KVCacheManager::allocate_is_noop`]
+    /// takes.
+    fn quick_view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyString>, usize, usize, usize)> {
+        let py = request.py();
+        let f = &self.fields;
+        let id = self.id_of(request)?;
+        let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
+        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
+            Some(t) => t.len()?,
+            None => field_count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
+        };
+        let in_flight = opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
+        Ok((id, num_computed, num_tokens, in_flight))
+    }
+
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         self.fields
             .get(request, Field::RequestId)?
@@ -878,6 +894,13 @@ impl PyManager {
             skip_zeroing_group_ids: &skip,
             new_computed_generations: gens.as_deref(),
         };
+        if hits.is_none() {
+            // a decode step between block boundaries: answered from three request fields
+            let (id, num_computed, num_tokens, in_flight) = me.quick_view(request)?;
+            if me.inner.allocate_is_noop(request_id_str(&id)?, num_computed, num_tokens, in_flight, &args) {
+                return me.empty(py);
+            }
+        }
         let v = me.view(request, has_scheduled_reqs)?;
         let ret = me.new_request_retention(request, &v)?;
         let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
@@ -1197,6 +1220,13 @@ impl PyManager {
         if !me.inner.enable_caching {
             return Ok(());
         }
+        {
+            // nothing newly full to cache: vLLM reads only the request id then
+            let id = me.id_of(request)?;
+            if me.inner.cache_is_noop(request_id_str(&id)?, n) {
+                return Ok(());
+            }
+        }
         let v = me.view(request, false)?;
         let hashes = me.hashes(request)?;
         {
@@ -1385,6 +1415,14 @@ impl PyManager {
     /// The request's block ids per group, in table order (empty lists if unknown).
     fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<Vec<u32>>> {
         self.state.with(py, |me| me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect())
+    }
+
+    /// `get_blocks(request_id)`: the request's blocks per group as the manager's
+    /// `KVCacheBlocks` (block ids held in Rust; the shared empty one if it holds none).
+    fn _get_blocks<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
+        let me = self.state.borrow(py)?;
+        let groups = me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect();
+        me.blocks_of(py, groups)
     }
 
     /// Group `group`'s `req_to_blocks[request_id]` (None if the key is absent).

@@ -1,0 +1,149 @@
+"""vLLM 0.33.0's real ``AsyncScheduler`` without a model, stock vs kvblock, in one run
+(issue 16 item 5): ``schedule()`` + ``update_from_output()`` CPU time per step, the KV cache
+manager's share of a step, and the engine core's request hashing per request.
+
+The scheduler runs are interleaved (stock, kvblock, kvblock, stock, ...) so that a noisy
+neighbour on the shared cores hits both alike; each sample is one whole run's mean step
+time. Every run of both must hand the model runner the same block ids step by step (the
+fingerprint of ``vllm_sched._feed``), and it is also pinned to its recorded value, so a change
+of behaviour on either side fails here before any number is reported.
+
+The manager's share comes from a separate pass of each (``vllm_sched.ManagerTimer``: every
+public manager method and the pool methods the scheduler calls wrapped with a clock, its own
+cost calibrated and subtracted), so the timed runs carry no wrapper.
+
+Runs only where vLLM 0.33.0 is installed and the shared data is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+
+import vllm_sched as S
+from kvblock import workload as W
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
+
+REPS = int(os.environ.get("KVBLOCK_BENCH_SCHED_REPS", "3"))
+
+#: fingerprint, steps, finished requests, prefix-cache hits / queries (tokens) of each workload
+EXPECTED = {
+    "shared": ("740dba4dba4250bf", 2048, 1000, 1_150_464, 2_048_000),
+    "chat": (None, None, 384, None, None),
+}
+FACTORIES = {"shared": S.shared_workload, "chat": S.chat_workload}
+GROUPS = {
+    "shared": "vLLM AsyncScheduler step: schedule()+update_from_output() [shared workload]",
+    "chat": "vLLM AsyncScheduler step: schedule()+update_from_output() [multi-turn chat]",
+}
+_SHARES: dict[str, dict[str, tuple[float, float]]] = {}
+
+
+def _check_version() -> None:
+    if vllm.__version__ != S.VLLM_VERSION:
+        pytest.skip(f"needs vLLM {S.VLLM_VERSION}, found {vllm.__version__}")
+
+
+def _check(name: str, runs: list[S.SchedRun]) -> None:
+    fps = {r.fingerprint for r in runs}
+    assert len(fps) == 1, f"{name}: stock vLLM and kvblock scheduled different block ids: {fps}"
+    fp, steps, finished, hits, queries = EXPECTED[name]
+    r = runs[0]
+    if fp is not None:
+        assert r.fingerprint.startswith(fp), r.fingerprint
+    if steps is not None:
+        assert r.steps == steps
+    assert {x.finished for x in runs} == {finished}
+    assert len({(x.steps, x.hits, x.queries) for x in runs}) == 1
+    if hits is not None:
+        assert (r.hits, r.queries) == (hits, queries)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_vllm_scheduler_step(record_measured, report_line, name):
+    _check_version()
+    factory = FACTORIES[name]
+    for impl in ("vllm", "kvblock"):  # warm-up: the first scheduler of a process pays for lazy imports
+        S.run(impl, lambda: S.shared_workload(64))
+    samples: dict[str, list[float]] = {"vllm": [], "kvblock": []}
+    runs: list[S.SchedRun] = []
+    for rep in range(REPS):
+        order = ("vllm", "kvblock") if rep % 2 == 0 else ("kvblock", "vllm")
+        for impl in order:
+            gc.collect()
+            r = S.run(impl, factory)
+            assert r.kind == ("kvblock.vllm.manager" if impl == "kvblock" else "vllm.v1.core.kv_cache_manager")
+            runs.append(r)
+            samples[impl].append(r.mean_step_s)
+    # the manager-time pass
+    timed = {impl: S.run(impl, factory, time_manager=True) for impl in ("vllm", "kvblock")}
+    _check(name, runs + list(timed.values()))
+    for impl, s in samples.items():
+        record_measured(GROUPS[name], impl, s)
+    r0 = runs[0]
+    report_line(f"scheduler [{name}]: {r0.steps} steps, {r0.finished} requests, prefix hits {r0.hits}/{r0.queries} "
+                f"tokens, fingerprint {r0.fingerprint[:16]} (identical in all {len(runs) + 2} runs)")
+    for impl, t in timed.items():
+        step = sum(t.step_ns) / t.steps
+        share = t.manager_ns / sum(t.step_ns)
+        _SHARES.setdefault(name, {})[impl] = (share, t.manager_ns / t.steps)
+        top = sorted(((v[0], k, v[1]) for k, v in t.manager_by_name.items() if v[1]), reverse=True)[:4]
+        detail = ", ".join(f"{k} {ns / n / 1e3:.2f} µs x{n / t.steps:.1f}/step" for ns, k, n in top)
+        report_line(f"  KV manager share of a step [{name}, {'stock vLLM' if impl == 'vllm' else 'kvblock'}]: "
+                    f"{share:.1%} ({t.manager_ns / t.steps / 1e3:.1f} of {step / 1e3:.1f} µs per step in the timed pass; "
+                    f"{t.manager_calls / t.steps:.0f} calls a step, the wrapper's {t.manager_overhead_ns} ns a call "
+                    f"subtracted); biggest (with the wrapper): {detail}")
+    kv_share = _SHARES[name]["kvblock"][0]
+    report_line(f"  target: kvblock's manager share <= 5%: {'met' if kv_share <= 0.05 else 'NOT met'} ({kv_share:.1%})")
+
+
+# -- the engine core's request hashing -----------------------------------------------------------
+
+HASH_GROUP = "engine core: Request(...) with block hasher, 2,048-token request"
+_HASHES: dict[tuple[str, str], list[bytes]] = {}
+HASH_ROUNDS = 20
+HASH_BATCH = 16
+
+
+def _prompts(kind: str, round_: int) -> list[list[int]]:
+    """``HASH_BATCH`` 2,048-token prompts: "unique" ones (streams no other round uses, so no
+    memo can serve them) or the shared workload's requests (75% behind its system prompt)."""
+    if kind == "unique":
+        return [W.tokens(900_000 + round_ * HASH_BATCH + j, 0, W.PROMPT_LEN) for j in range(HASH_BATCH)]
+    return [W.e2e_request_tokens(round_ * HASH_BATCH + j)[0] for j in range(HASH_BATCH)]
+
+
+@pytest.mark.parametrize("kind", ["unique", "shared"])
+@pytest.mark.parametrize("impl", ["vllm", "kvblock"])
+def test_request_hashing(record_measured, impl, kind):
+    """What the engine core does per new request: ``Request(..., block_hasher=
+    get_request_block_hasher(16, sha256))``, which hashes its 128 full blocks; stock vLLM's
+    hasher vs kvblock's (swapped in by ``kvblock.vllm.patch()``). The same prompts give the
+    same block hashes on both (checked on every round)."""
+    _check_version()
+    with S.engine(impl) as eng:
+        params = eng["SamplingParams"](max_tokens=16, ignore_eos=True)
+        params.update_from_generation_config({}, S.EOS_TOKEN_ID)
+        Request, hasher = eng["Request"], eng["hasher"]
+        clock = time.perf_counter_ns
+        samples = []
+        digests = []
+        for rnd in range(HASH_ROUNDS + 1):  # round 0 warms up
+            prompts = _prompts(kind, rnd)
+            gc.collect()
+            t0 = clock()
+            reqs = [Request(f"h-{rnd}-{j}", p, params, None, block_hasher=hasher) for j, p in enumerate(prompts)]
+            dt = clock() - t0
+            if rnd:
+                samples.append(dt / len(prompts) / 1e9)
+            assert all(len(r.block_hashes) == W.PROMPT_LEN // W.BLOCK_SIZE for r in reqs)
+            digests += [bytes(r.block_hashes[-1]) for r in reqs]
+    _HASHES[(impl, kind)] = digests
+    other = _HASHES.get(("kvblock" if impl == "vllm" else "vllm", kind))
+    if other is not None:
+        assert other == digests, "kvblock's request hashes differ from vLLM's"
+    record_measured(f"{HASH_GROUP} [{kind} prompts]", impl, samples)
