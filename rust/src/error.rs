@@ -28,6 +28,10 @@ pub enum Error {
     /// A precondition vLLM asserts (maps to `AssertionError`, as vLLM's `assert` raises).
     #[error("{0}")]
     Assertion(String),
+    /// An index past a sequence, where vLLM's own code indexes a list past its end (maps to
+    /// `IndexError`; vLLM's callers only, never kvblock's own API).
+    #[error("{0}")]
+    Index(String),
     /// Memory for the structure could not be allocated (maps to `MemoryError`).
     #[error("{0}")]
     Memory(String),

@@ -97,8 +97,11 @@ impl KVCacheManager {
         Ok((blocks, hit, boundary))
     }
 
-    /// Check an `allocate_slots` call's inputs against the pool, changing nothing.
-    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<()> {
+    /// Check an `allocate_slots` call's inputs against the pool, changing nothing. `Err`: an
+    /// error raised at once. `Ok(Some(e))`: an assertion vLLM makes only once its capacity
+    /// check has passed (adopting computed tokens into a request that holds blocks), raised
+    /// by the caller at that point, so that a call vLLM answers with None gets None.
+    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<Option<Error>> {
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::Value(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
@@ -130,9 +133,10 @@ impl KVCacheManager {
         if let Some(&g) = a.skip_zeroing_group_ids.iter().find(|&&g| g >= n) {
             return Err(Error::value("skip_zeroing_group_ids", format!("{g} is not a group index")));
         }
-        // vLLM asserts (half way through) that only a request holding no blocks adopts
-        // computed tokens, and that a partial hit's tail sits where it looks for it: checked
-        // here, before anything changes, in the order the reference checks them
+        // vLLM asserts that a running request brings no hit blocks while counting blocks
+        // (before its capacity checks), and, once they passed, that only a request holding
+        // no blocks adopts computed tokens and that a partial hit's tail sits where it looks
+        // for it: all checked here, before anything changes
         let slot = self.coord.slot(req.request_id);
         let running = slot.is_some_and(|s| self.coord.is_running(s));
         let holds = slot.is_some_and(|s| {
@@ -142,7 +146,7 @@ impl KVCacheManager {
             })
         });
         let has_hits = a.new_computed.is_some_and(|nc| nc.iter().any(|g| !g.is_empty()));
-        if has_hits && (running || holds) {
+        if has_hits && running {
             return Err(Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt new computed blocks",
                 req.request_id
@@ -170,8 +174,9 @@ impl KVCacheManager {
             }
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
+        let mut deferred = None;
         if adopts && !running && holds {
-            return Err(Error::Assertion(format!(
+            deferred = Some(Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt computed tokens",
                 req.request_id
             )));
@@ -212,9 +217,19 @@ impl KVCacheManager {
                 None => empty,
             };
             let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
-            self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens)?;
+            if deferred.is_none() {
+                if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
+                    deferred = Some(e);
+                }
+            }
         }
-        Ok(())
+        if self.strict_inputs {
+            // kvblock's own API raises every refusal before anything changes
+            if let Some(e) = deferred {
+                return Err(e);
+            }
+        }
+        Ok(deferred)
     }
 
     /// `allocate_slots` (spec §5.3): `Ok(None)` when the pool cannot hold the allocation
@@ -228,10 +243,10 @@ impl KVCacheManager {
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        self.check_alloc(pool, req, a)?;
+        let deferred = self.check_alloc(pool, req, a)?;
         let existed = self.coord.slot(req.request_id).is_some();
         let slot = self.coord.slot_or_insert(req.request_id);
-        let res = self.allocate_in_slot(pool, slot, req, hashes, a);
+        let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
         if res.is_err() && self.strict_inputs && !existed {
             // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing
             self.coord.forget_if_blockless(req.request_id);
@@ -248,6 +263,7 @@ impl KVCacheManager {
         req: &RequestView<'_>,
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
+        deferred: Option<Error>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         let n = self.coord.num_groups();
         let empty: Vec<&[u32]> = vec![&[]; n];
@@ -302,6 +318,10 @@ impl KVCacheManager {
         let available = pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
         if need + watermark as i64 > available {
             return Ok(None);
+        }
+        if let Some(e) = deferred {
+            // where vLLM asserts, having freed the blocks outside the window as above
+            return Err(e);
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
         let check_taken = (adopts && a.num_external_computed_tokens > 0)
