@@ -154,3 +154,21 @@ def test_adopting_into_a_request_with_blocks_asserts_when_it_fits():
                 lambda: k.allocate_slots(rk, 1, num_external_computed_tokens=1))
     assert isinstance(err, AssertionError)
     assert _state(k) == before
+
+
+def test_constructor_checks_in_vllms_order():
+    """A configuration breaking two rules raises the error vLLM checks first: the retention
+    interval (ValueError, in the base coordinator) before the unitary coordinator's
+    hash_block_size assertion (kvblock raised the AssertionError)."""
+    errors = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(
+            num_blocks=4,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=2, **A))],
+            prefix_cache_retention_interval=2,
+        )
+        with pytest.raises(Exception) as info:
+            cls(cfg, 8, 2, 1, enable_caching=True)
+        errors.append(info.value)
+    assert type(errors[0]) is type(errors[1]) is ValueError, errors
