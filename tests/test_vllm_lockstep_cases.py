@@ -17,6 +17,7 @@ from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -172,3 +173,13 @@ def test_constructor_checks_in_vllms_order():
             cls(cfg, 8, 2, 1, enable_caching=True)
         errors.append(info.value)
     assert type(errors[0]) is type(errors[1]) is ValueError, errors
+
+
+def test_cross_attention_lookup_with_caching_is_not_implemented_as_vllm():
+    """A hybrid configuration with a cross-attention group and caching on: vLLM's
+    CrossAttentionManager raises NotImplementedError on a lookup (kvblock: RuntimeError)."""
+    specs = [FullAttentionSpec(block_size=1, **A), CrossAttentionSpec(block_size=1, **A)]
+    v, k = _both(specs, 4, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
+    assert isinstance(err, NotImplementedError)

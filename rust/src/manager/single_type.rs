@@ -798,7 +798,7 @@ impl TypeManager {
             Kind::ChunkedLocal { chunk } => crate::manager::chunked_local::find_longest_cache_hit(cfg, chunk, pool, q),
             Kind::Mamba { .. } => crate::manager::mamba::find_longest_cache_hit(cfg, pool, q),
             Kind::CircularBuffer => Ok((vec![Vec::new(); q.group_ids.len()], 0)),
-            Kind::CrossAttention => Err(Error::State("CrossAttentionManager does not support caching".into())),
+            Kind::CrossAttention => Err(Error::NotImplemented("CrossAttentionManager does not support caching".into())),
         }
     }
 
