@@ -24,11 +24,16 @@ Mamba "align" bookkeeping of every request, the blocks recorded for zeroing, the
 order, every block's ref count, hash and hashed token count, the hash -> block map (and the
 blocks' further keys), the KV events (vLLM's event objects), prefix cache stats and the free
 block count. Where vLLM raises, kvblock raises the same exception type and changes nothing;
-if vLLM changed its own state before raising, the two can no longer be compared and the
-example stops there (counted, see ``VLLM_CORRUPTED``).
+where vLLM changed its own state before raising, kvblock either made exactly the same change
+(vLLM's frees outside the attention window before a refusal, its empty table) and the example
+goes on, or changed nothing, and then the two can no longer be compared and the example stops
+there (counted, see ``VLLM_CORRUPTED``).
 
-``KVBLOCK_LOCKSTEP_EXAMPLES=N`` sets the number of examples; ``CI=true`` replays a fixed
-sequence (derandomized).
+``KVBLOCK_LOCKSTEP_EXAMPLES=N`` sets the number of examples (default 700, about 1.5 minutes
+on two cores; the long profile is e.g. 3000); ``CI=true`` replays a fixed sequence
+(derandomized). The test then checks what the run covered: every group kind, 1-4 groups,
+caching off, EAGLE, tiny pools, mixed block sizes, windows smaller and larger than a block,
+and errors compared.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ init_none_hash = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_
 #: can no longer be compared), keyed by the exception's type and first words.
 VLLM_CORRUPTED: Counter[str] = Counter()
 #: How often each rule ran and how often vLLM raised where kvblock raised the same (a
-#: profile of what the run covered, printed by the summary test).
+#: profile of what the run covered, printed and checked by ``test_vllm_lockstep``).
 COVERAGE: Counter[str] = Counter()
 
 TOKENS = [0, 1, 2, 3]

@@ -183,3 +183,41 @@ def test_cross_attention_lookup_with_caching_is_not_implemented_as_vllm():
     rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
     err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
     assert isinstance(err, NotImplementedError)
+
+
+def _mamba_spec(spec_blocks: int) -> MambaSpec:
+    return MambaSpec(
+        block_size=1, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align",
+        num_speculative_blocks=spec_blocks,
+    )
+
+
+def test_running_request_with_mamba_hits_gets_vllms_capacity_answer_first():
+    """A running request handed Mamba "align" hit blocks: vLLM's Mamba block count does not
+    assert (its base rule does), so vLLM answers None when they do not fit; kvblock asserted."""
+    v, k = _both([_mamba_spec(0)], 2, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+        r.status = RequestStatus.RUNNING
+        r.append_output_token_ids([0])
+    hv, hk = v.get_computed_blocks(rv), k.get_computed_blocks(rk)
+    assert hv[1] == hk[1] > 0
+    res = _same(v, k, lambda: v.allocate_slots(rv, 0, 7, hv[0]), lambda: k.allocate_slots(rk, 0, 7, hk[0]))
+    assert res is None
+
+
+def test_refused_external_tokens_leave_no_table():
+    """External tokens that need more blocks than are free: vLLM takes a block and leaves it
+    in the request's table before raising ValueError; kvblock raises the same error and
+    leaves nothing at all (no block taken, no empty table)."""
+    v, k = _both([_mamba_spec(1)], 3, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    before = _state(k)
+    with pytest.raises(ValueError):
+        v.allocate_slots(rv, 1, num_external_computed_tokens=1)
+    with pytest.raises(ValueError):
+        k.allocate_slots(rk, 1, num_external_computed_tokens=1)
+    assert _state(k) == before
+    assert k.block_pool.get_num_free_blocks() == 2

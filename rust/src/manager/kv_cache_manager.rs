@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
 use crate::manager::single_type::ReqInfo;
-use crate::manager::spec::{Kind, ManagerConfig};
+use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
 /// What `allocate_slots` reads from the request besides its hashes.
@@ -146,11 +146,21 @@ impl KVCacheManager {
             })
         });
         let has_hits = a.new_computed.is_some_and(|nc| nc.iter().any(|g| !g.is_empty()));
-        if has_hits && running {
-            return Err(Error::Assertion(format!(
-                "request {:?} already holds blocks and cannot adopt new computed blocks",
-                req.request_id
-            )));
+        // vLLM's block count asserts it in the groups counting with the base rule (not
+        // Mamba "align", not circular buffers); hits only in those groups meet the
+        // coordinator's assertion after the capacity check
+        let counted_hits = a.new_computed.is_some_and(|nc| {
+            nc.iter().zip(&self.coord.managers).any(|(g, m)| {
+                !g.is_empty()
+                    && !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::Mamba { mode: MambaMode::Align, .. })
+            })
+        });
+        let running_hits = Error::Assertion(format!(
+            "request {:?} already holds blocks and cannot adopt new computed blocks",
+            req.request_id
+        ));
+        if has_hits && running && counted_hits {
+            return Err(running_hits);
         }
         if self.strict_inputs {
             for (i, m) in self.coord.managers.iter().enumerate() {
@@ -175,7 +185,9 @@ impl KVCacheManager {
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
         let mut deferred = None;
-        if adopts && !running && holds {
+        if has_hits && running {
+            deferred = Some(running_hits);
+        } else if adopts && !running && holds {
             deferred = Some(Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt computed tokens",
                 req.request_id
@@ -247,8 +259,10 @@ impl KVCacheManager {
         let existed = self.coord.slot(req.request_id).is_some();
         let slot = self.coord.slot_or_insert(req.request_id);
         let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
-        if res.is_err() && self.strict_inputs && !existed {
-            // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing
+        let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. }));
+        if res.is_err() && (self.strict_inputs || refused) && !existed {
+            // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing,
+            // nor does a refusal where vLLM would take blocks before raising (kvblock takes none)
             self.coord.forget_if_blockless(req.request_id);
         } else if !matches!(res, Ok(Some(_))) {
             self.coord.release_if_vacant(req.request_id);
