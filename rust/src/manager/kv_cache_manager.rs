@@ -159,7 +159,7 @@ impl KVCacheManager {
             "request {:?} already holds blocks and cannot adopt new computed blocks",
             req.request_id
         ));
-        if has_hits && running && counted_hits {
+        if has_hits && ((running && counted_hits) || (self.strict_inputs && (running || holds))) {
             return Err(running_hits);
         }
         if self.strict_inputs {
@@ -188,10 +188,32 @@ impl KVCacheManager {
         if has_hits && running {
             deferred = Some(running_hits);
         } else if adopts && !running && holds {
-            deferred = Some(Error::Assertion(format!(
+            let e = Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt computed tokens",
                 req.request_id
-            )));
+            ));
+            if self.strict_inputs {
+                // kvblock's own API raises every refusal before anything changes
+                return Err(e);
+            }
+            deferred = Some(e);
+        }
+        if adopts && !running {
+            let n = self.coord.num_groups();
+            let empty: Vec<&[u32]> = vec![&[]; n];
+            let nc: Vec<&[u32]> = match a.new_computed {
+                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
+                None => empty,
+            };
+            let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
+            if deferred.is_none() {
+                if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
+                    if self.strict_inputs {
+                        return Err(e);
+                    }
+                    deferred = Some(e);
+                }
+            }
         }
         if self.strict_inputs {
             // vLLM caps the computed tokens at max_model_len for its capacity check but
@@ -221,22 +243,7 @@ impl KVCacheManager {
                 ));
             }
         }
-        if adopts && !running {
-            let n = self.coord.num_groups();
-            let empty: Vec<&[u32]> = vec![&[]; n];
-            let nc: Vec<&[u32]> = match a.new_computed {
-                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
-                None => empty,
-            };
-            let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
-            if deferred.is_none() {
-                if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
-                    deferred = Some(e);
-                }
-            }
-        }
         if self.strict_inputs {
-            // kvblock's own API raises every refusal before anything changes
             if let Some(e) = deferred {
                 return Err(e);
             }
