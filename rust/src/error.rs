@@ -32,6 +32,14 @@ pub enum Error {
     /// `kvblock.StaleHitError`, a `ValueError`).
     #[error("{0}")]
     StaleHit(String),
+    /// An index past a sequence, where vLLM's own code indexes a list past its end (maps to
+    /// `IndexError`; vLLM's callers only, never kvblock's own API).
+    #[error("{0}")]
+    Index(String),
+    /// An operation vLLM's class for this group kind does not implement (maps to
+    /// `NotImplementedError`, as vLLM raises).
+    #[error("{0}")]
+    NotImplemented(String),
     /// Memory for the structure could not be allocated (maps to `MemoryError`).
     #[error("{0}")]
     Memory(String),

@@ -25,7 +25,7 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, chunk: usize, pool: &BlockPool, 
     let mut computed: Vec<Vec<u32>> = vec![vec![NULL_BLOCK; start_block]; q.group_ids.len()];
     let mut hit = Vec::with_capacity(q.group_ids.len());
     for i in start_block..max_blocks {
-        if i >= hashes.len() || !pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit) {
+        if !q.in_hashes(i, hashes.len())? || !pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit) {
             break;
         }
         for (c, &b) in computed.iter_mut().zip(&hit) {

@@ -49,6 +49,8 @@ pub struct Coordinator {
     pub enable_partial_hash_hits: bool,
     pub attention_groups: Vec<SpecGroup>,
     pub full_attention_group_id: Option<usize>,
+    /// Lookups past a request's hashes raise as vLLM's (vLLM's callers: `strict_inputs` off).
+    pub past_hashes_is_error: bool,
     reqs: RequestTable<()>,
 }
 
@@ -133,6 +135,7 @@ impl Coordinator {
             enable_partial_hash_hits: false,
             attention_groups: Vec::new(),
             full_attention_group_id: None,
+            past_hashes_is_error: !cfg.strict_inputs,
             reqs: RequestTable::default(),
         };
         match kind {
@@ -608,6 +611,7 @@ impl Coordinator {
                     group_ids: &[0],
                     drop_eagle_block: self.drop_eagle_groups[0],
                     alignment_tokens: m.cfg.block_size,
+                    past_hashes_is_error: self.past_hashes_is_error,
                 };
                 let (blocks, len) = m.find_longest_cache_hit(pool, &q)?;
                 Ok((blocks, len, 0))
@@ -652,6 +656,7 @@ impl Coordinator {
                     group_ids: &sg.group_ids,
                     drop_eagle_block: drop,
                     alignment_tokens: align,
+                    past_hashes_is_error: self.past_hashes_is_error,
                 };
                 let (hit_blocks, new_len) = m.find_longest_cache_hit(pool, &q)?;
                 if drop {
@@ -719,6 +724,7 @@ impl Coordinator {
                 group_ids: &sg.group_ids,
                 drop_eagle_block: sg.use_eagle,
                 alignment_tokens: self.cache_hit_alignment_tokens(),
+                past_hashes_is_error: self.past_hashes_is_error,
             };
             let (hb, hit) = m.find_longest_cache_hit(pool, &q)?;
             for (&gid, b) in sg.group_ids.iter().zip(hb) {

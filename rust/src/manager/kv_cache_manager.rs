@@ -6,7 +6,7 @@ use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
 use crate::manager::retention::RetentionState;
 use crate::manager::single_type::ReqInfo;
-use crate::manager::spec::{Kind, ManagerConfig};
+use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
 /// What `allocate_slots` reads from the request besides its hashes.
@@ -105,8 +105,11 @@ impl KVCacheManager {
         Ok((blocks, hit, boundary))
     }
 
-    /// Check an `allocate_slots` call's inputs against the pool, changing nothing.
-    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<()> {
+    /// Check an `allocate_slots` call's inputs against the pool, changing nothing. `Err`: an
+    /// error raised at once. `Ok(Some(e))`: an assertion vLLM makes only once its capacity
+    /// check has passed (adopting computed tokens into a request that holds blocks), raised
+    /// by the caller at that point, so that a call vLLM answers with None gets None.
+    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<Option<Error>> {
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::Value(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
@@ -150,9 +153,10 @@ impl KVCacheManager {
         if let Some(&g) = a.skip_zeroing_group_ids.iter().find(|&&g| g >= n) {
             return Err(Error::value("skip_zeroing_group_ids", format!("{g} is not a group index")));
         }
-        // vLLM asserts (half way through) that only a request holding no blocks adopts
-        // computed tokens, and that a partial hit's tail sits where it looks for it: checked
-        // here, before anything changes, in the order the reference checks them
+        // vLLM asserts that a running request brings no hit blocks while counting blocks
+        // (before its capacity checks), and, once they passed, that only a request holding
+        // no blocks adopts computed tokens and that a partial hit's tail sits where it looks
+        // for it: all checked here, before anything changes
         let slot = self.coord.slot(req.request_id);
         let running = slot.is_some_and(|s| self.coord.is_running(s));
         let holds = slot.is_some_and(|s| {
@@ -162,11 +166,21 @@ impl KVCacheManager {
             })
         });
         let has_hits = a.new_computed.is_some_and(|nc| nc.iter().any(|g| !g.is_empty()));
-        if has_hits && (running || holds) {
-            return Err(Error::Assertion(format!(
-                "request {:?} already holds blocks and cannot adopt new computed blocks",
-                req.request_id
-            )));
+        // vLLM's block count asserts it in the groups counting with the base rule (not
+        // Mamba "align", not circular buffers); hits only in those groups meet the
+        // coordinator's assertion after the capacity check
+        let counted_hits = a.new_computed.is_some_and(|nc| {
+            nc.iter().zip(&self.coord.managers).any(|(g, m)| {
+                !g.is_empty()
+                    && !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::Mamba { mode: MambaMode::Align, .. })
+            })
+        });
+        let running_hits = Error::Assertion(format!(
+            "request {:?} already holds blocks and cannot adopt new computed blocks",
+            req.request_id
+        ));
+        if has_hits && ((running && counted_hits) || (self.strict_inputs && (running || holds))) {
+            return Err(running_hits);
         }
         if self.strict_inputs {
             for (i, m) in self.coord.managers.iter().enumerate() {
@@ -190,11 +204,36 @@ impl KVCacheManager {
             }
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
-        if adopts && !running && holds {
-            return Err(Error::Assertion(format!(
+        let mut deferred = None;
+        if has_hits && running {
+            deferred = Some(running_hits);
+        } else if adopts && !running && holds {
+            let e = Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt computed tokens",
                 req.request_id
-            )));
+            ));
+            if self.strict_inputs {
+                // kvblock's own API raises every refusal before anything changes
+                return Err(e);
+            }
+            deferred = Some(e);
+        }
+        if adopts && !running {
+            let n = self.coord.num_groups();
+            let empty: Vec<&[u32]> = vec![&[]; n];
+            let nc: Vec<&[u32]> = match a.new_computed {
+                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
+                None => empty,
+            };
+            let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
+            if deferred.is_none() {
+                if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
+                    if self.strict_inputs {
+                        return Err(e);
+                    }
+                    deferred = Some(e);
+                }
+            }
         }
         if self.strict_inputs {
             // vLLM caps the computed tokens at max_model_len for its capacity check but
@@ -224,17 +263,12 @@ impl KVCacheManager {
                 ));
             }
         }
-        if adopts && !running {
-            let n = self.coord.num_groups();
-            let empty: Vec<&[u32]> = vec![&[]; n];
-            let nc: Vec<&[u32]> = match a.new_computed {
-                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
-                None => empty,
-            };
-            let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
-            self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens)?;
+        if self.strict_inputs {
+            if let Some(e) = deferred {
+                return Err(e);
+            }
         }
-        Ok(())
+        Ok(deferred)
     }
 
     /// `allocate_slots` (spec §5.3): `Ok(None)` when the pool cannot hold the allocation
@@ -248,12 +282,14 @@ impl KVCacheManager {
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        self.check_alloc(pool, req, a)?;
+        let deferred = self.check_alloc(pool, req, a)?;
         let existed = self.coord.slot(req.request_id).is_some();
         let slot = self.coord.slot_or_insert(req.request_id);
-        let res = self.allocate_in_slot(pool, slot, req, hashes, a);
-        if res.is_err() && self.strict_inputs && !existed {
-            // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing
+        let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
+        let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. }));
+        if res.is_err() && (self.strict_inputs || refused) && !existed {
+            // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing,
+            // nor does a refusal where vLLM would take blocks before raising (kvblock takes none)
             self.coord.forget_if_blockless(req.request_id);
         } else if !matches!(res, Ok(Some(_))) {
             self.coord.release_if_vacant(req.request_id);
@@ -268,6 +304,7 @@ impl KVCacheManager {
         req: &RequestView<'_>,
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
+        deferred: Option<Error>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         let n = self.coord.num_groups();
         let empty: Vec<&[u32]> = vec![&[]; n];
@@ -322,6 +359,10 @@ impl KVCacheManager {
         let available = pool.num_free_blocks() as i64 - a.reserved_blocks as i64;
         if need + watermark as i64 > available {
             return Ok(None);
+        }
+        if let Some(e) = deferred {
+            // where vLLM asserts, having freed the blocks outside the window as above
+            return Err(e);
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
         let check_taken = (adopts && a.num_external_computed_tokens > 0)

@@ -119,7 +119,7 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, pool: &BlockPool, q: &HitQuery<'
     let mut i = max_blocks;
     while i > 0 {
         i -= 1;
-        if i < hashes.len() && pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit) {
+        if q.in_hashes(i, hashes.len())? && pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit) {
             if block_size != a && !((i + 1) * block_size).is_multiple_of(a) {
                 continue;
             }

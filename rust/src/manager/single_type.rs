@@ -132,6 +132,25 @@ pub struct HitQuery<'a> {
     pub group_ids: &'a [u32],
     pub drop_eagle_block: bool,
     pub alignment_tokens: usize,
+    /// A lookup past the request's hashes is vLLM's `IndexError` (vLLM's callers), not a
+    /// miss (kvblock's own API).
+    pub past_hashes_is_error: bool,
+}
+
+impl HitQuery<'_> {
+    /// Whether block `i` of `hashes` can be looked up: false past the end for kvblock's own
+    /// API (a miss), an `IndexError` for vLLM's callers, as vLLM's sliding-window, chunked
+    /// local and Mamba finders index the hash list up to `max_length` (a request hashed with
+    /// lookahead tokens holds fewer hashes than its tokens).
+    pub fn in_hashes(&self, i: usize, len: usize) -> Result<bool> {
+        if i < len {
+            Ok(true)
+        } else if self.past_hashes_is_error {
+            Err(Error::Index("list index out of range".into()))
+        } else {
+            Ok(false)
+        }
+    }
 }
 
 /// Blocks of a hit, one list per group of the lookup, and the hit length in tokens.
@@ -779,7 +798,7 @@ impl TypeManager {
             Kind::ChunkedLocal { chunk } => crate::manager::chunked_local::find_longest_cache_hit(cfg, chunk, pool, q),
             Kind::Mamba { .. } => crate::manager::mamba::find_longest_cache_hit(cfg, pool, q),
             Kind::CircularBuffer => Ok((vec![Vec::new(); q.group_ids.len()], 0)),
-            Kind::CrossAttention => Err(Error::State("CrossAttentionManager does not support caching".into())),
+            Kind::CrossAttention => Err(Error::NotImplemented("CrossAttentionManager does not support caching".into())),
         }
     }
 

@@ -27,8 +27,7 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, window: usize, pool: &BlockPool,
     let mut i = max_blocks;
     while i > 0 {
         i -= 1;
-        // vLLM indexes past the hashes only when max_length exceeds them: a miss
-        let cached = i < hashes.len() && pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit);
+        let cached = q.in_hashes(i, hashes.len())? && pool.get_cached_block(hashes.get(i)?, q.group_ids, &mut hit);
         if cached {
             if run == 0 && block_size != a {
                 let post_pop = if q.drop_eagle_block { i } else { i + 1 };

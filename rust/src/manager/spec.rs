@@ -202,6 +202,22 @@ impl ManagerConfig {
                     ),
                 ));
             }
+        }
+        // vLLM's order: the coordinator's MTP check, the per-type managers' own checks,
+        // the retention interval, then the unitary / hybrid coordinator's checks
+        if self.enable_caching
+            && (self.groups.iter().any(|g| g.is_eagle_group) || self.use_eagle)
+            && self.scheduler_block_size < self.num_prefill_lookahead
+        {
+            return Err(Error::value(
+                "num_prefill_lookahead",
+                format!(
+                    "Multi-module MTP with prefix caching requires scheduler_block_size (={}) >= num_speculative_tokens (={})",
+                    self.scheduler_block_size, self.num_prefill_lookahead
+                ),
+            ));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
             if let Kind::Mamba { mode: MambaMode::None, .. } = g.kind {
                 if self.enable_caching {
                     return Err(Error::value(
@@ -209,6 +225,24 @@ impl ManagerConfig {
                         "Mamba prefix caching requires mamba_cache_mode='align'",
                     ));
                 }
+            }
+        }
+        if let Some(r) = self.retention_interval {
+            let sparse = self.groups.iter().any(|g| matches!(g.kind, Kind::SlidingWindow { .. } | Kind::Mamba { .. }));
+            if !sparse && r != 0 {
+                return Err(Error::value(
+                    "prefix_cache_retention_interval",
+                    "is set but this model has no sliding-window or Mamba KV cache group, so retention has no effect",
+                ));
+            }
+            if sparse && r % self.scheduler_block_size != 0 {
+                return Err(Error::value(
+                    "prefix_cache_retention_interval",
+                    format!(
+                        "({r}) must be non-negative and a multiple of scheduler_block_size ({})",
+                        self.scheduler_block_size
+                    ),
+                ));
             }
         }
         if self.enable_caching && self.groups.len() == 1 {
@@ -234,36 +268,6 @@ impl ManagerConfig {
                 return Err(Error::value(
                     "kv_cache_groups",
                     "a hybrid model needs at least one prefix-cacheable group",
-                ));
-            }
-        }
-        if self.enable_caching
-            && (self.groups.iter().any(|g| g.is_eagle_group) || self.use_eagle)
-            && self.scheduler_block_size < self.num_prefill_lookahead
-        {
-            return Err(Error::value(
-                "num_prefill_lookahead",
-                format!(
-                    "Multi-module MTP with prefix caching requires scheduler_block_size (={}) >= num_speculative_tokens (={})",
-                    self.scheduler_block_size, self.num_prefill_lookahead
-                ),
-            ));
-        }
-        if let Some(r) = self.retention_interval {
-            let sparse = self.groups.iter().any(|g| matches!(g.kind, Kind::SlidingWindow { .. } | Kind::Mamba { .. }));
-            if !sparse && r != 0 {
-                return Err(Error::value(
-                    "prefix_cache_retention_interval",
-                    "is set but this model has no sliding-window or Mamba KV cache group, so retention has no effect",
-                ));
-            }
-            if sparse && r % self.scheduler_block_size != 0 {
-                return Err(Error::value(
-                    "prefix_cache_retention_interval",
-                    format!(
-                        "({r}) must be non-negative and a multiple of scheduler_block_size ({})",
-                        self.scheduler_block_size
-                    ),
                 ));
             }
         }

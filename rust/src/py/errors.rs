@@ -1,7 +1,9 @@
 //! Mapping of core errors to Python exceptions, and the panic guard of the boundary.
 
 use crate::error::Error;
-use pyo3::exceptions::{PyKeyError, PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyIndexError, PyKeyError, PyMemoryError, PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError,
+};
 use pyo3::PyErr;
 
 pyo3::create_exception!(
@@ -19,6 +21,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::NotFound(m) => PyKeyError::new_err(m),
         Error::State(m) => PyRuntimeError::new_err(m),
         Error::Memory(m) => PyMemoryError::new_err(m),
+        Error::Index(m) => PyIndexError::new_err(m),
+        Error::NotImplemented(m) => PyNotImplementedError::new_err(m),
         Error::Assertion(m) => pyo3::exceptions::PyAssertionError::new_err(m),
         Error::StaleHit(m) => StaleHitError::new_err(m),
         e @ (Error::Value(_) | Error::NotEnoughFreeBlocks { .. } | Error::NoFreeBlocks) => {

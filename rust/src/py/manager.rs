@@ -832,6 +832,7 @@ impl PyManager {
             group_ids: &kv_cache_group_ids,
             drop_eagle_block,
             alignment_tokens: super::args::count(alignment_tokens, "alignment_tokens")?.max(1),
+            past_hashes_is_error: me.inner.coord.past_hashes_is_error,
         };
         m.find_longest_cache_hit(&p.inner, &q).py_err()
     }

@@ -1,0 +1,223 @@
+"""Cases the vLLM lockstep (tests/test_vllm_lockstep.py) found, kept as regression tests with
+vLLM 0.33.0's own unpatched ``KVCacheManager`` as the oracle: each runs one call on both
+managers and checks the same result or the same exception type, and that kvblock's state
+after an error is what vLLM's is (unchanged where vLLM is atomic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require_module
+
+vllm = require_module("vllm")
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+import kvblock.vllm as kv  # noqa: E402
+from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+get_request_block_hasher = getattr(vku, "_kvblock_original_get_request_block_hasher", vku.get_request_block_hasher)
+init_none_hash = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_hash)
+
+A = dict(num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def _mamba(bs: int) -> MambaSpec:
+    return MambaSpec(block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
+
+
+def _both(specs, num_blocks: int, block_size: int, hash_block_size: int, **kw):
+    """vLLM's own manager and kvblock's, on the same configuration."""
+    init_none_hash(sha256)
+    out = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+        )
+        out.append(cls(cfg, 64, block_size, hash_block_size, enable_caching=True, **kw))
+    assert type(out[1]) is kv.KVCacheManager
+    return out
+
+
+def _request(rid: str, tokens: list[int], hash_block_size: int, lookahead: int = 0) -> Request:
+    hasher = get_request_block_hasher(hash_block_size, sha256, lookahead)
+    return Request(rid, list(tokens), SamplingParams(max_tokens=64), None, block_hasher=hasher)
+
+
+def _state(m) -> tuple:
+    pool = m.block_pool
+    return (
+        [{r: [b.block_id for b in bl] for r, bl in stm.req_to_blocks.items()} for stm in m.coordinator.single_type_managers],
+        [dict(stm.num_cached_block) for stm in m.coordinator.single_type_managers],
+        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+    )
+
+
+def _same(v, k, fv, fk):
+    """Run ``fv`` on vLLM and ``fk`` on kvblock: equal results or the same exception type,
+    and equal states afterwards. Returns vLLM's result or exception."""
+    rv = rk = None
+    try:
+        rv = fv()
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        rv = e
+    try:
+        rk = fk()
+    except Exception as e:  # noqa: BLE001
+        rk = e
+    if isinstance(rv, Exception) or isinstance(rk, Exception):
+        assert type(rv) is type(rk), f"vLLM {rv!r}, kvblock {rk!r}"
+    assert _state(v) == _state(k)
+    return rv
+
+
+def test_evict_blocks_past_the_pool_is_an_assertion_error():
+    """vLLM asserts a connector's block id is in the pool (kvblock raised ValueError)."""
+    v, k = _both([FullAttentionSpec(block_size=4, **A)], 2, 4, 4)
+    before = _state(k)
+    err = _same(v, k, lambda: v.evict_blocks({2}), lambda: k.evict_blocks({2}))
+    assert isinstance(err, AssertionError)
+    assert _state(k) == before
+    # valid ids still evict alike
+    _same(v, k, lambda: v.evict_blocks({0, 1}), lambda: k.evict_blocks({0, 1}))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SlidingWindowSpec(block_size=1, sliding_window=1, **A),
+        ChunkedLocalAttentionSpec(block_size=1, attention_chunk_size=4, **A),
+        _mamba(1),
+    ],
+    ids=["sliding_window", "chunked_local", "mamba_align"],
+)
+def test_lookup_past_lookahead_hashes_raises_index_error_as_vllm(spec):
+    """With hash lookahead a request holds fewer hashes than tokens; vLLM's sliding-window,
+    chunked-local and Mamba finders index the hash list up to max_cache_hit_length and raise
+    IndexError (kvblock answered a miss)."""
+    v, k = _both([spec], 16, 1, 1, num_hash_lookahead_tokens=2)
+    rv, rk = (_request("r0", [1, 2, 3, 4, 5, 6, 7, 8], 1, lookahead=2) for _ in range(2))
+    assert len(rv.block_hashes) == 6
+    if not isinstance(spec, SlidingWindowSpec):
+        # the chunked finder walks left to right (it raises only if every block before hits),
+        # Mamba looks for cached blocks only
+        for m, r in ((v, rv), (k, rk)):
+            assert m.allocate_slots(r, 8) is not None
+            m.free(r)
+        rv, rk = (_request("r1", [1, 2, 3, 4, 5, 6, 7, 8], 1, lookahead=2) for _ in range(2))
+    err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
+    assert isinstance(err, IndexError)
+    # a limit inside the hashes looks up alike
+    res = _same(v, k, lambda: v.get_computed_blocks(rv, 6), lambda: k.get_computed_blocks(rk, 6))
+    assert res[1] == _same(v, k, lambda: v.get_computed_blocks(rv, 6), lambda: k.get_computed_blocks(rk, 6))[1]
+
+
+def test_adopting_into_a_request_with_blocks_returns_none_when_it_does_not_fit():
+    """vLLM checks capacity (returning None) before asserting that a request holding blocks
+    adopts no computed tokens; kvblock asserted first."""
+    v, k = _both([FullAttentionSpec(block_size=1, **A)], 2, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    for r in (rv, rk):
+        r.status = RequestStatus.WAITING
+    _same(v, k, lambda: v.allocate_slots(rv, 1, delay_cache_blocks=True),
+          lambda: k.allocate_slots(rk, 1, delay_cache_blocks=True))
+    res = _same(v, k, lambda: v.allocate_slots(rv, 1, num_external_computed_tokens=1),
+                lambda: k.allocate_slots(rk, 1, num_external_computed_tokens=1))
+    assert res is None
+
+
+def test_adopting_into_a_request_with_blocks_asserts_when_it_fits():
+    """Once the capacity check passes, both assert (kvblock without changing anything)."""
+    v, k = _both([FullAttentionSpec(block_size=1, **A)], 8, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    _same(v, k, lambda: v.allocate_slots(rv, 1, delay_cache_blocks=True),
+          lambda: k.allocate_slots(rk, 1, delay_cache_blocks=True))
+    before = _state(k)
+    err = _same(v, k, lambda: v.allocate_slots(rv, 1, num_external_computed_tokens=1),
+                lambda: k.allocate_slots(rk, 1, num_external_computed_tokens=1))
+    assert isinstance(err, AssertionError)
+    assert _state(k) == before
+
+
+def test_constructor_checks_in_vllms_order():
+    """A configuration breaking two rules raises the error vLLM checks first: the retention
+    interval (ValueError, in the base coordinator) before the unitary coordinator's
+    hash_block_size assertion (kvblock raised the AssertionError)."""
+    errors = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(
+            num_blocks=4,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=2, **A))],
+            prefix_cache_retention_interval=2,
+        )
+        with pytest.raises(Exception) as info:
+            cls(cfg, 8, 2, 1, enable_caching=True)
+        errors.append(info.value)
+    assert type(errors[0]) is type(errors[1]) is ValueError, errors
+
+
+def test_cross_attention_lookup_with_caching_is_not_implemented_as_vllm():
+    """A hybrid configuration with a cross-attention group and caching on: vLLM's
+    CrossAttentionManager raises NotImplementedError on a lookup (kvblock: RuntimeError)."""
+    specs = [FullAttentionSpec(block_size=1, **A), CrossAttentionSpec(block_size=1, **A)]
+    v, k = _both(specs, 4, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
+    assert isinstance(err, NotImplementedError)
+
+
+def _mamba_spec(spec_blocks: int) -> MambaSpec:
+    return MambaSpec(
+        block_size=1, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align",
+        num_speculative_blocks=spec_blocks,
+    )
+
+
+def test_running_request_with_mamba_hits_gets_vllms_capacity_answer_first():
+    """A running request handed Mamba "align" hit blocks: vLLM's Mamba block count does not
+    assert (its base rule does), so vLLM answers None when they do not fit; kvblock asserted."""
+    v, k = _both([_mamba_spec(0)], 2, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+        r.status = RequestStatus.RUNNING
+        r.append_output_token_ids([0])
+    hv, hk = v.get_computed_blocks(rv), k.get_computed_blocks(rk)
+    assert hv[1] == hk[1] > 0
+    res = _same(v, k, lambda: v.allocate_slots(rv, 0, 7, hv[0]), lambda: k.allocate_slots(rk, 0, 7, hk[0]))
+    assert res is None
+
+
+def test_refused_external_tokens_leave_no_table():
+    """External tokens that need more blocks than are free: vLLM takes a block and leaves it
+    in the request's table before raising ValueError; kvblock raises the same error and
+    leaves nothing at all (no block taken, no empty table)."""
+    v, k = _both([_mamba_spec(1)], 3, 1, 1)
+    rv, rk = (_request("r0", list(range(1, 9)), 1) for _ in range(2))
+    before = _state(k)
+    with pytest.raises(ValueError):
+        v.allocate_slots(rv, 1, num_external_computed_tokens=1)
+    with pytest.raises(ValueError):
+        k.allocate_slots(rk, 1, num_external_computed_tokens=1)
+    assert _state(k) == before
+    assert k.block_pool.get_num_free_blocks() == 2
