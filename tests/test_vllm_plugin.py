@@ -356,3 +356,17 @@ def test_a_switch_that_is_neither_on_nor_off_is_refused(monkeypatch):
     monkeypatch.setenv("KVBLOCK_VLLM", "false")
     plugin.register()
     assert plugin.is_patched() == before
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1])
+def test_an_empty_pool_is_vllms_assertion(num_blocks):
+    """vLLM's BlockPool asserts a positive block count: kvblock.vllm raises the same type
+    (kvblock's own pool raises ValueError)."""
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    with pytest.raises(AssertionError):
+        VllmBlockPool(num_blocks, True, 16)
+    with pytest.raises(AssertionError, match="num_gpu_blocks: must be a positive int"):
+        kv.BlockPool(num_blocks, True, 16)
+    with pytest.raises(AssertionError, match="num_gpu_blocks"):
+        kv.KVCacheManager(_config([_full()], num_blocks), 256, 16, 16)

@@ -4,7 +4,7 @@ API, building vLLM's own KV event classes (``vllm.distributed.kv_events``)."""
 from __future__ import annotations
 
 import operator
-from typing import Iterable
+from typing import Any, Iterable
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -18,6 +18,12 @@ class BlockPool(_BlockPool):
     its KV events are vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
 
     event_classes = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+    def __new__(cls, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> "BlockPool":
+        # vLLM 0.33.0 asserts a positive int count; its callers get its AssertionError
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
+            raise AssertionError(f"num_gpu_blocks: must be a positive int, got {num_gpu_blocks!r}")
+        return super().__new__(cls, num_gpu_blocks, *args, **kwargs)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """vLLM's ``evict_blocks``: drop the cache keys of these blocks (ref counts and queue

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
-use crate::manager::single_type::{resolve_block_hashes, Hit, HitQuery, TypeConfig};
+use crate::manager::group_state::{resolve_block_hashes, Hit, HitQuery, TypeConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
 /// `ChunkedLocalAttentionManager.find_longest_cache_hit`.

@@ -8,8 +8,8 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
+use crate::manager::group_state::{cdiv, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager};
 use crate::manager::requests::RequestTable;
-use crate::manager::single_type::{cdiv, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager};
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 

@@ -5,7 +5,7 @@
 
 use crate::error::Result;
 use crate::hashing::source::{HashSource, ScaledHashes};
-use crate::manager::single_type::{
+use crate::manager::group_state::{
     cdiv, resolve_block_hashes, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeState,
 };
 use crate::pool::block_pool::BlockPool;

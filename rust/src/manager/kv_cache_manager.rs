@@ -4,8 +4,8 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
+use crate::manager::group_state::ReqInfo;
 use crate::manager::retention::RetentionState;
-use crate::manager::single_type::ReqInfo;
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 

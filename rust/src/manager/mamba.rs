@@ -6,7 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
-use crate::manager::single_type::{
+use crate::manager::group_state::{
     cdiv, resolve_block_hashes, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeState,
 };
 use crate::manager::spec::{Kind, MambaMode};

@@ -4,6 +4,7 @@
 //!
 //! * [`spec`]: what a group is (full attention, sliding window, chunked local, Mamba, cross
 //!   attention, ...), and the manager's configuration.
+//! * [`group_state`]: the data of one group that the coordinator and every kind share.
 //! * [`single_type`]: vLLM's `SingleTypeKVCacheManager`, the behaviour every kind shares,
 //!   dispatching to one file per kind: [`full_attention`] (with R-SWA and circular buffers),
 //!   [`sliding_window`], [`chunked_local`], [`mamba`]; cross attention is never cached and
@@ -15,6 +16,7 @@
 pub mod chunked_local;
 pub mod coordinator;
 pub mod full_attention;
+pub mod group_state;
 pub mod kv_cache_manager;
 pub mod mamba;
 pub mod requests;

@@ -4,7 +4,7 @@
 
 use crate::error::Result;
 use crate::hashing::source::HashSource;
-use crate::manager::single_type::{cdiv, resolve_block_hashes, Hit, HitQuery, TypeConfig};
+use crate::manager::group_state::{cdiv, resolve_block_hashes, Hit, HitQuery, TypeConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
 /// `_contiguous_blocks_for_hit`: blocks a hit needs (one more with EAGLE, which drops it).

@@ -826,7 +826,7 @@ impl PyManager {
         let m = me.inner.coord.managers.get(group).ok_or_else(|| value_err("group", "out of range"))?;
         let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
         let p = me.pool.get().state.borrow(py)?;
-        let q = crate::manager::single_type::HitQuery {
+        let q = crate::manager::group_state::HitQuery {
             hashes: &hashes,
             max_length: super::args::count(max_length, "max_length")?,
             group_ids: &kv_cache_group_ids,
