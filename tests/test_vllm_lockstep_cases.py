@@ -221,3 +221,19 @@ def test_refused_external_tokens_leave_no_table():
         k.allocate_slots(rk, 1, num_external_computed_tokens=1)
     assert _state(k) == before
     assert k.block_pool.get_num_free_blocks() == 2
+
+
+@pytest.mark.parametrize("lookahead", [2, 3])
+def test_hybrid_lookup_past_lookahead_hashes_is_index_error(lookahead):
+    """Found by a random lockstep run: sliding window (1-token blocks), sliding window
+    (2-token blocks) and Mamba, hashed at 1 token with lookahead. vLLM's hybrid lookup reads
+    the hash list past its end and raises IndexError; kvblock raised ValueError there. Reading
+    past a request's block_hashes is now IndexError everywhere."""
+    specs = [SlidingWindowSpec(block_size=1, sliding_window=1, **A), SlidingWindowSpec(block_size=2, sliding_window=3, **A),
+             _mamba(2)]
+    v, k = _both(specs, 64, 2, 1, num_hash_lookahead_tokens=lookahead)
+    rv, rk = (_request("r", list(range(1, 17)), 1, lookahead=lookahead) for _ in range(2))
+    before = _state(k)
+    err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
+    assert isinstance(err, IndexError)
+    assert _state(k) == before

@@ -35,7 +35,7 @@ impl HashSource for [Digest] {
         self.as_ref()
             .get(i)
             .map(|d| d.as_bytes())
-            .ok_or_else(|| Error::value("block_hashes", format!("index {i} out of range")))
+            .ok_or_else(|| Error::Index(format!("block_hashes: index {i} out of range")))
     }
 }
 

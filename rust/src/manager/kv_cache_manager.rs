@@ -285,12 +285,24 @@ impl KVCacheManager {
         let deferred = self.check_alloc(pool, req, a)?;
         let existed = self.coord.slot(req.request_id).is_some();
         let slot = self.coord.slot_or_insert(req.request_id);
+        // which groups already had a table for the request (vLLM's defaultdict entries)
+        let had_table: Vec<bool> = self.coord.managers.iter().map(|m| m.req(slot).is_some_and(|r| r.present)).collect();
         let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
         let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. }));
         if res.is_err() && (self.strict_inputs || refused) && !existed {
             // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing,
             // nor does a refusal where vLLM would take blocks before raising (kvblock takes none)
             self.coord.forget_if_blockless(req.request_id);
+        } else if refused {
+            // the same for a request known before: the empty tables this call made go again
+            for (m, had) in self.coord.managers.iter_mut().zip(had_table) {
+                if let Some(r) = m.reqs.get_mut(slot) {
+                    if !had && r.blocks.is_empty() {
+                        r.present = false;
+                    }
+                }
+            }
+            self.coord.release_if_vacant(req.request_id);
         } else if !matches!(res, Ok(Some(_))) {
             self.coord.release_if_vacant(req.request_id);
         }

@@ -57,7 +57,8 @@ pub fn list_digest(list: &Bound<'_, PyList>, i: usize, arg: &str) -> crate::erro
 #[inline(always)]
 pub fn list_hash_bytes<'a>(list: &'a Bound<'_, PyList>, i: usize, arg: &str) -> crate::error::Result<&'a [u8]> {
     if i >= list.len() {
-        return Err(crate::error::Error::value(arg, format!("index {i} out of range")));
+        // reading past the list is Python's IndexError, as in vLLM's own lookups
+        return Err(crate::error::Error::Index(format!("{arg}: index {i} out of range")));
     }
     // SAFETY: i < len with the GIL held; the item is kept alive by the list for the borrow.
     unsafe {
