@@ -48,6 +48,7 @@ import kvblock  # noqa: E402
 from kvblock import specs as kspecs  # noqa: E402
 import kvblock.vllm as kv  # noqa: E402
 import vllm_sched as S  # noqa: E402
+from vllm_baseline import end_of_step  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
 
 REPS = int(os.environ.get("KVBLOCK_BENCH_HYBRID_REPS", "3"))
@@ -126,17 +127,9 @@ def run_hybrid(make_manager: Callable[[], Any], make_request: Callable[[int], tu
             running.append((req, outputs))
             req.num_computed_tokens = n_hit
             scheduled.append((req, outputs, req.num_tokens - n_hit))
-        W.commit_and_sample(scheduled)
-        t0 = clock()
-        for req, _, _ in scheduled:
-            req.update_block_hashes()
-        hashing_ns += clock() - t0
-        done = [req for req, _ in running if req.num_output_tokens == W.DECODE_TOKENS]
-        t0 = clock()
-        for req in done:
-            mgr.free(req)
-        manager_ns += clock() - t0
-        running = [(req, o) for req, o in running if req.num_output_tokens != W.DECODE_TOKENS]
+        h_ns, m_ns, running = end_of_step(mgr, scheduled, running, clock)
+        hashing_ns += h_ns
+        manager_ns += m_ns
         step += 1
     stats = mgr.make_prefix_cache_stats()
     assert mgr.block_pool.get_num_free_blocks() == W.NUM_BLOCKS - 1

@@ -31,6 +31,23 @@ class VllmRun:
     hashing_ns: int
 
 
+def end_of_step(mgr, scheduled: list, running: list, clock) -> tuple[int, int, list]:
+    """The end of one step of the workload's loop (§3): commit the step's tokens and sample,
+    bring the scheduled requests' block hashes up to date, free the finished requests.
+    Returns ``(hashing_ns, manager_ns, still_running)``."""
+    W.commit_and_sample(scheduled)
+    t0 = clock()
+    for req, _, _ in scheduled:
+        req.update_block_hashes()
+    hashing_ns = clock() - t0
+    done = [req for req, _ in running if req.num_output_tokens == W.DECODE_TOKENS]
+    t0 = clock()
+    for req in done:
+        mgr.free(req)
+    manager_ns = clock() - t0
+    return hashing_ns, manager_ns, [(req, o) for req, o in running if req.num_output_tokens != W.DECODE_TOKENS]
+
+
 def run_vllm_e2e() -> VllmRun:
     """One replay of the loop with vLLM's objects (sha256, ``PYTHONHASHSEED=0`` root)."""
     import torch
@@ -98,17 +115,9 @@ def run_vllm_e2e() -> VllmRun:
             running.append((req, outputs))
             req.num_computed_tokens = n_hit
             scheduled.append((req, outputs, req.num_tokens - n_hit))
-        W.commit_and_sample(scheduled)
-        t0 = clock()
-        for req, _, _ in scheduled:
-            req.update_block_hashes()
-        hashing_ns += clock() - t0
-        done = [req for req, _ in running if req.num_output_tokens == W.DECODE_TOKENS]
-        t0 = clock()
-        for req in done:
-            mgr.free(req)
-        manager_ns += clock() - t0
-        running = [(req, o) for req, o in running if req.num_output_tokens != W.DECODE_TOKENS]
+        h_ns, m_ns, running = end_of_step(mgr, scheduled, running, clock)
+        hashing_ns += h_ns
+        manager_ns += m_ns
         step += 1
     stats = mgr.make_prefix_cache_stats()
     return VllmRun(fingerprint.hexdigest(), stats.hits, step, manager_ns, hashing_ns)
