@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import require_module
+
 import kvblock
 from kvblock.hashing import get_hash_fn_by_name, get_request_block_hasher
 from kvblock.request import Request
@@ -84,7 +86,7 @@ def test_qwen3_next_like_mamba_and_full_attention():
 def test_block_tables_and_slot_mappings_per_group():
     """get_block_ids() feeds a MultiGroupBlockTable row; each group's slot mapping follows
     its own table (window blocks outside the window map to the null block's slots)."""
-    torch = pytest.importorskip("torch")
+    torch = require_module("torch")
     from kvblock.block_table import MultiGroupBlockTable, slot_mapping_reference
 
     mgr = kvblock.KVCacheManager(64, kv_cache_groups=[FullAttentionSpec(16), SlidingWindowSpec(16, sliding_window=32)])
