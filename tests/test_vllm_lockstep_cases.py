@@ -237,3 +237,65 @@ def test_hybrid_lookup_past_lookahead_hashes_is_index_error(lookahead):
     err = _same(v, k, lambda: v.get_computed_blocks(rv), lambda: k.get_computed_blocks(rk))
     assert isinstance(err, IndexError)
     assert _state(k) == before
+
+
+def _decode_ready(m, r):
+    """Admit ``r`` (6 tokens: two 4-token blocks), compute its prompt, sample one token, and
+    make the no-op decode call that puts it in kvblock's request-object slot cache."""
+    blocks, hit, _ = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None
+    r.num_computed_tokens = r.num_tokens
+    r.append_output_token_ids(100)
+    assert m.allocate_slots(r, 1, num_lookahead_tokens=0) is m.empty_kv_cache_blocks
+
+
+@pytest.mark.parametrize("forget", ["coordinator_free", "reset_then_free"])
+def test_request_forgotten_by_id_is_not_answered_from_a_reused_slot(forget):
+    """kvblock answers a running request's no-op ``allocate_slots`` / ``cache_blocks`` from
+    the request object's address (``py/slot_cache.rs``). A request the manager forgot by id
+    (the coordinator's ``free(request_id)``), whose slot a new request then took, must get
+    vLLM's answer for an unknown request, not the new request's no-op."""
+    v, k = _both([FullAttentionSpec(block_size=4, **A)], 32, 4, 4)
+    rv, rk = (_request("r", list(range(1, 7)), 4) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        _decode_ready(m, r)
+        if forget == "coordinator_free":
+            m.coordinator.free("r")
+        else:
+            m.free(r)
+            m.reset_prefix_cache()
+            m.coordinator.free("r")  # nothing left: a no-op on both
+    assert _state(v) == _state(k)
+    xv, xk = (_request("x", list(range(50, 58)), 4) for _ in range(2))
+    for m, x in ((v, xv), (k, xk)):
+        assert m.allocate_slots(x, 8) is not None  # takes the vacant slot in kvblock
+    res = _same(v, k, lambda: v.allocate_slots(rv, 1), lambda: k.allocate_slots(rk, 1))
+    assert res is not None and res is not v.empty_kv_cache_blocks  # an unknown request gets blocks
+    _same(v, k, lambda: v.cache_blocks(rv, 7), lambda: k.cache_blocks(rk, 7))
+
+
+def test_slot_cache_releases_freed_requests_and_stays_bounded():
+    """The slot cache keeps no request object alive (it holds the ``request_id`` string),
+    freeing a request through its object drops its entry, and requests forgotten by id are
+    swept once the cache reaches twice the live requests plus 64."""
+    import sys
+
+    _, k = _both([FullAttentionSpec(block_size=4, **A)], 4096, 4, 4)
+    reqs = [_request(f"r{i}", [i + 1] * 6, 4) for i in range(8)]
+    base = sys.getrefcount(reqs[0])
+    for r in reqs:
+        _decode_ready(k, r)
+    held = sys.getrefcount(reqs[0])  # outside the asserts: pytest's rewriting holds values
+    assert k._slot_cache_len() == 8
+    assert held == base
+    k.free(reqs[0])
+    assert k._slot_cache_len() == 7
+    for r in reqs[1:]:
+        k.free(r)
+    assert k._slot_cache_len() == 0
+    for i in range(400):
+        r = _request(f"f{i}", [i + 1] * 6, 4)
+        _decode_ready(k, r)
+        k.coordinator.free(r.request_id)  # forgotten by id: the cache cannot drop it then
+        assert k._slot_cache_len() <= 2 * (k.num_requests + 1) + 64
+    assert k.block_pool.get_num_free_blocks() == 4095

@@ -258,6 +258,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return [0] * self.num_kv_cache_groups
 
     def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []  # vLLM's pool keeps no events then
         events = self.block_pool.take_events()
         meta = self.kv_cache_event_metadata
         for event in events:

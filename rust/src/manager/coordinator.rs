@@ -259,6 +259,27 @@ impl Coordinator {
         self.reqs.slot(request_id).map(|s| s as usize)
     }
 
+    /// The slot of a known request and the generation of its entry (see
+    /// [`Coordinator::slot_generation`]).
+    #[inline]
+    pub fn slot_and_generation(&self, request_id: &str) -> Option<(usize, u64)> {
+        self.reqs.slot_gen(request_id).map(|(s, g)| (s as usize, g))
+    }
+
+    /// The generation of the request entry in `slot`: a number no other request entry ever
+    /// had (0 for a vacant slot). A `(slot, generation)` pair kept by a caller names the same
+    /// request for as long as the generation matches.
+    #[inline]
+    pub fn slot_generation(&self, slot: usize) -> u64 {
+        self.reqs.gen_at(slot as u32)
+    }
+
+    /// Number of requests with a slot.
+    #[inline]
+    pub fn num_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
     /// The slot of a request, added if new.
     #[inline]
     pub fn slot_or_insert(&mut self, request_id: &str) -> usize {

@@ -426,8 +426,7 @@ impl KVCacheManager {
     /// table already covers, adopts nothing, has no block leaving an attention window and no
     /// newly full block to cache (a decode step between block boundaries). Groups must be full
     /// attention or sliding window at the hash block size; no watermark, no reserved blocks.
-    /// For anything else this is false and the full path runs. The binding answers such a call
-    /// from the request id and three counts, without reading the rest of the request.
+    /// For anything else this is false and the full path runs.
     pub fn allocate_is_noop(
         &self,
         request_id: &str,
@@ -436,6 +435,25 @@ impl KVCacheManager {
         num_in_flight_tokens: usize,
         a: &AllocArgs<'_>,
     ) -> bool {
+        let Some(slot) = self.coord.slot(request_id) else { return false };
+        self.allocate_is_noop_at(slot, num_computed_tokens, Some(num_tokens), Some(num_in_flight_tokens), a)
+            .unwrap_or(false)
+    }
+
+    /// [`KVCacheManager::allocate_is_noop`] for the request in `slot`, with the request's
+    /// token and in-flight counts read only if the answer needs them: None asks the caller
+    /// for the counts it left out (`num_tokens` matters only when the call may have a newly
+    /// full block to cache or the inputs are strict, `num_in_flight_tokens` only for sliding
+    /// window groups). The binding answers vLLM's decode steps this way, reading nothing but
+    /// `request.num_computed_tokens` from the request.
+    pub fn allocate_is_noop_at(
+        &self,
+        slot: usize,
+        num_computed_tokens: usize,
+        num_tokens: Option<usize>,
+        num_in_flight_tokens: Option<usize>,
+        a: &AllocArgs<'_>,
+    ) -> Option<bool> {
         if a.new_computed.is_some()
             || a.num_new_tokens == 0
             || a.num_new_computed_tokens != 0
@@ -445,34 +463,53 @@ impl KVCacheManager {
             || a.reserved_blocks != 0
             || !a.skip_zeroing_group_ids.is_empty()
             || self.watermark_blocks != 0
-            || (self.strict_inputs && num_tokens > self.max_model_len)
         {
-            return false;
+            return Some(false);
         }
-        let Some(slot) = self.coord.slot(request_id) else { return false };
+        if self.strict_inputs && num_tokens? > self.max_model_len {
+            return Some(false);
+        }
         let total = num_computed_tokens.min(self.max_model_len);
         let need_slot =
             total.saturating_add(a.num_new_tokens).saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
-        let processed = total.saturating_sub(num_in_flight_tokens);
         let caches = self.enable_caching && !a.delay_cache_blocks;
-        let computed = total.saturating_add(a.num_new_tokens).min(num_tokens);
-        self.coord.managers.iter().enumerate().all(|(gid, m)| {
+        // an upper bound of the tokens computed after the call (the count itself caps it at
+        // num_tokens): the cacheable count grows with it, so a cache that covers the bound
+        // covers the count
+        let computed_bound = total.saturating_add(a.num_new_tokens);
+        for (gid, m) in self.coord.managers.iter().enumerate() {
             let bs = m.cfg.block_size;
-            matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. })
-                && bs == self.coord.hash_block_size
-                && m.req(slot).is_some_and(|r| {
-                    // the last block `remove_skipped_blocks` would free is null already
-                    let skipped = (m.cfg.num_skipped_tokens(processed) / bs).min(r.blocks.len());
-                    r.present
-                        && r.partial_hit.is_none()
-                        && r.blocks.len().saturating_mul(bs) >= need_slot
-                        && (skipped == 0 || r.blocks[skipped - 1] == NULL_BLOCK)
-                        && (!caches
-                            || !m.cfg.enable_caching
-                            || !m.cfg.spec.prefix_cacheable
-                            || r.num_cached.is_some_and(|c| c >= self.coord.num_cacheable_tokens(computed, gid) / bs))
-                })
-        })
+            let kind_ok = match m.cfg.spec.kind {
+                Kind::FullAttention => true,
+                Kind::SlidingWindow { .. } => true,
+                _ => false,
+            };
+            if !kind_ok || bs != self.coord.hash_block_size {
+                return Some(false);
+            }
+            let Some(r) = m.req(slot) else { return Some(false) };
+            if !r.present || r.partial_hit.is_some() || r.blocks.len().saturating_mul(bs) < need_slot {
+                return Some(false);
+            }
+            if !matches!(m.cfg.spec.kind, Kind::FullAttention) {
+                // the last block `remove_skipped_blocks` would free is null already
+                let processed = total.saturating_sub(num_in_flight_tokens?);
+                let skipped = (m.cfg.num_skipped_tokens(processed) / bs).min(r.blocks.len());
+                if skipped != 0 && r.blocks[skipped - 1] != NULL_BLOCK {
+                    return Some(false);
+                }
+            }
+            if caches && m.cfg.enable_caching && m.cfg.spec.prefix_cacheable {
+                let Some(c) = r.num_cached else { return Some(false) };
+                if c < self.coord.num_cacheable_tokens(computed_bound, gid) / bs {
+                    let computed = computed_bound.min(num_tokens?);
+                    if c < self.coord.num_cacheable_tokens(computed, gid) / bs {
+                        return Some(false);
+                    }
+                }
+            }
+        }
+        Some(true)
     }
 
     /// True if `cache_blocks(request, num_computed_tokens)` would change nothing: caching is
@@ -483,6 +520,14 @@ impl KVCacheManager {
             return true;
         }
         let Some(slot) = self.coord.slot(request_id) else { return false };
+        self.cache_is_noop_at(slot, num_computed_tokens)
+    }
+
+    /// [`KVCacheManager::cache_is_noop`] for the request in `slot`.
+    pub fn cache_is_noop_at(&self, slot: usize, num_computed_tokens: usize) -> bool {
+        if !self.enable_caching {
+            return true;
+        }
         self.coord.managers.iter().enumerate().all(|(gid, m)| {
             let bs = m.cfg.block_size;
             matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. })

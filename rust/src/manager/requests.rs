@@ -11,11 +11,15 @@ pub struct RequestTable<T> {
     slots: Vec<T>,
     /// Slots of removed entries, reused first.
     vacant: Vec<u32>,
+    /// The generation of each slot's entry: a number no other entry of this table ever had
+    /// (0 for a vacant slot), so `(slot, generation)` names one entry for good.
+    gens: Vec<u64>,
+    next_gen: u64,
 }
 
 impl<T> Default for RequestTable<T> {
     fn default() -> Self {
-        RequestTable { index: HashMap::new(), slots: Vec::new(), vacant: Vec::new() }
+        RequestTable { index: HashMap::new(), slots: Vec::new(), vacant: Vec::new(), gens: Vec::new(), next_gen: 1 }
     }
 }
 
@@ -34,6 +38,18 @@ impl<T: Default> RequestTable<T> {
     #[inline]
     pub fn slot(&self, id: &str) -> Option<u32> {
         self.index.get(id).copied()
+    }
+
+    /// The slot of `id` and its entry's generation, if present.
+    #[inline]
+    pub fn slot_gen(&self, id: &str) -> Option<(u32, u64)> {
+        self.slot(id).map(|s| (s, self.gen_at(s)))
+    }
+
+    /// The generation of the entry in `slot` (0 if the slot is vacant or out of range).
+    #[inline]
+    pub fn gen_at(&self, slot: u32) -> u64 {
+        self.gens.get(slot as usize).copied().unwrap_or(0)
     }
 
     #[inline]
@@ -74,6 +90,11 @@ impl<T: Default> RequestTable<T> {
             }
         };
         self.index.insert(id.to_owned(), s);
+        if self.gens.len() <= s as usize {
+            self.gens.resize(s as usize + 1, 0);
+        }
+        self.gens[s as usize] = self.next_gen;
+        self.next_gen += 1;
         s
     }
 
@@ -81,6 +102,7 @@ impl<T: Default> RequestTable<T> {
     pub fn remove(&mut self, id: &str) -> Option<T> {
         let s = self.index.remove(id)?;
         self.vacant.push(s);
+        self.gens[s as usize] = 0;
         Some(std::mem::take(&mut self.slots[s as usize]))
     }
 
@@ -94,6 +116,7 @@ impl<T: Default> RequestTable<T> {
         self.index.clear();
         self.slots.clear();
         self.vacant.clear();
+        self.gens.clear(); // next_gen goes on: no later entry repeats an old generation
     }
 }
 
@@ -119,5 +142,25 @@ mod tests {
         assert_eq!(t.get("c"), Some(&3));
         t.clear();
         assert!(t.is_empty() && t.get("b").is_none());
+    }
+
+    #[test]
+    fn generations_name_one_entry_for_good() {
+        let mut t: RequestTable<u64> = RequestTable::default();
+        let a = t.insert("a", 1);
+        let (s, g) = t.slot_gen("a").unwrap();
+        assert_eq!((s, t.gen_at(a)), (a, g));
+        assert_ne!(g, 0);
+        t.remove("a");
+        assert_eq!(t.gen_at(a), 0);
+        let b = t.insert("b", 2);
+        assert_eq!(b, a); // the slot is reused, under a new generation
+        assert!(t.gen_at(b) != g && t.gen_at(b) != 0);
+        let gb = t.gen_at(b);
+        t.clear();
+        assert_eq!((t.gen_at(b), t.gen_at(99)), (0, 0));
+        let c = t.insert("c", 3);
+        assert_eq!(c, b);
+        assert!(![0, g, gb].contains(&t.gen_at(c)));
     }
 }

@@ -10,6 +10,7 @@ use super::events::EventInputs;
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
 use super::hashes::PyHashes;
+use super::slot_cache::SlotCache;
 use crate::manager::spec::{GroupSpec, Kind, MambaMode, ManagerConfig};
 use crate::manager::{AllocArgs, KVCacheManager, RequestView};
 use numpy::{PyArray1, PyArrayMethods};
@@ -115,6 +116,8 @@ struct ManagerState {
     fields: RequestFields,
     /// The clock retention and TTL pins read (seconds); None: wall time.
     clock: Option<Py<PyAny>>,
+    /// Request object → slot, for the no-op calls of running requests.
+    slots: SlotCache,
 }
 
 /// A count field a request may lack (0 then); present, it reads as a count argument (None,
@@ -190,6 +193,21 @@ impl ManagerState {
         };
         let in_flight = opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
         Ok((id, num_computed, num_tokens, in_flight))
+    }
+
+    /// The coordinator slot of a request this manager holds, found from the request object's
+    /// address and its `request_id` string's identity when it was seen before (see
+    /// `slot_cache.rs`), else from the id's characters; None for a request the manager does
+    /// not hold.
+    fn known_slot(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let id = self.id_of(request)?;
+        let coord = &self.inner.coord;
+        if let Some(slot) = self.slots.get(request, &id, |s| coord.slot_generation(s)) {
+            return Ok(Some(slot));
+        }
+        let Some((slot, generation)) = coord.slot_and_generation(request_id_str(&id)?) else { return Ok(None) };
+        self.slots.insert(request, &id, slot, generation, coord.num_requests(), |s| coord.slot_generation(s));
+        Ok(Some(slot))
     }
 
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
@@ -608,6 +626,7 @@ impl PyManager {
             waiting_states: None,
             fields: RequestFields::generic(py),
             clock,
+            slots: SlotCache::default(),
         };
         Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })
     }
@@ -630,6 +649,12 @@ impl PyManager {
         me.waiting_states = Some((waiting, preempted));
         me.fields = RequestFields::for_type(request_type)?;
         Ok(())
+    }
+
+    /// The number of request objects the no-op fast path remembers (for tests: freed
+    /// requests are released).
+    fn _slot_cache_len(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.state.borrow(py)?.slots.len())
     }
 
     /// `get_computed_blocks(request, max_cache_hit_length=None) -> (KVCacheBlocks,
@@ -896,10 +921,20 @@ impl PyManager {
             new_computed_generations: gens.as_deref(),
         };
         if hits.is_none() {
-            // a decode step between block boundaries: answered from three request fields
-            let (id, num_computed, num_tokens, in_flight) = me.quick_view(request)?;
-            if me.inner.allocate_is_noop(request_id_str(&id)?, num_computed, num_tokens, in_flight, &args) {
-                return me.empty(py);
+            // a decode step between block boundaries: answered from the request object and
+            // its num_computed_tokens (its token and in-flight counts only when needed)
+            if let Some(slot) = me.known_slot(request)? {
+                let f = &me.fields;
+                let num_computed =
+                    field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
+                let mut noop = me.inner.allocate_is_noop_at(slot, num_computed, None, None, &args);
+                if noop.is_none() {
+                    let (_, _, num_tokens, in_flight) = me.quick_view(request)?;
+                    noop = me.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), &args);
+                }
+                if noop == Some(true) {
+                    return me.empty(py);
+                }
             }
         }
         let v = me.view(request, has_scheduled_reqs)?;
@@ -1184,7 +1219,12 @@ impl PyManager {
     /// already-freed requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = slf.get().state.borrow(py)?.id_of(request)?;
+        let id = {
+            let mut me = slf.get().state.borrow_mut(py)?;
+            let id = me.id_of(request)?;
+            me.slots.remove(request);
+            id
+        };
         Self::free_request_id(slf, request_id_str(&id)?)
     }
 
@@ -1204,6 +1244,7 @@ impl PyManager {
     fn _pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let mut me = self.state.borrow_mut(py)?;
         let id = me.id_of(request)?;
+        me.slots.remove(request);
         Ok(me.inner.coord.pop_blocks_for_free(request_id_str(&id)?))
     }
 
@@ -1221,10 +1262,9 @@ impl PyManager {
         if !me.inner.enable_caching {
             return Ok(());
         }
-        {
-            // nothing newly full to cache: vLLM reads only the request id then
-            let id = me.id_of(request)?;
-            if me.inner.cache_is_noop(request_id_str(&id)?, n) {
+        // nothing newly full to cache: vLLM reads only the request id then
+        if let Some(slot) = me.known_slot(request)? {
+            if me.inner.cache_is_noop_at(slot, n) {
                 return Ok(());
             }
         }

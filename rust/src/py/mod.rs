@@ -14,6 +14,7 @@ pub mod index;
 pub mod manager;
 pub mod request_hasher;
 pub mod retention;
+pub mod slot_cache;
 pub mod tokens;
 
 use pyo3::prelude::*;
