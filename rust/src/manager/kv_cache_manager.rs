@@ -479,11 +479,7 @@ impl KVCacheManager {
         let computed_bound = total.saturating_add(a.num_new_tokens);
         for (gid, m) in self.coord.managers.iter().enumerate() {
             let bs = m.cfg.block_size;
-            let kind_ok = match m.cfg.spec.kind {
-                Kind::FullAttention => true,
-                Kind::SlidingWindow { .. } => true,
-                _ => false,
-            };
+            let kind_ok = matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. });
             if !kind_ok || bs != self.coord.hash_block_size {
                 return Some(false);
             }
