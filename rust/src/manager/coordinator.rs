@@ -274,12 +274,6 @@ impl Coordinator {
         self.reqs.gen_at(slot as u32)
     }
 
-    /// Number of requests with a slot.
-    #[inline]
-    pub fn num_requests(&self) -> usize {
-        self.reqs.len()
-    }
-
     /// The slot of a request, added if new.
     #[inline]
     pub fn slot_or_insert(&mut self, request_id: &str) -> usize {

@@ -67,6 +67,9 @@ pub struct KVCacheManager {
     pub enable_caching: bool,
     pub watermark_blocks: usize,
     pub strict_inputs: bool,
+    /// Every group is full attention at the hash block size and caches with the manager:
+    /// [`KVCacheManager::allocate_is_noop_at`] then reads only the request's tables.
+    pub plain_full_attention: bool,
     /// Request retention priorities and pinned prefixes (kvblock's own API).
     pub retention: RetentionState,
 }
@@ -74,12 +77,20 @@ pub struct KVCacheManager {
 impl KVCacheManager {
     /// A manager for `cfg` (checked as vLLM's constructors check it).
     pub fn new(cfg: &ManagerConfig) -> Result<Self> {
+        let coord = Coordinator::new(cfg)?;
+        let plain_full_attention = coord.managers.iter().all(|m| {
+            matches!(m.cfg.spec.kind, Kind::FullAttention)
+                && m.cfg.block_size == coord.hash_block_size
+                && m.cfg.enable_caching == cfg.enable_caching
+                && m.cfg.spec.prefix_cacheable
+        });
         Ok(KVCacheManager {
-            coord: Coordinator::new(cfg)?,
+            coord,
             max_model_len: cfg.max_model_len,
             enable_caching: cfg.enable_caching,
             watermark_blocks: cfg.watermark_blocks,
             strict_inputs: cfg.strict_inputs,
+            plain_full_attention,
             retention: RetentionState::default(),
         })
     }
@@ -477,6 +488,26 @@ impl KVCacheManager {
         // num_tokens): the cacheable count grows with it, so a cache that covers the bound
         // covers the count
         let computed_bound = total.saturating_add(a.num_new_tokens);
+        if self.plain_full_attention {
+            // the same test, with the groups' (fixed) kind, block size and caching known
+            let bs = self.coord.hash_block_size;
+            for (gid, m) in self.coord.managers.iter().enumerate() {
+                let Some(r) = m.req(slot) else { return Some(false) };
+                if !r.present || r.partial_hit.is_some() || r.blocks.len().saturating_mul(bs) < need_slot {
+                    return Some(false);
+                }
+                if caches {
+                    let Some(c) = r.num_cached else { return Some(false) };
+                    if c < self.coord.num_cacheable_tokens(computed_bound, gid) / bs {
+                        let computed = computed_bound.min(num_tokens?);
+                        if c < self.coord.num_cacheable_tokens(computed, gid) / bs {
+                            return Some(false);
+                        }
+                    }
+                }
+            }
+            return Some(true);
+        }
         for (gid, m) in self.coord.managers.iter().enumerate() {
             let bs = m.cfg.block_size;
             let kind_ok = matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. });

@@ -206,7 +206,7 @@ impl ManagerState {
             return Ok(Some(slot));
         }
         let Some((slot, generation)) = coord.slot_and_generation(request_id_str(&id)?) else { return Ok(None) };
-        self.slots.insert(request, &id, slot, generation, coord.num_requests(), |s| coord.slot_generation(s));
+        self.slots.insert(request, &id, slot, generation);
         Ok(Some(slot))
     }
 

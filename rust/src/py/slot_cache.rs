@@ -4,20 +4,24 @@
 //! request object's address and the identity of its `request_id` string, instead of hashing
 //! and comparing the id's characters, keeps them to a few cache lines.
 //!
-//! An entry holds the request's `request_id` string object (a strong reference: no other
-//! string can take its address while the entry exists) and the `(slot, generation)` of the
-//! request's entry in the coordinator's request table. It answers only for an object at that
-//! address whose `request_id` is that very string, while the generation is current, so a
-//! request the manager has forgotten (freed, preempted, reset) or re-admitted never matches,
-//! and neither does another object that took a dead request's address. Request objects are
-//! never held. Entries go when the request is freed through its object; stale ones are swept
-//! once the cache outgrows twice the live requests (plus 64).
+//! The cache is direct-mapped: a fixed table of [`WAYS`] entries, the request's address
+//! choosing one; a newcomer replaces whatever held its entry (that request then takes the
+//! ordinary path once and comes back). An entry holds the request's `request_id` string
+//! object (a strong reference: no other string can take its address while the entry exists)
+//! and the `(slot, generation)` of the request's entry in the coordinator's request table. It
+//! answers only for an object at that address whose `request_id` is that very string, while
+//! the generation is current, so a request the manager has forgotten (freed, preempted,
+//! reset) or re-admitted never matches, and neither does another object that took a dead
+//! request's address. Request objects are never held; at most [`WAYS`] id strings are.
 
-use hashbrown::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
+/// Entries in the table (a power of two).
+pub const WAYS: usize = 4096;
+
 struct Entry {
+    address: usize,
     request_id: Py<PyString>,
     slot: usize,
     generation: u64,
@@ -25,7 +29,13 @@ struct Entry {
 
 #[derive(Default)]
 pub struct SlotCache {
-    map: HashMap<usize, Entry>,
+    table: Vec<Option<Entry>>,
+}
+
+#[inline]
+fn way(address: usize) -> usize {
+    // Fibonacci hashing of the address (objects are 16-byte aligned)
+    ((address as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - WAYS.trailing_zeros())) as usize
 }
 
 impl SlotCache {
@@ -38,37 +48,37 @@ impl SlotCache {
         id: &Bound<'_, PyString>,
         generation_at: impl Fn(usize) -> u64,
     ) -> Option<usize> {
-        let e = self.map.get(&(request.as_ptr() as usize))?;
-        (e.request_id.as_ptr() == id.as_ptr() && e.generation != 0 && generation_at(e.slot) == e.generation)
+        let address = request.as_ptr() as usize;
+        let e = self.table.get(way(address))?.as_ref()?;
+        (e.address == address
+            && e.request_id.as_ptr() == id.as_ptr()
+            && e.generation != 0
+            && generation_at(e.slot) == e.generation)
             .then_some(e.slot)
     }
 
-    /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`. `live` is the
-    /// number of requests the manager holds: at twice that (plus 64) entries, the entries
-    /// whose generation is gone are swept first.
-    pub fn insert(
-        &mut self,
-        request: &Bound<'_, PyAny>,
-        id: &Bound<'_, PyString>,
-        slot: usize,
-        generation: u64,
-        live: usize,
-        generation_at: impl Fn(usize) -> u64,
-    ) {
-        if self.map.len() >= 2 * live + 64 {
-            self.map.retain(|_, e| generation_at(e.slot) == e.generation);
+    /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`.
+    pub fn insert(&mut self, request: &Bound<'_, PyAny>, id: &Bound<'_, PyString>, slot: usize, generation: u64) {
+        if self.table.is_empty() {
+            self.table.resize_with(WAYS, || None);
         }
-        self.map.insert(request.as_ptr() as usize, Entry { request_id: id.clone().unbind(), slot, generation });
+        let address = request.as_ptr() as usize;
+        self.table[way(address)] = Some(Entry { address, request_id: id.clone().unbind(), slot, generation });
     }
 
     /// Forget `request` (it was freed).
     pub fn remove(&mut self, request: &Bound<'_, PyAny>) {
-        self.map.remove(&(request.as_ptr() as usize));
+        let address = request.as_ptr() as usize;
+        if let Some(e) = self.table.get_mut(way(address)) {
+            if e.as_ref().is_some_and(|e| e.address == address) {
+                *e = None;
+            }
+        }
     }
 
-    /// Number of entries.
+    /// Number of entries held.
     #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.table.iter().filter(|e| e.is_some()).count()
     }
 }
