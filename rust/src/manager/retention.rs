@@ -147,7 +147,7 @@ impl RetentionState {
             return Err(Error::value("prefix", "holds no full block: nothing to pin"));
         }
         let key = hashes.digest(hashes.len() - 1)?;
-        let (groups, hit, _) = coord.find_longest_cache_hit(pool, hashes, hashes.len() * h)?;
+        let (groups, hit, _) = coord.find_longest_cache_hit(pool, hashes, hashes.len() * h, None)?;
         let blocks: Vec<u32> = groups.into_iter().flatten().filter(|&b| b != NULL_BLOCK).collect();
         if hit == 0 || blocks.is_empty() {
             if self.pins.contains_key(&key) {
