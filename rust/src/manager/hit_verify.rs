@@ -51,9 +51,11 @@ const NO_RECORD: u64 = 0;
 pub struct BlockContent {
     /// The first block described.
     pub first: usize,
-    /// Token ids of blocks `first..`, `block_size` each; it ends at the first token that does
-    /// not fit an i64 (the blocks from there on cannot be verified or recorded).
+    /// Token ids of blocks `first..`, `block_size` each.
     pub tokens: Vec<i64>,
+    /// Per block (from `first`), true where a token id does not fit an i64 (its `tokens` are
+    /// then meaningless): such a block is never recorded nor verified. None: no such block.
+    pub unrepresentable: Option<Vec<bool>>,
     /// Each block's extra keys, encoded by [`encode_extra_keys`] (None: the block has none);
     /// `None` for the whole list when no block has any.
     pub extras: Option<Vec<Option<Box<[u8]>>>>,
@@ -64,6 +66,9 @@ impl BlockContent {
     #[inline]
     fn block(&self, i: usize, block_size: usize) -> Option<(&[i64], Option<&[u8]>)> {
         let j = i.checked_sub(self.first)?;
+        if self.unrepresentable.as_ref().is_some_and(|u| u.get(j).copied().unwrap_or(true)) {
+            return None;
+        }
         let toks = self.tokens.get(j * block_size..(j + 1) * block_size)?;
         let extra = match &self.extras {
             None => None,
@@ -242,7 +247,7 @@ mod tests {
     use super::*;
 
     fn content(tokens: &[i64]) -> BlockContent {
-        BlockContent { first: 0, tokens: tokens.to_vec(), extras: None }
+        BlockContent { first: 0, tokens: tokens.to_vec(), unrepresentable: None, extras: None }
     }
 
     #[test]
@@ -295,16 +300,25 @@ mod tests {
         pool.get_new_blocks(2, &mut got).unwrap();
         let mut v = HitVerifier::new(4, 1).unwrap();
         let salt = encode_extra_keys(&Value::tuple(0, vec![Value::str(0, "salt")]));
-        let with = BlockContent { first: 0, tokens: vec![9, 9], extras: Some(vec![Some(salt.clone()), None]) };
+        let with = BlockContent {
+            first: 0,
+            tokens: vec![9, 9],
+            unrepresentable: None,
+            extras: Some(vec![Some(salt.clone()), None]),
+        };
         v.record(&pool, &got, 0, 2, &with);
         let plain = content(&[9, 9]);
         assert!(!VerifyCtx { store: &v, content: &plain, count: true }.check(&pool, 0, &got[..1], &mut [ROOT]));
         let mut prev = [ROOT];
         let ctx = VerifyCtx { store: &v, content: &with, count: true };
         assert!(ctx.check(&pool, 0, &got[..1], &mut prev) && ctx.check(&pool, 1, &got[1..], &mut prev));
-        // tokens past the content (an unrepresentable token ended it): no record, no pass
+        // tokens past the content, or a block with a token beyond int64: no record, no pass
         v.record(&pool, &got, 0, 2, &content(&[9]));
         assert!(v.content_id_of(&pool, got[1]).is_none());
+        let big = BlockContent { unrepresentable: Some(vec![true, false]), ..content(&[0, 9]) };
+        v.record(&pool, &got, 0, 2, &big);
+        assert!(v.content_id_of(&pool, got[0]).is_none() && v.content_id_of(&pool, got[1]).is_some());
+        assert!(!VerifyCtx { store: &v, content: &big, count: true }.check(&pool, 0, &got[..1], &mut [ROOT]));
         assert!(!VerifyCtx { store: &v, content: &plain, count: true }.check(&pool, 1, &got[1..], &mut prev));
         // an encoding tells the value's kinds apart
         assert_ne!(encode_extra_keys(&Value::Bool(true)), encode_extra_keys(&Value::Int(Int::Small(1))));

@@ -21,8 +21,9 @@ pub struct ContentReader {
 }
 
 impl ContentReader {
-    /// Blocks `first..end` of `request` (clipped to its full blocks): their tokens (up to the
-    /// first that does not fit an i64) and, when the request has any, their extra keys.
+    /// Blocks `first..end` of `request` (clipped to its full blocks): their tokens (a block
+    /// holding one beyond int64 is marked unrepresentable) and, when the request has any,
+    /// their extra keys.
     ///
     /// Raises `TypeError` for a request without `_all_token_ids` or with token ids that are
     /// not ints, and whatever `extra_keys` raises; nothing has changed then.
@@ -40,11 +41,20 @@ impl ContentReader {
             .ok_or_else(|| type_err("request", "verify_hits reads request._all_token_ids, which it lacks"))?;
         let end = end.min(all.len()? / bs);
         if first >= end {
-            return Ok(BlockContent { first, tokens: Vec::new(), extras: None });
+            return Ok(BlockContent { first, tokens: Vec::new(), unrepresentable: None, extras: None });
         }
         let toks = extract_token_range(&all, "request._all_token_ids", first * bs, Some(end * bs))?;
-        let tokens: Vec<i64> =
-            crate::with_token_slice!(&toks, |s| s.iter().map_while(|&t| TokenId::as_i64(t).ok()).collect());
+        let mut unrepresentable: Option<Vec<bool>> = None;
+        let tokens: Vec<i64> = crate::with_token_slice!(&toks, |s| s
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                TokenId::as_i64(t).unwrap_or_else(|_| {
+                    unrepresentable.get_or_insert_with(|| vec![false; end - first])[i / bs] = true;
+                    0
+                })
+            })
+            .collect());
         let extras = if self.lookahead > 0 || fields.has_extra_keys(request)? {
             let n = end - first;
             let list = self.extra_keys.bind(py).call1((request, first * bs, n, bs, self.lookahead))?;
@@ -60,6 +70,6 @@ impl ContentReader {
         } else {
             None
         };
-        Ok(BlockContent { first, tokens, extras })
+        Ok(BlockContent { first, tokens, unrepresentable, extras })
     }
 }
