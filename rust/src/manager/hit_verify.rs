@@ -195,7 +195,8 @@ impl HitVerifier {
             return false;
         }
         let bs = self.block_size;
-        self.tokens[i * bs..(i + 1) * bs] == *toks && self.extras.get(&b).map(|e| &**e) == extra
+        let stored_extra = if self.extras.is_empty() { None } else { self.extras.get(&b).map(|e| &**e) };
+        self.tokens[i * bs..(i + 1) * bs] == *toks && stored_extra == extra
     }
 
     /// Record the blocks at positions `lo..hi` of a request's `table` (null blocks skipped),

@@ -141,18 +141,19 @@ impl ManagerState {
         }
     }
 
-    /// The content a lookup of up to `max_len` tokens reads (blocks from 0), or None.
+    /// The content a verified lookup of up to `max_len` tokens reads (blocks from 0), or None
+    /// with verify on hit off.
     fn lookup_content(
         &self,
         request: &Bound<'_, PyAny>,
-        num_hashes: usize,
+        hashes: &PyHashes<'_>,
         max_len: usize,
     ) -> PyResult<Option<BlockContent>> {
         if self.inner.verify.is_none() {
             return Ok(None);
         }
         let h = self.inner.coord.hash_block_size;
-        self.content(request, 0, num_hashes.min(max_len / h))
+        self.content(request, 0, hashes.0.len().min(max_len / h))
     }
 
     /// Refuse a lookup by block hashes alone while verify on hit is on (it could not verify).
@@ -374,10 +375,10 @@ impl ManagerState {
         let events_enabled = pool.state.borrow(py)?.inner.events_enabled();
         let report = self.reports_hits(request, events_enabled)?;
         let inputs = if report { self.event_inputs(request, true)? } else { None };
-        let content =
-            self.lookup_content(request, hashes.0.len(), max_cache_hit_length.unwrap_or(num_tokens.saturating_sub(1)))?;
         let hit = {
             let p = pool.state.borrow(py)?;
+            let max_len = max_cache_hit_length.unwrap_or(num_tokens.saturating_sub(1));
+            let content = self.lookup_content(request, &hashes, max_len)?;
             self.inner
                 .get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_cache_hit_length, content.as_ref(), true)
                 .py_err()?
@@ -740,8 +741,8 @@ impl PyManager {
         }
         let num_tokens = me.view(request, false)?.num_tokens;
         let hashes = me.hashes(request)?;
-        let content = me.lookup_content(request, hashes.0.len(), max_len.unwrap_or(num_tokens.saturating_sub(1)))?;
         let p = me.pool.get().state.borrow(py)?;
+        let content = me.lookup_content(request, &hashes, max_len.unwrap_or(num_tokens.saturating_sub(1)))?;
         let (_, n, _) = me
             .inner
             .get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_len, content.as_ref(), false)
@@ -975,7 +976,10 @@ impl PyManager {
         let content = {
             let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args), hashes.0.len());
             hashes.check(lo, hi)?;
-            me.content(request, lo, hi)?
+            // adopted hit blocks are not recorded again: their positions need no content
+            let recorded_from =
+                if hits.is_some() { args.num_new_computed_tokens / me.inner.coord.hash_block_size } else { 0 };
+            me.content(request, lo.max(recorded_from), hi)?
         };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
