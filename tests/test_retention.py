@@ -497,3 +497,53 @@ def test_sweep_one_series_per_policy(capsys):
     assert code == 0
     names = [s["name"] for s in json.loads(out)["series"]]
     assert names == ["chat", "chat (priority)"]
+
+
+def test_many_ttl_pins_expire_in_order_like_the_reference():
+    """2,000 TTL pins (expiry is a min-heap with lazy deletion): some re-pinned with another
+    TTL or none, some unpinned by hand, the clock moved in steps. After every step both
+    managers hold exactly the pins a plain model says are alive, and their free queues (the
+    order expired pins released their blocks in: earliest expiry first) are the same."""
+    import random
+
+    rng = random.Random(3)
+    n = 2000
+    clock = Clock(0.0)
+    fast = _mgr(2 * n + 8, 1, max_pinned_fraction=1.0, clock=clock)
+    ref = RefManager(2 * n + 8, 1, max_pinned_fraction=1.0, clock=clock)
+    prompts = [[10_000 + i, 1] for i in range(n)]
+    for i, p in enumerate(prompts):
+        for m in (fast, ref):
+            _cache(m, f"r{i}", p)
+    model: dict[int, float | None] = {}
+
+    def pin(i, ttl):
+        key = [prompts[i][0]]
+        hashes = _req(fast, "h", key).block_hashes
+        assert fast.pin_prefix(key, ttl_s=ttl) == ref.pin_prefix(hashes, ttl) == 1
+        model[i] = None if ttl is None else clock.t + ttl
+
+    for i in range(n):
+        pin(i, rng.choice([None, rng.uniform(0, 100), float(rng.randrange(0, 100, 10))]))
+    for step in range(40):
+        for i in rng.sample(range(n), 60):
+            if i in model and rng.random() < 0.3:
+                hashes = _req(fast, "h", [prompts[i][0]]).block_hashes
+                assert fast.unpin_prefix([prompts[i][0]]) == ref.unpin_prefix(hashes) == 1
+                del model[i]
+            else:
+                pin(i, rng.choice([None, rng.uniform(0, 50), 5.0]))
+        clock.t += rng.choice([0.0, 0.5, 2.5, 10.0])
+        fast.tick()
+        ref.tick()
+        model = {i: e for i, e in model.items() if e is None or e > clock.t}
+        alive = sorted(_req(fast, "h", [prompts[i][0]]).block_hashes[0] for i in model)
+        assert [k for k, _, _, _ in fast.pinned_prefixes] == alive
+        assert sorted(ref.pins) == alive
+        assert fast.num_pinned_blocks == ref.num_pinned_blocks == len(model)
+        queue = lambda m: [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]  # noqa: E731
+        assert queue(fast) == queue(ref)
+    clock.t += 1000.0
+    fast.tick()
+    ref.tick()
+    assert fast.num_pinned_blocks == ref.num_pinned_blocks == sum(e is None for e in model.values())

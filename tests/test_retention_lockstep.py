@@ -8,10 +8,17 @@ the same free-queue order (level by level), ref counts, hashes, block generation
 pins and per-block priorities. A call that raises must raise the same kind in both and change
 nothing; a stale hit must be refused by both (``StaleHitError``). ``probe`` must change
 nothing at all.
+
+Verify on hit is drawn too (full attention only), with the managers' own hasher or a
+deliberately colliding one (each block hashed without its parent, or by its position only),
+so that hits under forced collisions are compared, and the failure counts with them. With
+verify on, every hit block's true prefix (the tokens it was computed from, tracked here)
+must be the request's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from hypothesis import HealthCheck, settings
@@ -47,6 +54,22 @@ def _ids(blocks):
     return None if blocks is None else blocks.get_block_ids()[0]
 
 
+def _weak_hasher(kind, bs):
+    """A colliding block hasher: ``unchained`` hashes each block's tokens without its parent,
+    ``positional`` hashes only the block's index."""
+
+    def h(req):
+        toks = req.all_token_ids
+        out = []
+        for i in range(len(req.block_hashes), len(toks) // bs):
+            what = repr(tuple(toks[i * bs:(i + 1) * bs])) if kind == "unchained" else str(i)
+            out.append(hashlib.sha256(what.encode()).digest())
+        return out
+
+    h.block_size = bs
+    return h
+
+
 class RetentionLockstep(RuleBasedStateMachine):
     @initialize(
         num_blocks=st.integers(3, 24),
@@ -56,8 +79,10 @@ class RetentionLockstep(RuleBasedStateMachine):
         granularity=st.sampled_from([0.5, 1.0, 2.5]),
         pin_fraction=st.sampled_from([0.0, 0.3, 1.0]),
         window=st.sampled_from([None, None, None, 4]),
+        verify=st.booleans(),
+        weak=st.sampled_from([None, None, "unchained", "positional"]),
     )
-    def setup(self, num_blocks, block_size, retention, default, granularity, pin_fraction, window):
+    def setup(self, num_blocks, block_size, retention, default, granularity, pin_fraction, window, verify, weak):
         for mod in (kv_hashing, ref_hashing):
             mod.init_none_hash(mod.get_hash_fn_by_name("sha256"))
         self.t = [100.0]
@@ -65,6 +90,7 @@ class RetentionLockstep(RuleBasedStateMachine):
             max_model_len=64, sliding_window=window, priority_retention=retention,
             default_retention_priority=default, decay_granularity_s=granularity,
             max_pinned_fraction=pin_fraction, clock=lambda: self.t[0],
+            verify_hits=verify and window is None,
         )
         self.fast = KVCacheManager(num_blocks, block_size, **kw)
         self.ref = RefManager(num_blocks, block_size, **kw)
@@ -73,13 +99,36 @@ class RetentionLockstep(RuleBasedStateMachine):
         self.running: list[tuple[Request, Request]] = []
         self.looked_up: list[tuple[tuple[Request, Request], tuple]] = []
         self.counter = 0
+        self.verify = verify and window is None
+        self.hasher = None if weak is None else _weak_hasher(weak, block_size)
+        # block id -> (generation, the tokens its KV was computed from)
+        self.truth: dict[int, tuple[int, tuple[int, ...]]] = {}
 
     def _pair(self, prompt, **kw):
         rid = f"r{self.counter}"
         self.counter += 1
-        a = Request(rid, prompt, block_hasher=self.fast.request_block_hasher, **kw)
-        b = Request(rid, prompt, block_hasher=self.ref.request_block_hasher, **kw)
+        a = Request(rid, prompt, block_hasher=self.hasher or self.fast.request_block_hasher, **kw)
+        b = Request(rid, prompt, block_hasher=self.hasher or self.ref.request_block_hasher, **kw)
         return a, b
+
+    def _learn(self, fa):
+        """Record the true prefix of the blocks ``fa`` computed (full blocks it holds that the
+        oracle does not know at their current generation)."""
+        pool, bs, toks = self.fast.block_pool, self.fast.block_size, list(fa.all_token_ids)
+        for j, b in enumerate(self.fast.get_block_ids(fa.request_id)[0]):
+            g = pool.block_generation(b)
+            if b and (j + 1) * bs <= fa.num_computed_tokens and self.truth.get(b, (None,))[0] != g:
+                self.truth[b] = (g, tuple(toks[: (j + 1) * bs]))
+
+    def _check_hits(self, fa, blocks, n):
+        """With verify on: every hit block holds KV of exactly the request's prefix."""
+        if not (self.verify and n):
+            return
+        pool, bs, toks = self.fast.block_pool, self.fast.block_size, list(fa.all_token_ids)
+        for j, b in enumerate(_ids(blocks)):
+            assert self.truth.get(b) == (pool.block_generation(b), tuple(toks[: (j + 1) * bs])), (
+                f"verify on: hit block {b} at position {j} holds another prefix's KV"
+            )
 
     def _snapshot(self, mgr):
         pool = mgr.block_pool
@@ -101,6 +150,7 @@ class RetentionLockstep(RuleBasedStateMachine):
             pins,
             prios,
             mgr.num_pinned_blocks,
+            mgr.hit_verification_failures,
         )
 
     def _same(self, f_fast, f_ref):
@@ -144,6 +194,7 @@ class RetentionLockstep(RuleBasedStateMachine):
         fb, fn, _ = self.fast.get_computed_blocks(fa)
         rb, rn, _ = self.ref.get_computed_blocks(ra)
         assert (_ids(fb), fn) == (_ids(rb), rn) and fn == self.fast.probe(fa)
+        self._check_hits(fa, fb, fn)
         self.looked_up.append((pair, (fb, fn, rb, rn)))
 
     @precondition(lambda self: self.looked_up)
@@ -167,6 +218,7 @@ class RetentionLockstep(RuleBasedStateMachine):
         for r in pair:
             r.num_computed_tokens = r.num_tokens
             r.status = RequestStatus.RUNNING
+        self._learn(fa)
         self.waiting.remove(pair)
         self.running.append(pair)
 
@@ -184,6 +236,7 @@ class RetentionLockstep(RuleBasedStateMachine):
             if res[0] is not None:
                 for r in (fa, ra):
                     r.num_computed_tokens = r.num_tokens
+                self._learn(fa)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -207,6 +260,7 @@ class RetentionLockstep(RuleBasedStateMachine):
         fb, fn, _ = self.fast.get_computed_blocks(fa)
         rb, rn, _ = self.ref.get_computed_blocks(ra)
         assert (_ids(fb), fn) == (_ids(rb), rn)
+        self._check_hits(fa, fb, fn)
         free = self.fast.block_pool.get_num_free_blocks()
         bs = self.fast.block_size
         tokens = [1000 + self.counter * 64 + i for i in range(max(1, (free - fill) * bs))][:64]
@@ -218,6 +272,7 @@ class RetentionLockstep(RuleBasedStateMachine):
             for r in flood:
                 r.num_computed_tokens = r.num_tokens
                 r.status = RequestStatus.RUNNING
+            self._learn(flood[0])
             self.running.append(flood)
         pool = self.fast.block_pool
         moved = [b for b, g in zip(fb.get_block_ids()[0], fb._ids[0].generations or []) if b and pool.block_generation(b) != g] if fn else []
@@ -235,6 +290,7 @@ class RetentionLockstep(RuleBasedStateMachine):
             for r in pair:
                 r.num_computed_tokens = r.num_tokens
                 r.status = RequestStatus.RUNNING
+            self._learn(fa)
             self.waiting.remove(pair)
             self.running.append(pair)
 

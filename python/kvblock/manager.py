@@ -22,6 +22,7 @@ Beyond vLLM (kvblock's own API only; ``kvblock.vllm`` keeps vLLM 0.33.0's behavi
 * ``probe(request)``: the hit length, touching nothing (no LRU move, stats or events).
 * Priority retention (``priority_retention=True``), pinned prefixes (:meth:`KVCacheManager.pin_prefix`)
   with a cap and TTLs, read off an injectable ``clock``.
+* Verify on hit (``verify_hits=True``): a hash collision can never hand out foreign KV.
 """
 
 from __future__ import annotations
@@ -204,6 +205,23 @@ class KVCacheManager(_core.KVCacheManagerCore):
             the pool (``[0, 1]``).
         clock: ``clock() -> seconds`` read by priority decay and pin TTLs (default
             ``time.monotonic``); inject one in tests.
+        verify_hits: verify every prefix hit against the exact content of the blocks it
+            returns, so that a collision of the chained block hash (``xxhash``'s 128 bits, or a
+            custom hasher) can never hand a request another prompt's KV (vLLM PR #54727 asks
+            for this). Each cached block keeps, in Rust, its token ids, an exact encoding of its
+            extra keys (multimodal, LoRA, cache salt, EAGLE lookahead tokens) and its parent's
+            identity (a content id that is never reused); a hit is verified block by block
+            from block 0, so parent equality follows by induction (see
+            ``rust/src/manager/hit_verify.rs``). The first block that differs ends the hit
+            there, exactly as if its hash had not been found, and counts in
+            :attr:`hit_verification_failures`; never an exception. Applies to
+            :meth:`get_computed_blocks`, :meth:`admit_batch` and :meth:`probe` (which
+            counts nothing); :meth:`pin_prefix` hands out no KV and is not verified. Costs
+            ``8 * block_size`` bytes per block and a comparison of the hit tokens per lookup.
+            Every prefix-cacheable group must be full attention at the hash block size
+            (``ValueError`` otherwise: sliding-window, chunked-local and Mamba hits skip the
+            blocks a parent chain is verified through). Off (the default): nothing is kept or
+            checked, vLLM 0.33.0's behaviour.
 
     Raises:
         ValueError: ``num_blocks <= 0``, a spec or argument vLLM rejects (block sizes that do
@@ -297,6 +315,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         decay_granularity_s: float = 1.0,
         max_pinned_fraction: float = 0.25,
         clock: Callable[[], float] | None = None,
+        verify_hits: bool = False,
     ) -> "KVCacheManager":
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
@@ -348,6 +367,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
             decay_granularity_s=decay_granularity_s,
             clock=time.monotonic if clock is None else clock,
             max_pinned_fraction=max_pinned_fraction,
+            verify_hits=verify_hits,
+            hit_extra_keys=hashing._request_extra_keys if verify_hits else None,
         )
         self.hash_fn = hash_fn
         self.kv_cache_groups = groups

@@ -201,7 +201,7 @@ mod pool_and_manager {
         h: usize,
     ) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
         let hs = hashes(tokens, h);
-        let (hit, n, _) = m.get_computed_blocks(p, true, tokens.len(), &hs, None).unwrap();
+        let (hit, n, _) = m.get_computed_blocks(p, true, tokens.len(), &hs, None, None, true).unwrap();
         let req = RequestView {
             request_id: id,
             num_tokens: tokens.len(),
@@ -247,7 +247,7 @@ mod pool_and_manager {
         admit(&mut m, &mut p, "c", &(20..28).collect::<Vec<_>>(), 4);
         let b: Vec<i64> = vec![1, 2, 3, 4, 9];
         let h = hashes(&b, 4);
-        let (hit, n, _) = m.get_computed_blocks(&p, true, 5, &h, None).unwrap();
+        let (hit, n, _) = m.get_computed_blocks(&p, true, 5, &h, None, None, true).unwrap();
         assert_eq!((hit.clone(), n), (vec![vec![1]], 4));
         let req = RequestView { request_id: "b", num_tokens: 5, num_prompt_tokens: 5, ..Default::default() };
         let args =
@@ -269,7 +269,7 @@ mod pool_and_manager {
         m.free(&mut p, "a").unwrap();
         let b: Vec<i64> = (0..13).collect();
         let h = hashes(&b, 4);
-        let (hit, n, _) = m.get_computed_blocks(&p, true, 13, &h, None).unwrap();
+        let (hit, n, _) = m.get_computed_blocks(&p, true, 13, &h, None, None, true).unwrap();
         assert_eq!(n, 12);
         let req = RequestView { request_id: "b", num_tokens: 13, num_prompt_tokens: 13, ..Default::default() };
         let args = AllocArgs {

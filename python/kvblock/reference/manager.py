@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import BlockStored, KVCacheEvent
+from ..multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
 from ..request import RequestStatus
 from ..stats import PrefixCacheStats
 from . import hashing as ref_hashing
@@ -107,6 +108,11 @@ class KVCacheManager:
         priority_retention, default_retention_priority, decay_granularity_s,
             max_pinned_fraction, clock: kvblock's retention (see
             :class:`kvblock.KVCacheManager`).
+        verify_hits: verify on hit (see :class:`kvblock.KVCacheManager`): each cached block
+            records its content id, generation, parent's content id, tokens and extra keys;
+            a hit block that is not exactly the request's block ends the hit and counts in
+            ``hit_verification_failures``. Full attention only (``ValueError`` with
+            ``sliding_window``).
 
     Beyond vLLM, as kvblock's own API: stale hits raise :class:`StaleHitError`,
     :meth:`probe`, :meth:`pin_prefix` / :meth:`unpin_prefix`.
@@ -135,6 +141,7 @@ class KVCacheManager:
         decay_granularity_s: float = 1.0,
         max_pinned_fraction: float = 0.25,
         clock: Any = None,
+        verify_hits: bool = False,
     ) -> None:
         _check_count("block_size", block_size)
         if block_size < 1:
@@ -148,6 +155,11 @@ class KVCacheManager:
             _check_count("sliding_window", sliding_window)
             if sliding_window < 1:
                 raise ValueError("sliding_window: must be > 0")
+            if verify_hits:
+                raise ValueError(
+                    "verify_hits: kv_cache_groups[0] is not full attention: only full-attention hits run from "
+                    "block 0, where each block's parent can be verified"
+                )
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
@@ -184,6 +196,11 @@ class KVCacheManager:
             self._contiguous_blocks_for_hit = _cdiv(sliding_window - 1, block_size) + int(use_eagle)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # verify on hit: block id -> (content id, generation, parent id, tokens, extra keys)
+        self.verify_hits = bool(verify_hits) and enable_caching
+        self._records: dict[int, tuple[int, int, int, tuple[int, ...], Any]] = {}
+        self._next_content_id = 1
+        self.hit_verification_failures = 0
 
     @staticmethod
     def _root_made_by(hash_fn: Any) -> bool:
@@ -240,7 +257,7 @@ class KVCacheManager:
         if not self._reads_prefix_cache(request):
             return self.empty_kv_cache_blocks, 0, 0
         max_cache_hit_length = max(request.num_tokens - 1, 0)
-        blocks = self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length)
+        blocks = self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length, request)
         num_computed_tokens = len(blocks) * self.block_size
         if (
             blocks
@@ -261,7 +278,8 @@ class KVCacheManager:
         if not self._reads_prefix_cache(request):
             return 0
         max_cache_hit_length = max(request.num_tokens - 1, 0)
-        return len(self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length)) * self.block_size
+        hit = self._find_longest_cache_hit(request.block_hashes, max_cache_hit_length, request, count=False)
+        return len(hit) * self.block_size
 
     # -- retention: the clock, pins ------------------------------------------------------------
     def tick(self) -> float | None:
@@ -339,20 +357,84 @@ class KVCacheManager:
     def num_pinned_blocks(self) -> int:
         return len(self.pin_count)
 
-    def _find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list[KVCacheBlock]:
+    def _find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int, request: Any = None, count: bool = True
+    ) -> list[KVCacheBlock]:
         num_blocks = min(max_length // self.block_size, len(block_hashes))
         if self.sliding_window is None:
-            return self._full_attention_hit(block_hashes, num_blocks)
+            return self._full_attention_hit(block_hashes, num_blocks, request, count)
         return self._sliding_window_hit(block_hashes, num_blocks)
 
-    def _full_attention_hit(self, block_hashes: Sequence[bytes], num_blocks: int) -> list[KVCacheBlock]:
-        """Left to right until the first miss (hashes are chained: later blocks miss too)."""
+    # -- verify on hit -----------------------------------------------------------------------
+    def _block_content(self, request: Any, pos: int) -> tuple[tuple[int, ...], Any] | None:
+        """The tokens and extra keys of the request's block ``pos`` (None if it holds a token
+        outside int64, which is never recorded nor verified)."""
+        bs = self.block_size
+        tokens = tuple(request.all_token_ids[pos * bs : (pos + 1) * bs])
+        if any(not -(2**63) <= t < 2**63 for t in tokens):
+            return None
+        s, e = pos * bs, (pos + 1) * bs
+        mm_idx = get_mm_features_in_window(request.mm_features, s, e) if pos > 0 else 0
+        extra, _ = generate_block_hash_extra_keys(request, s, e, mm_idx)
+        return tokens, extra
+
+    def _content_id(self, block: KVCacheBlock) -> int | None:
+        """The block's content id if its record applies (recorded at its current generation)."""
+        r = self._records.get(block.block_id)
+        if r is None or r[1] != self.block_pool.generation[block.block_id]:
+            return None
+        return r[0]
+
+    def _verify(self, block: KVCacheBlock, pos: int, parent: int, request: Any) -> bool:
+        """True if ``block``, found at position ``pos``, holds exactly the request's block
+        ``pos`` on top of the block whose content id is ``parent`` (0: the root)."""
+        if self._content_id(block) is None:
+            return False
+        content = self._block_content(request, pos)
+        _, _, rparent, tokens, extra = self._records[block.block_id]
+        return content is not None and rparent == parent and (tokens, extra) == content
+
+    def _record(self, request: Any, blocks: Sequence[KVCacheBlock], lo: int, hi: int) -> None:
+        """Record the blocks the request just cached at positions ``lo..hi``."""
+        for pos in range(lo, min(hi, len(blocks))):
+            b = blocks[pos]
+            if b.is_null:
+                continue
+            content = self._block_content(request, pos)
+            if content is None:
+                self._records.pop(b.block_id, None)
+                continue
+            if pos == 0:
+                parent = 0
+            else:
+                prev = blocks[pos - 1]
+                pid = None if prev.is_null else self._content_id(prev)
+                parent = -1 if pid is None else pid
+            self._records[b.block_id] = (
+                self._next_content_id, self.block_pool.generation[b.block_id], parent, *content
+            )
+            self._next_content_id += 1
+
+    def _full_attention_hit(
+        self, block_hashes: Sequence[bytes], num_blocks: int, request: Any = None, count: bool = True
+    ) -> list[KVCacheBlock]:
+        """Left to right until the first miss (hashes are chained: later blocks miss too).
+        With verify on hit (and a request), a block that is not exactly the request's block is
+        a miss too."""
         pool, group_ids = self.block_pool, [_KV_CACHE_GROUP_ID]
         hit: list[KVCacheBlock] = []
+        verify = self.verify_hits and request is not None
+        parent = 0
         for i in range(num_blocks):
             cached = pool.get_cached_block(block_hashes[i], group_ids)
             if cached is None:
                 break
+            if verify:
+                if not self._verify(cached[0], i, parent, request):
+                    if count:
+                        self.hit_verification_failures += 1
+                    break
+                parent = self._records[cached[0].block_id][0]
             hit.append(cached[0])
         if self.use_eagle and hit:
             hit.pop()
@@ -706,6 +788,8 @@ class KVCacheManager:
             self.block_size,
             _KV_CACHE_GROUP_ID,
         )
+        if self.verify_hits:
+            self._record(request, self.req_to_blocks.get(request_id, []), num_cached_blocks, num_full_blocks)
         self.num_cached_block[request_id] = num_full_blocks
 
     # -- release ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::group_state::{cdiv, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager};
+use crate::manager::hit_verify::VerifyCtx;
 use crate::manager::requests::RequestTable;
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
@@ -608,12 +609,14 @@ impl Coordinator {
         (lo.min(hi), hi)
     }
 
-    /// `find_longest_cache_hit(block_hashes, max_cache_hit_length)`.
+    /// `find_longest_cache_hit(block_hashes, max_cache_hit_length)`; with `verify`, every
+    /// block found is checked against the request's content (verify on hit).
     pub fn find_longest_cache_hit(
         &self,
         pool: &BlockPool,
         hashes: &dyn HashSource,
         max_length: usize,
+        verify: Option<VerifyCtx<'_>>,
     ) -> Result<CoordinatedHit> {
         let n = self.managers.len();
         match self.kind {
@@ -627,15 +630,22 @@ impl Coordinator {
                     drop_eagle_block: self.drop_eagle_groups[0],
                     alignment_tokens: m.cfg.block_size,
                     past_hashes_is_error: self.past_hashes_is_error,
+                    verify,
                 };
                 let (blocks, len) = m.find_longest_cache_hit(pool, &q)?;
                 Ok((blocks, len, 0))
             }
-            CoordinatorKind::Hybrid => self.find_hybrid(pool, hashes, max_length),
+            CoordinatorKind::Hybrid => self.find_hybrid(pool, hashes, max_length, verify),
         }
     }
 
-    fn find_hybrid(&self, pool: &BlockPool, hashes: &dyn HashSource, max_length: usize) -> Result<CoordinatedHit> {
+    fn find_hybrid(
+        &self,
+        pool: &BlockPool,
+        hashes: &dyn HashSource,
+        max_length: usize,
+        verify: Option<VerifyCtx<'_>>,
+    ) -> Result<CoordinatedHit> {
         let n = self.managers.len();
         let h = self.hash_block_size;
         let align = self.cache_hit_alignment_tokens();
@@ -672,6 +682,7 @@ impl Coordinator {
                     drop_eagle_block: drop,
                     alignment_tokens: align,
                     past_hashes_is_error: self.past_hashes_is_error,
+                    verify,
                 };
                 let (hit_blocks, new_len) = m.find_longest_cache_hit(pool, &q)?;
                 if drop {
@@ -740,6 +751,7 @@ impl Coordinator {
                 drop_eagle_block: sg.use_eagle,
                 alignment_tokens: self.cache_hit_alignment_tokens(),
                 past_hashes_is_error: self.past_hashes_is_error,
+                verify: None,
             };
             let (hb, hit) = m.find_longest_cache_hit(pool, &q)?;
             for (&gid, b) in sg.group_ids.iter().zip(hb) {

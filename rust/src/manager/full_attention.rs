@@ -3,11 +3,12 @@
 //! hits are the longest run of cached blocks from the start, extended inside the next block
 //! at hash-block granularity when the hybrid lookup is fine-grained (spec §6.2).
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hashing::source::{HashSource, ScaledHashes};
 use crate::manager::group_state::{
     cdiv, resolve_block_hashes, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeState,
 };
+use crate::manager::hit_verify::ROOT;
 use crate::pool::block_pool::BlockPool;
 
 /// `FullAttentionManager.find_longest_cache_hit`.
@@ -27,9 +28,20 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, pool: &BlockPool, q: &HitQuery<'
     // Phase 1: the longest run of cached full blocks from the start (a miss implies every
     // later block misses: the hashes are chained).
     let max_blocks = (q.max_length / block_size).min(full.len());
+    // verify on hit: the content ids of the blocks that passed at the previous position
+    let mut prev = if q.verify.is_some() { vec![ROOT; n_groups] } else { Vec::new() };
+    if q.verify.is_some() && (fine_grained || block_size != h) {
+        return Err(Error::Value("verify_hits: only full-attention blocks of the hash block size are verified".into()));
+    }
     for i in 0..max_blocks {
         if !pool.get_cached_block(full.get(i)?, q.group_ids, &mut hit) {
             break;
+        }
+        if let Some(v) = &q.verify {
+            // a block that fails ends the hit there, as if its hash had not been found
+            if !v.check(pool, i, &hit, &mut prev) {
+                break;
+            }
         }
         for (c, &b) in computed.iter_mut().zip(&hit) {
             c.push(b);

@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::source::{HashSource, ScaledHashes};
+use crate::manager::hit_verify::VerifyCtx;
 use crate::manager::spec::GroupSpec;
 use crate::pool::cache_map::Key;
 use hashbrown::HashSet;
@@ -131,6 +132,9 @@ pub struct HitQuery<'a> {
     /// A lookup past the request's hashes is vLLM's `IndexError` (vLLM's callers), not a
     /// miss (kvblock's own API).
     pub past_hashes_is_error: bool,
+    /// Verify on hit ([`crate::manager::hit_verify`]): full-attention lookups check every
+    /// block they find against the request's content (None: no verification).
+    pub verify: Option<VerifyCtx<'a>>,
 }
 
 impl HitQuery<'_> {

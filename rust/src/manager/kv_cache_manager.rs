@@ -5,6 +5,7 @@ use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
 use crate::manager::group_state::ReqInfo;
+use crate::manager::hit_verify::{BlockContent, HitVerifier, VerifyCtx};
 use crate::manager::retention::RetentionState;
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
@@ -22,6 +23,9 @@ pub struct RequestView<'a> {
     pub waiting_or_preempted: bool,
     /// Caller's handle for the request's KV events.
     pub event_tag: u64,
+    /// With verify on hit: the request's tokens and extra keys of the blocks this call may
+    /// cache (required then; see [`KVCacheManager::enable_hit_verification`]).
+    pub content: Option<&'a BlockContent>,
 }
 
 impl<'a> RequestView<'a> {
@@ -72,6 +76,8 @@ pub struct KVCacheManager {
     pub plain_full_attention: bool,
     /// Request retention priorities and pinned prefixes (kvblock's own API).
     pub retention: RetentionState,
+    /// Verify on hit (kvblock's own API; None: off, vLLM's behaviour).
+    pub verify: Option<HitVerifier>,
 }
 
 impl KVCacheManager {
@@ -92,12 +98,106 @@ impl KVCacheManager {
             strict_inputs: cfg.strict_inputs,
             plain_full_attention,
             retention: RetentionState::default(),
+            verify: None,
         })
+    }
+
+    /// Turn verify on hit on ([`crate::manager::hit_verify`]): from now on every block the
+    /// manager caches keeps its exact content, and every hit is checked against the request.
+    /// Only before any request is known; every prefix-cacheable group must be full attention
+    /// (plain or R-SWA) with the hash block size as its block size, whose hits run from block 0
+    /// (sliding-window, chunked-local and Mamba hits skip the blocks their parent chain would
+    /// be verified through). A no-op with caching off.
+    pub fn enable_hit_verification(&mut self, num_blocks: usize) -> Result<()> {
+        if !self.coord.request_ids().is_empty() {
+            return Err(Error::State("verify_hits: turn it on before any request is admitted".into()));
+        }
+        let h = self.coord.hash_block_size;
+        for (i, m) in self.coord.managers.iter().enumerate() {
+            if !m.cfg.spec.prefix_cacheable || m.cfg.spec.kind == Kind::CrossAttention {
+                continue;
+            }
+            if matches!(m.cfg.spec.kind, Kind::CircularBuffer) {
+                continue;
+            }
+            if !m.cfg.spec.kind.is_full_attention() {
+                return Err(Error::value(
+                    "verify_hits",
+                    format!(
+                        "kv_cache_groups[{i}] is not full attention: only full-attention hits run from block 0, \
+                         where each block's parent can be verified"
+                    ),
+                ));
+            }
+            if m.cfg.block_size != h {
+                return Err(Error::value(
+                    "verify_hits",
+                    format!(
+                        "kv_cache_groups[{i}] has {}-token blocks: verified groups need the hash block size ({h})",
+                        m.cfg.block_size
+                    ),
+                ));
+            }
+        }
+        if self.enable_caching {
+            self.verify = Some(HitVerifier::new(num_blocks, h)?);
+        }
+        Ok(())
+    }
+
+    /// Hits refused by verify on hit so far (0 when it is off).
+    pub fn hit_verification_failures(&self) -> u64 {
+        self.verify.as_ref().map_or(0, |v| v.failures())
+    }
+
+    /// The verification of a lookup with the request's `content` (None: verify on hit is
+    /// off; an error when it is on and no content was given).
+    fn verify_ctx<'a>(&'a self, content: Option<&'a BlockContent>, count: bool) -> Result<Option<VerifyCtx<'a>>> {
+        match (&self.verify, content) {
+            (None, _) => Ok(None),
+            (Some(store), Some(content)) => Ok(Some(VerifyCtx { store, content, count })),
+            (Some(_), None) => Err(Error::Value("verify_hits: the lookup needs the request's tokens".into())),
+        }
+    }
+
+    /// Cache the request's blocks (as [`Coordinator::cache_blocks`]), then record those newly
+    /// cached when verify on hit is on.
+    fn cache_and_record(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: usize,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
+        let Some(verify) = self.verify.as_mut() else {
+            return self.coord.cache_blocks(pool, slot, &req.info(), hashes, num_computed_tokens);
+        };
+        let before: Vec<usize> =
+            self.coord.managers.iter().map(|m| m.req(slot).and_then(|r| r.num_cached).unwrap_or(0)).collect();
+        self.coord.cache_blocks(pool, slot, &req.info(), hashes, num_computed_tokens)?;
+        let Some(content) = req.content else { return Ok(()) };
+        for (m, lo) in self.coord.managers.iter().zip(before) {
+            if !(m.cfg.enable_caching && m.cfg.spec.prefix_cacheable && m.cfg.spec.kind.is_full_attention()) {
+                continue;
+            }
+            if let Some(r) = m.req(slot) {
+                let hi = r.num_cached.unwrap_or(0);
+                if hi > lo {
+                    verify.record(pool, &r.blocks, lo, hi, content);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `get_computed_blocks` without the request checks the binding makes: the hit for a
     /// request that reads the prefix cache (`read_cache`), capped at `max_cache_hit_length`
-    /// (default `num_tokens - 1`: the last token is always recomputed).
+    /// (default `num_tokens - 1`: the last token is always recomputed). With verify on hit,
+    /// `content` (the request's blocks from block 0) is required and every block found is
+    /// verified against it; `count` adds refusals to [`KVCacheManager::hit_verification_failures`]
+    /// (false for `probe`, which changes nothing).
+    #[allow(clippy::too_many_arguments)] // vLLM's arguments, plus the request's content
     pub fn get_computed_blocks(
         &self,
         pool: &BlockPool,
@@ -105,13 +205,16 @@ impl KVCacheManager {
         num_tokens: usize,
         hashes: &dyn HashSource,
         max_cache_hit_length: Option<usize>,
+        content: Option<&BlockContent>,
+        count: bool,
     ) -> Result<CoordinatedHit> {
         let n = self.coord.num_groups();
         if !(self.enable_caching && read_cache) {
             return Ok((vec![Vec::new(); n], 0, 0));
         }
+        let verify = self.verify_ctx(content, count)?;
         let max_len = max_cache_hit_length.unwrap_or(num_tokens.saturating_sub(1));
-        let (blocks, hit, uncached) = self.coord.find_longest_cache_hit(pool, hashes, max_len)?;
+        let (blocks, hit, uncached) = self.coord.find_longest_cache_hit(pool, hashes, max_len, verify)?;
         let boundary = if uncached > 0 { hit + uncached } else { 0 };
         Ok((blocks, hit, boundary))
     }
@@ -121,6 +224,9 @@ impl KVCacheManager {
     /// check has passed (adopting computed tokens into a request that holds blocks), raised
     /// by the caller at that point, so that a call vLLM answers with None gets None.
     fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<Option<Error>> {
+        if self.verify.is_some() && req.content.is_none() && !a.delay_cache_blocks {
+            return Err(Error::Value("verify_hits: allocate_slots needs the request's tokens".into()));
+        }
         if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::Value(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
@@ -428,7 +534,7 @@ impl KVCacheManager {
             return Ok(Some(new_blocks));
         }
         let to_cache = total_computed.saturating_add(a.num_new_tokens).min(req.num_tokens);
-        self.coord.cache_blocks(pool, slot, &req.info(), hashes, to_cache)?;
+        self.cache_and_record(pool, slot, req, hashes, to_cache)?;
         Ok(Some(new_blocks))
     }
 
@@ -614,8 +720,11 @@ impl KVCacheManager {
         if !self.enable_caching {
             return Ok(());
         }
+        if self.verify.is_some() && req.content.is_none() {
+            return Err(Error::Value("verify_hits: caching needs the request's tokens".into()));
+        }
         let slot = self.coord.slot_or_insert(req.request_id);
-        let res = self.coord.cache_blocks(pool, slot, &req.info(), hashes, num_computed_tokens);
+        let res = self.cache_and_record(pool, slot, req, hashes, num_computed_tokens);
         self.coord.release_if_vacant(req.request_id);
         res
     }

@@ -12,11 +12,14 @@
 //! * [`coordinator`]: vLLM's `KVCacheCoordinator` (no prefix cache, unitary, hybrid).
 //! * [`kv_cache_manager`]: vLLM's `KVCacheManager` on top.
 //! * [`requests`]: the request id -> slot table.
+//! * [`retention`]: request retention priorities and pinned prefixes (kvblock's own API).
+//! * [`hit_verify`]: verify on hit, exact content records of cached blocks (kvblock's own API).
 
 pub mod chunked_local;
 pub mod coordinator;
 pub mod full_attention;
 pub mod group_state;
+pub mod hit_verify;
 pub mod kv_cache_manager;
 pub mod mamba;
 pub mod requests;

@@ -10,7 +10,8 @@
 //! * A pin holds one reference on each block of a prefix's cached blocks (every group), so
 //!   they are never evicted while pinned, whatever the requests that made them do. Pins are
 //!   named by the prefix's last full block hash, may expire (TTL, read off the manager's
-//!   clock), and are capped at a number of distinct pinned blocks.
+//!   clock), and are capped at a number of distinct pinned blocks. Expiry is a min-heap of
+//!   `(expires_at, key)` with lazy deletion: O(log n) per expired pin, O(1) when none is due.
 
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
@@ -18,6 +19,8 @@ use crate::hashing::Digest;
 use crate::manager::coordinator::Coordinator;
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 use hashbrown::HashMap;
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
 
 /// One range of a request's retention: tokens `[start, end)` kept at `priority` for
 /// `duration_s` seconds after release (None: until evicted at that priority).
@@ -88,7 +91,35 @@ pub struct Pin {
     pub num_tokens: usize,
     /// When it expires (the clock's seconds), None: never.
     pub expires_at: Option<f64>,
+    /// Which of the expiry heap's entries for this pin is live (the one with this stamp).
+    pub stamp: u64,
 }
+
+/// An entry of the expiry heap: live iff its pin still has this stamp.
+#[derive(Clone, Copy, Debug)]
+struct Expiry {
+    at: f64,
+    key: Digest,
+    stamp: u64,
+}
+
+impl Ord for Expiry {
+    /// Earliest first, ties by key bytes (the order pins expire in).
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.at.total_cmp(&o.at).then_with(|| self.key.as_bytes().cmp(o.key.as_bytes())).then(self.stamp.cmp(&o.stamp))
+    }
+}
+impl PartialOrd for Expiry {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl PartialEq for Expiry {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Expiry {}
 
 /// Per-request retention and the pins.
 #[derive(Clone, Debug, Default)]
@@ -99,12 +130,51 @@ pub struct RetentionState {
     pub pin_count: HashMap<u32, u32>,
     /// Most distinct blocks pins may hold.
     pub max_pinned_blocks: usize,
+    /// Min-heap of the TTL pins' expiries, with stale entries (pins re-pinned or gone) left
+    /// in until they surface or the heap is rebuilt.
+    expiry: BinaryHeap<Reverse<Expiry>>,
+    /// Pins with a TTL.
+    num_ttl_pins: usize,
+    next_stamp: u64,
 }
 
 impl RetentionState {
     /// Distinct blocks pinned.
     pub fn num_pinned_blocks(&self) -> usize {
         self.pin_count.len()
+    }
+
+    /// A fresh stamp for pin `key` expiring at `expires_at`, its heap entry pushed.
+    fn schedule(&mut self, key: Digest, expires_at: Option<f64>) -> u64 {
+        self.next_stamp += 1;
+        let stamp = self.next_stamp;
+        if let Some(at) = expires_at {
+            self.num_ttl_pins += 1;
+            self.expiry.push(Reverse(Expiry { at, key, stamp }));
+        }
+        stamp
+    }
+
+    /// Account for a pin that left (or whose expiry is replaced).
+    fn unschedule(&mut self, old: &Pin) {
+        if old.expires_at.is_some() {
+            self.num_ttl_pins -= 1;
+        }
+        self.compact();
+    }
+
+    /// When stale entries (pins re-pinned or unpinned) outnumber the live ones by far, rebuild
+    /// the heap from the live pins: amortized O(1) per stale entry, memory O(TTL pins).
+    fn compact(&mut self) {
+        if self.expiry.len() <= 2 * self.num_ttl_pins + 64 {
+            return;
+        }
+        let live: Vec<Reverse<Expiry>> = self
+            .pins
+            .iter()
+            .filter_map(|(k, p)| p.expires_at.map(|at| Reverse(Expiry { at, key: *k, stamp: p.stamp })))
+            .collect();
+        self.expiry = BinaryHeap::from(live);
     }
 
     /// Apply request `id`'s retention (if any) to its blocks, before they are freed, and
@@ -147,14 +217,23 @@ impl RetentionState {
             return Err(Error::value("prefix", "holds no full block: nothing to pin"));
         }
         let key = hashes.digest(hashes.len() - 1)?;
-        let (groups, hit, _) = coord.find_longest_cache_hit(pool, hashes, hashes.len() * h)?;
+        let (groups, hit, _) = coord.find_longest_cache_hit(pool, hashes, hashes.len() * h, None)?;
         let blocks: Vec<u32> = groups.into_iter().flatten().filter(|&b| b != NULL_BLOCK).collect();
         if hit == 0 || blocks.is_empty() {
             if self.pins.contains_key(&key) {
                 // nothing cached any more but the pin itself keeps blocks: refresh its TTL
-                if let Some(p) = self.pins.get_mut(&key) {
-                    p.expires_at = expires_at;
-                    return Ok(p.num_tokens);
+                if let Some(had) = self.pins.get(&key).map(|p| p.expires_at) {
+                    if had.is_some() {
+                        self.num_ttl_pins -= 1;
+                    }
+                    let stamp = self.schedule(key, expires_at);
+                    if let Some(p) = self.pins.get_mut(&key) {
+                        p.expires_at = expires_at;
+                        p.stamp = stamp;
+                        let n = p.num_tokens;
+                        self.compact();
+                        return Ok(n);
+                    }
                 }
             }
             return Ok(0);
@@ -193,8 +272,10 @@ impl RetentionState {
         for &b in &blocks {
             *self.pin_count.entry(b).or_default() += 1;
         }
-        let pin = Pin { blocks, num_tokens: hit, expires_at };
+        let stamp = self.schedule(key, expires_at);
+        let pin = Pin { blocks, num_tokens: hit, expires_at, stamp };
         if let Some(old) = self.pins.insert(key, pin) {
+            self.unschedule(&old);
             self.release(pool, &old.blocks)?;
         }
         Ok(hit)
@@ -220,27 +301,31 @@ impl RetentionState {
         let Some(p) = self.pins.remove(key) else {
             return Err(Error::value("prefix", "is not pinned"));
         };
+        self.unschedule(&p);
         self.release(pool, &p.blocks)?;
         Ok(p.num_tokens)
     }
 
-    /// Unpin every prefix whose TTL is over at `now_s` (earliest expiry first). Returns how
-    /// many expired.
+    /// Unpin every prefix whose TTL is over at `now_s` (earliest expiry first, ties by key
+    /// bytes). Returns how many expired. O(log n) per expired pin (and per stale heap entry it
+    /// drops), O(1) when none is due.
     pub fn expire(&mut self, pool: &mut BlockPool, now_s: f64) -> Result<usize> {
-        let mut due: Vec<(f64, Digest)> =
-            self.pins.iter().filter_map(|(k, p)| p.expires_at.filter(|&t| t <= now_s).map(|t| (t, *k))).collect();
-        if due.is_empty() {
-            return Ok(0);
+        let mut n = 0;
+        while let Some(&Reverse(e)) = self.expiry.peek() {
+            if e.at > now_s {
+                break;
+            }
+            self.expiry.pop();
+            if self.pins.get(&e.key).is_some_and(|p| p.stamp == e.stamp) {
+                self.unpin(pool, &e.key)?;
+                n += 1;
+            }
         }
-        due.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.as_bytes().cmp(b.1.as_bytes())));
-        for (_, k) in &due {
-            self.unpin(pool, k)?;
-        }
-        Ok(due.len())
+        Ok(n)
     }
 
-    /// True if some pin has a TTL.
+    /// True if some pin has a TTL (O(1)).
     pub fn has_ttl_pins(&self) -> bool {
-        self.pins.values().any(|p| p.expires_at.is_some())
+        self.num_ttl_pins > 0
     }
 }

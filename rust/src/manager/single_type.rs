@@ -620,6 +620,12 @@ impl TypeManager {
     /// `find_longest_cache_hit` (a classmethod in vLLM: the group's spec is this manager's).
     pub fn find_longest_cache_hit(&self, pool: &BlockPool, q: &HitQuery<'_>) -> Result<Hit> {
         let cfg = &self.cfg;
+        if q.verify.is_some()
+            && matches!(cfg.spec.kind, Kind::SlidingWindow { .. } | Kind::ChunkedLocal { .. } | Kind::Mamba { .. })
+        {
+            // the manager refuses verify_hits for such groups: their hits do not run from block 0
+            return Err(Error::Value("verify_hits: only full-attention groups' hits are verified".into()));
+        }
         match cfg.spec.kind {
             Kind::FullAttention | Kind::Rswa { .. } => {
                 crate::manager::full_attention::find_longest_cache_hit(cfg, pool, q)

@@ -10,7 +10,9 @@ use super::events::EventInputs;
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
 use super::hashes::PyHashes;
+use super::hit_verify::ContentReader;
 use super::slot_cache::SlotCache;
+use crate::manager::hit_verify::BlockContent;
 use crate::manager::spec::{GroupSpec, Kind, MambaMode, ManagerConfig};
 use crate::manager::{AllocArgs, KVCacheManager, RequestView};
 use numpy::{PyArray1, PyArrayMethods};
@@ -91,6 +93,7 @@ impl<'py> ReqView<'py> {
             shared_prefix_boundary: self.shared_prefix_boundary,
             waiting_or_preempted: self.waiting,
             event_tag: tag,
+            content: None,
         })
     }
 }
@@ -118,6 +121,8 @@ struct ManagerState {
     clock: Option<Py<PyAny>>,
     /// Request object → slot, for the no-op calls of running requests.
     slots: SlotCache,
+    /// Verify on hit: how request contents are read (None: off).
+    reader: Option<ContentReader>,
 }
 
 /// A count field a request may lack (0 then); present, it reads as a count argument (None,
@@ -130,6 +135,41 @@ fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field,
 }
 
 impl ManagerState {
+    /// With verify on hit, the request's blocks `first..end` (see [`ContentReader::read`]);
+    /// None when it is off.
+    fn content(&self, request: &Bound<'_, PyAny>, first: usize, end: usize) -> PyResult<Option<BlockContent>> {
+        match (&self.reader, &self.inner.verify) {
+            (Some(r), Some(_)) => r.read(&self.fields, request, first, end).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// The content a verified lookup of up to `max_len` tokens reads (blocks from 0), or None
+    /// with verify on hit off.
+    fn lookup_content(
+        &self,
+        request: &Bound<'_, PyAny>,
+        hashes: &PyHashes<'_>,
+        max_len: usize,
+    ) -> PyResult<Option<BlockContent>> {
+        if self.inner.verify.is_none() {
+            return Ok(None);
+        }
+        let h = self.inner.coord.hash_block_size;
+        self.content(request, 0, hashes.0.len().min(max_len / h))
+    }
+
+    /// Refuse a lookup by block hashes alone while verify on hit is on (it could not verify).
+    fn hashes_only_lookup(&self, what: &str) -> PyResult<()> {
+        if self.inner.verify.is_some() {
+            return Err(value_err(
+                what,
+                "verify_hits is on: a lookup by block hashes alone cannot verify its hits; use get_computed_blocks",
+            ));
+        }
+        Ok(())
+    }
+
     fn view<'py>(&self, request: &Bound<'py, PyAny>, has_scheduled_reqs: bool) -> PyResult<ReqView<'py>> {
         let py = request.py();
         let f = &self.fields;
@@ -355,7 +395,11 @@ impl ManagerState {
         let inputs = if report { self.event_inputs(request, true)? } else { None };
         let hit = {
             let p = pool.state.borrow(py)?;
-            self.inner.get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_cache_hit_length).py_err()?
+            let max_len = max_cache_hit_length.unwrap_or(num_tokens.saturating_sub(1));
+            let content = self.lookup_content(request, &hashes, max_len)?;
+            self.inner
+                .get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_cache_hit_length, content.as_ref(), true)
+                .py_err()?
         };
         if hit.1 > 0 && report {
             let mut p = pool.state.borrow_mut(py)?;
@@ -510,7 +554,7 @@ fn counts_array<'py>(py: Python<'py>, v: Vec<i32>, groups: usize) -> PyResult<Bo
 #[pymethods]
 impl PyManager {
     #[new]
-    #[pyo3(signature = (block_pool, kv_cache_groups, max_model_len, scheduler_block_size, hash_block_size, *, max_in_flight_tokens=None, enable_caching=true, use_eagle=false, num_hash_lookahead_tokens=None, num_prefill_lookahead=None, dcp_world_size=None, pcp_world_size=None, watermark_blocks=None, needs_kv_cache_zeroing=false, retention_interval=None, enable_mamba_shared_prefix_checkpoint=false, strict_inputs=false, priority_retention=false, default_retention_priority=None, decay_granularity_s=1.0, clock=None, max_pinned_fraction=0.0, **_kwargs))]
+    #[pyo3(signature = (block_pool, kv_cache_groups, max_model_len, scheduler_block_size, hash_block_size, *, max_in_flight_tokens=None, enable_caching=true, use_eagle=false, num_hash_lookahead_tokens=None, num_prefill_lookahead=None, dcp_world_size=None, pcp_world_size=None, watermark_blocks=None, needs_kv_cache_zeroing=false, retention_interval=None, enable_mamba_shared_prefix_checkpoint=false, strict_inputs=false, priority_retention=false, default_retention_priority=None, decay_granularity_s=1.0, clock=None, max_pinned_fraction=0.0, verify_hits=false, hit_extra_keys=None, **_kwargs))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         block_pool: Bound<'_, PyBlockPool>,
@@ -535,6 +579,8 @@ impl PyManager {
         decay_granularity_s: f64,
         clock: Option<Py<PyAny>>,
         max_pinned_fraction: f64,
+        verify_hits: bool,
+        hit_extra_keys: Option<Py<PyAny>>,
         _kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         use super::args::count as c;
@@ -612,6 +658,19 @@ impl PyManager {
             return Err(type_err("clock", "must be a callable returning seconds"));
         }
         let mut inner = KVCacheManager::new(&cfg).py_err()?;
+        let reader = if verify_hits {
+            let extra_keys = hit_extra_keys.filter(|f| f.bind(py).is_callable()).ok_or_else(|| {
+                type_err("hit_extra_keys", "verify_hits needs the per-block extra keys function (a callable)")
+            })?;
+            inner.enable_hit_verification(num_blocks).py_err()?;
+            Some(ContentReader {
+                block_size: cfg.hash_block_size,
+                lookahead: cfg.num_hash_lookahead_tokens,
+                extra_keys,
+            })
+        } else {
+            None
+        };
         inner.retention.max_pinned_blocks = (max_pinned_fraction * (num_blocks - 1) as f64).floor() as usize;
         if priority_retention {
             let mut p = block_pool.get().state.borrow_mut(py)?;
@@ -627,6 +686,7 @@ impl PyManager {
             fields: RequestFields::generic(py),
             clock,
             slots: SlotCache::default(),
+            reader,
         };
         Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })
     }
@@ -707,7 +767,11 @@ impl PyManager {
         let num_tokens = me.view(request, false)?.num_tokens;
         let hashes = me.hashes(request)?;
         let p = me.pool.get().state.borrow(py)?;
-        let (_, n, _) = me.inner.get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_len).py_err()?;
+        let content = me.lookup_content(request, &hashes, max_len.unwrap_or(num_tokens.saturating_sub(1)))?;
+        let (_, n, _) = me
+            .inner
+            .get_computed_blocks(&p.inner, true, num_tokens, &hashes, max_len, content.as_ref(), false)
+            .py_err()?;
         Ok(n)
     }
 
@@ -812,10 +876,11 @@ impl PyManager {
         max_cache_hit_length: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<Vec<u32>>, usize, usize)> {
         let me = self.state.borrow(py)?;
+        me.hashes_only_lookup("find_longest_cache_hit")?;
         let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
         let max_len = super::args::count(max_cache_hit_length, "max_cache_hit_length")?;
         let p = me.pool.get().state.borrow(py)?;
-        me.inner.coord.find_longest_cache_hit(&p.inner, &hashes, max_len).py_err()
+        me.inner.coord.find_longest_cache_hit(&p.inner, &hashes, max_len, None).py_err()
     }
 
     /// The coordinator's `find_longest_cache_hit_per_group`: (blocks per group, hit length
@@ -827,6 +892,7 @@ impl PyManager {
         max_cache_hit_length: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<Vec<u32>>, Vec<usize>)> {
         let me = self.state.borrow(py)?;
+        me.hashes_only_lookup("find_longest_cache_hit_per_group")?;
         let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
         let max_len = super::args::count(max_cache_hit_length, "max_cache_hit_length")?;
         let p = me.pool.get().state.borrow(py)?;
@@ -848,6 +914,7 @@ impl PyManager {
         alignment_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<Vec<u32>>, usize)> {
         let me = self.state.borrow(py)?;
+        me.hashes_only_lookup("find_longest_cache_hit")?;
         let m = me.inner.coord.managers.get(group).ok_or_else(|| value_err("group", "out of range"))?;
         let hashes = PyHashes::of(block_hashes.clone(), "block_hashes")?;
         let p = me.pool.get().state.borrow(py)?;
@@ -858,6 +925,7 @@ impl PyManager {
             drop_eagle_block,
             alignment_tokens: super::args::count(alignment_tokens, "alignment_tokens")?.max(1),
             past_hashes_is_error: me.inner.coord.past_hashes_is_error,
+            verify: None,
         };
         m.find_longest_cache_hit(&p.inner, &q).py_err()
     }
@@ -940,17 +1008,22 @@ impl PyManager {
         let v = me.view(request, has_scheduled_reqs)?;
         let ret = me.new_request_retention(request, &v)?;
         let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
-        {
+        let content = {
             let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args), hashes.0.len());
             hashes.check(lo, hi)?;
-        }
+            // adopted hit blocks are not recorded again: their positions need no content
+            let recorded_from =
+                if hits.is_some() { args.num_new_computed_tokens / me.inner.coord.hash_block_size } else { 0 };
+            me.content(request, lo.max(recorded_from), hi)?
+        };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
         super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         let inner = &mut me.inner;
         let res = p.tagged(request, events.as_ref(), |pool, tag| {
-            let view = v.as_view(tag)?;
+            let mut view = v.as_view(tag)?;
+            view.content = content.as_ref();
             inner.allocate_slots(pool, &view, &hashes, &args).py_err()
         });
         drop(p);
@@ -1037,7 +1110,8 @@ impl PyManager {
                 let report = reads && me.reports_hits(&r, events_enabled)?;
                 let events = me.event_inputs(&r, events_enabled)?;
                 let ret = me.new_request_retention(&r, &v)?;
-                checked.push((r, v, reads, hashes, report, events, ret));
+                let content = me.content(&r, 0, v.num_tokens / me.inner.coord.hash_block_size)?;
+                checked.push((r, v, reads, hashes, report, events, ret, content));
             }
             (groups, checked)
         };
@@ -1052,10 +1126,12 @@ impl PyManager {
             let mut p = pool.get().state.borrow_mut(py)?;
             super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         }
-        for (r, v, reads, hashes, report, events, ret) in &checked {
+        for (r, v, reads, hashes, report, events, ret, content) in &checked {
             let mut p = pool.get().state.borrow_mut(py)?;
             let (hit, n, _) = if *reads {
-                me.inner.get_computed_blocks(&p.inner, true, v.num_tokens, hashes, None).py_err()?
+                me.inner
+                    .get_computed_blocks(&p.inner, true, v.num_tokens, hashes, None, content.as_ref(), true)
+                    .py_err()?
             } else {
                 (vec![Vec::new(); groups], 0, 0)
             };
@@ -1075,7 +1151,8 @@ impl PyManager {
             };
             let inner = &mut me.inner;
             let res = p.tagged(r, events.as_ref(), |pool, tag| {
-                let view = v.as_view(tag)?;
+                let mut view = v.as_view(tag)?;
+                view.content = content.as_ref();
                 inner.allocate_slots(pool, &view, hashes, &args).py_err()
             })?;
             match res {
@@ -1184,7 +1261,8 @@ impl PyManager {
                 let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args_of(i)), hashes.0.len());
                 hashes.check(lo, hi)?;
                 let events = me.event_inputs(&r, events_enabled)?;
-                checked.push((r, v, hashes, events));
+                let content = me.content(&r, lo, hi)?;
+                checked.push((r, v, hashes, events, content));
             }
             (groups, checked)
         };
@@ -1195,11 +1273,12 @@ impl PyManager {
         let mut all = Vec::new();
         let mut p = pool.get().state.borrow_mut(py)?;
         super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
-        for (i, (r, v, hashes, events)) in checked.iter().enumerate() {
+        for (i, (r, v, hashes, events, content)) in checked.iter().enumerate() {
             let args = args_of(i);
             let inner = &mut me.inner;
             let res = p.tagged(r, events.as_ref(), |pool, tag| {
-                let view = v.as_view(tag)?;
+                let mut view = v.as_view(tag)?;
+                view.content = content.as_ref();
                 inner.allocate_slots(pool, &view, hashes, &args).py_err()
             })?;
             match res {
@@ -1270,18 +1349,20 @@ impl PyManager {
         }
         let v = me.view(request, false)?;
         let hashes = me.hashes(request)?;
-        {
+        let content = {
             let mut rv = v.as_view(0)?;
             rv.num_computed_tokens = n;
             let (lo, hi) = me.inner.cache_read_range(&rv, None, hashes.0.len());
             hashes.check(lo, hi)?;
-        }
+            me.content(request, lo, hi)?
+        };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
         let inner = &mut me.inner;
         p.tagged(request, events.as_ref(), |pool, tag| {
-            let view = v.as_view(tag)?;
+            let mut view = v.as_view(tag)?;
+            view.content = content.as_ref();
             inner.cache_blocks(pool, &view, &hashes, n).py_err()
         })
     }
@@ -1700,5 +1781,19 @@ impl PyManager {
     #[getter]
     fn watermark_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.state.with(py, |me| me.inner.watermark_blocks)
+    }
+
+    /// True if hits are verified against each block's recorded content (`verify_hits`).
+    #[getter]
+    fn verify_hits(&self, py: Python<'_>) -> PyResult<bool> {
+        self.state.with(py, |me| me.inner.verify.is_some())
+    }
+
+    /// Hits refused by verify on hit since the manager was built: lookups (by
+    /// `get_computed_blocks`, `admit_batch`; not `probe`) in which a block found under the
+    /// request's hash held other content, or content that could not be proven (0 when off).
+    #[getter]
+    fn hit_verification_failures(&self, py: Python<'_>) -> PyResult<u64> {
+        self.state.with(py, |me| me.inner.hit_verification_failures())
     }
 }

@@ -10,6 +10,7 @@ pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
 pub mod hashing;
+pub mod hit_verify;
 pub mod index;
 pub mod manager;
 pub mod request_hasher;
