@@ -65,6 +65,7 @@ bench: install
 	$(BIN)/python benches/summary.py
 	cargo bench --bench core
 	cargo bench --bench index
+	cargo bench --bench retention
 
 demo: $(BIN)/python
 	$(BIN)/python -m pip install -q .
