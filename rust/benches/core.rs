@@ -4,13 +4,8 @@ use _core::hashing::{BlockHasher, HashAlgo};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E3779B97F4A7C15);
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-    z ^ (z >> 31)
-}
+mod common;
+use common::splitmix64;
 
 fn prompt() -> Vec<i64> {
     (0..4096u64).map(|i| (splitmix64((1234567u64 << 40) | (1048000 << 20) | i) % 128000) as i64).collect()

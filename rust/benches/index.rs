@@ -4,13 +4,8 @@
 use _core::index::PrefixIndex;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+mod common;
+use common::splitmix64;
 
 fn key(out: &mut Vec<u8>, k: &str) {
     out.push(0xa0 | k.len() as u8);

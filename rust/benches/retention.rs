@@ -13,15 +13,10 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use std::hint::black_box;
 use std::time::Duration;
 
-const K: usize = 1024;
+mod common;
+use common::splitmix64;
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E3779B97F4A7C15);
-    let mut z = x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-    z ^ (z >> 31)
-}
+const K: usize = 1024;
 
 /// A permutation of `0..n` (Fisher-Yates driven by splitmix64).
 fn permutation(n: usize, seed: u64) -> Vec<usize> {
