@@ -121,3 +121,19 @@ def test_record_prefix_cache_stats_checks_num_hits(manager, value, exc, message)
     with pytest.raises(exc, match=rf"^num_hits: {message}"):
         manager.record_prefix_cache_stats(req, value)
     assert manager.make_prefix_cache_stats().requests == 0
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["enable_caching", "log_stats", "enable_kv_cache_events", "use_eagle",
+     "enable_mamba_shared_prefix_checkpoint", "priority_retention", "verify_hits"],
+)
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_own_constructor_flags_must_be_bools_and_are_named(flag, bad):
+    """kvblock's own constructor names an on/off argument that is not a bool (PyO3's own
+    message named only the types); numpy's bools are bools."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match=f"^{flag}: must be a bool, got"):
+        KVCacheManager(16, 4, **{flag: bad})
+    assert KVCacheManager(16, 4, **{flag: np.False_}).block_pool.get_num_free_blocks() == 15

@@ -123,6 +123,15 @@ class KVCacheBlocks:
         return f"KVCacheBlocks(block_ids={self.get_block_ids()})"
 
 
+def _check_flags(**flags: Any) -> None:
+    """The constructor's on/off arguments must be bools (numpy's included): anything else is
+    a ``TypeError`` naming the argument (an int or a string is more likely a misplaced
+    argument than a choice)."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}: must be a bool, got {type(value).__name__} {value!r}")
+
+
 def _check_own_arguments(
     groups: Sequence[KVCacheGroupSpec], enable_caching: bool, max_model_len: Any, dcp: Any, pcp: Any
 ) -> None:
@@ -319,6 +328,15 @@ class KVCacheManager(_core.KVCacheManagerCore):
     ) -> "KVCacheManager":
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
+        _check_flags(
+            enable_caching=enable_caching,
+            log_stats=log_stats,
+            enable_kv_cache_events=enable_kv_cache_events,
+            use_eagle=use_eagle,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+            priority_retention=priority_retention,
+            verify_hits=verify_hits,
+        )
         if kv_cache_groups is None:
             if block_size is None:
                 raise TypeError("KVCacheManager: give block_size (one group) or kv_cache_groups")
