@@ -594,37 +594,23 @@ impl KVCacheManager {
         // num_tokens): the cacheable count grows with it, so a cache that covers the bound
         // covers the count
         let computed_bound = total.saturating_add(a.num_new_tokens);
-        if self.plain_full_attention {
-            // the same test, with the groups' (fixed) kind, block size and caching known
-            let bs = self.coord.hash_block_size;
-            for (gid, m) in self.coord.managers.iter().enumerate() {
-                let Some(r) = m.req(slot) else { return Some(false) };
-                if !r.present || r.partial_hit.is_some() || r.blocks.len().saturating_mul(bs) < need_slot {
+        // with every group plain full attention (fixed at construction), only the request's
+        // tables are read: no group's kind, block size or caching flags
+        let plain = self.plain_full_attention;
+        let bs_plain = self.coord.hash_block_size;
+        for (gid, m) in self.coord.managers.iter().enumerate() {
+            let bs = if plain { bs_plain } else { m.cfg.block_size };
+            if !plain {
+                let kind_ok = matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. });
+                if !kind_ok || bs != self.coord.hash_block_size {
                     return Some(false);
                 }
-                if caches {
-                    let Some(c) = r.num_cached else { return Some(false) };
-                    if c < self.coord.num_cacheable_tokens(computed_bound, gid) / bs {
-                        let computed = computed_bound.min(num_tokens?);
-                        if c < self.coord.num_cacheable_tokens(computed, gid) / bs {
-                            return Some(false);
-                        }
-                    }
-                }
-            }
-            return Some(true);
-        }
-        for (gid, m) in self.coord.managers.iter().enumerate() {
-            let bs = m.cfg.block_size;
-            let kind_ok = matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. });
-            if !kind_ok || bs != self.coord.hash_block_size {
-                return Some(false);
             }
             let Some(r) = m.req(slot) else { return Some(false) };
             if !r.present || r.partial_hit.is_some() || r.blocks.len().saturating_mul(bs) < need_slot {
                 return Some(false);
             }
-            if !matches!(m.cfg.spec.kind, Kind::FullAttention) {
+            if !plain && !matches!(m.cfg.spec.kind, Kind::FullAttention) {
                 // the last block `remove_skipped_blocks` would free is null already
                 let processed = total.saturating_sub(num_in_flight_tokens?);
                 let skipped = (m.cfg.num_skipped_tokens(processed) / bs).min(r.blocks.len());
@@ -632,7 +618,7 @@ impl KVCacheManager {
                     return Some(false);
                 }
             }
-            if caches && m.cfg.enable_caching && m.cfg.spec.prefix_cacheable {
+            if caches && (plain || (m.cfg.enable_caching && m.cfg.spec.prefix_cacheable)) {
                 let Some(c) = r.num_cached else { return Some(false) };
                 if c < self.coord.num_cacheable_tokens(computed_bound, gid) / bs {
                     let computed = computed_bound.min(num_tokens?);
