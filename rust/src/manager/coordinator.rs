@@ -840,6 +840,30 @@ impl Coordinator {
         }
     }
 
+    /// Read, for every live request, what the no-op checks of its next `allocate_slots` and
+    /// `cache_blocks` read (its generation, and per group whether it is present, its table's
+    /// length, its cached count and partial hit), so that a step's calls find it in cache:
+    /// one pass over small arrays whose misses overlap, instead of several misses per call.
+    /// Returns the live slots (the value is the reads' sum, which keeps them from being
+    /// optimised away).
+    pub fn warm_live_requests(&self, mut each: impl FnMut(usize)) -> u64 {
+        let mut sum = 0u64;
+        for s in self.reqs.live_slots() {
+            sum = sum.wrapping_add(self.reqs.gen_at(s as u32));
+            for m in &self.managers {
+                if let Some(r) = m.req(s) {
+                    sum = sum
+                        .wrapping_add(r.present as u64)
+                        .wrapping_add(r.blocks.len() as u64)
+                        .wrapping_add(r.num_cached.unwrap_or(0) as u64)
+                        .wrapping_add(r.partial_hit.is_some() as u64);
+                }
+            }
+            each(s);
+        }
+        std::hint::black_box(sum)
+    }
+
     /// Forget every request (a rebuilt pool).
     pub fn clear(&mut self) {
         self.reqs.clear();

@@ -106,6 +106,11 @@ impl<T: Default> RequestTable<T> {
         Some(std::mem::take(&mut self.slots[s as usize]))
     }
 
+    /// The slots holding an entry, ascending.
+    pub fn live_slots(&self) -> impl Iterator<Item = usize> + '_ {
+        self.gens.iter().enumerate().filter(|(_, &g)| g != 0).map(|(s, _)| s)
+    }
+
     /// Every id present (any order).
     pub fn ids(&self) -> Vec<String> {
         self.index.keys().cloned().collect()
@@ -142,6 +147,19 @@ mod tests {
         assert_eq!(t.get("c"), Some(&3));
         t.clear();
         assert!(t.is_empty() && t.get("b").is_none());
+    }
+
+    #[test]
+    fn live_slots_are_the_occupied_ones() {
+        let mut t: RequestTable<u64> = RequestTable::default();
+        let slots: Vec<u32> = (0..5).map(|i| t.insert(&format!("r{i}"), i)).collect();
+        t.remove("r1");
+        t.remove("r3");
+        assert_eq!(t.live_slots().collect::<Vec<_>>(), vec![slots[0] as usize, slots[2] as usize, slots[4] as usize]);
+        let s = t.insert("new", 9); // a vacant slot is reused, and live again
+        assert!(t.live_slots().any(|x| x == s as usize));
+        t.clear();
+        assert_eq!(t.live_slots().count(), 0);
     }
 
     #[test]

@@ -1671,7 +1671,13 @@ impl PyManager {
 
     /// `new_step_starts`.
     fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
-        self.state.borrow_mut(py)?.inner.coord.new_step_starts();
+        let mut guard = self.state.borrow_mut(py)?;
+        let me = &mut *guard;
+        me.inner.coord.new_step_starts();
+        let slots = &me.slots;
+        let mut sum = 0usize;
+        me.inner.coord.warm_live_requests(|s| sum = sum.wrapping_add(slots.warm(s)));
+        std::hint::black_box(sum);
         Ok(())
     }
 

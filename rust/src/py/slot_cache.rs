@@ -30,6 +30,8 @@ struct Entry {
 #[derive(Default)]
 pub struct SlotCache {
     table: Vec<Option<Entry>>,
+    /// Per slot: the entry it was last inserted at (`u16::MAX`: none), for [`SlotCache::warm`].
+    way_of_slot: Vec<u16>,
 }
 
 #[inline]
@@ -63,7 +65,22 @@ impl SlotCache {
             self.table.resize_with(WAYS, || None);
         }
         let address = request.as_ptr() as usize;
-        self.table[way(address)] = Some(Entry { address, request_id: id.clone().unbind(), slot, generation });
+        let w = way(address);
+        self.table[w] = Some(Entry { address, request_id: id.clone().unbind(), slot, generation });
+        if self.way_of_slot.len() <= slot {
+            self.way_of_slot.resize(slot + 1, u16::MAX);
+        }
+        self.way_of_slot[slot] = w as u16;
+    }
+
+    /// Read the entry last inserted for `slot` (see `Coordinator::warm_live_requests`); the
+    /// value read is returned to keep the read.
+    #[inline]
+    pub fn warm(&self, slot: usize) -> usize {
+        match self.way_of_slot.get(slot) {
+            Some(&w) if w != u16::MAX => self.table.get(w as usize).and_then(|e| e.as_ref()).map_or(0, |e| e.slot),
+            _ => 0,
+        }
     }
 
     /// Forget `request` (it was freed).
