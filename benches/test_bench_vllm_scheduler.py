@@ -118,7 +118,6 @@ def test_vllm_scheduler_step(record_measured, report_line, name):
 # -- the engine core's request hashing -----------------------------------------------------------
 
 HASH_GROUP = "engine core: Request(...) with block hasher, 2,048-token request"
-_HASHES: dict[tuple[str, str], list[bytes]] = {}
 HASH_ROUNDS = 20
 HASH_BATCH = 16
 
@@ -132,43 +131,50 @@ def _prompts(kind: str, round_: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["unique", "shared"])
-@pytest.mark.parametrize("impl", ["vllm", "kvblock"])
-def test_request_hashing(record_measured, impl, kind):
+def test_request_hashing(record_measured, kind):
     """What the engine core does per new request: ``Request(..., block_hasher=
     get_request_block_hasher(16, sha256))``, which hashes its 128 full blocks; stock vLLM's
-    hasher vs kvblock's (swapped in by ``kvblock.vllm.patch()``). The same prompts give the
-    same block hashes on both (checked on every round)."""
+    hasher vs kvblock's (swapped in by ``kvblock.vllm.patch()``), in interleaved rounds (stock,
+    kvblock, kvblock, stock, ...) so that a noisy neighbour hits both alike. Each side gets its
+    own fresh copy of the round's prompts. The same prompts give the same block hashes on both
+    (checked on every round)."""
     _check_version()
-    with S.engine(impl) as eng:
-        params = eng["SamplingParams"](max_tokens=16, ignore_eos=True)
-        params.update_from_generation_config({}, S.EOS_TOKEN_ID)
-        Request, hasher = eng["Request"], eng["hasher"]
-        clock = time.perf_counter_ns
-        samples = []
-        digests = []
-        reqs: list = []
-        # as vLLM's engine core does once started (freeze_gc_heap): the startup heap is frozen,
-        # so the collection before each round walks only this bench's own objects (a full
-        # collection of the vLLM + torch heap would flush the CPU caches before every round,
-        # which the engine core never does between requests)
-        gc.collect()
-        gc.freeze()
-        try:
-            for rnd in range(HASH_ROUNDS + 1):  # round 0 warms up
+    hashers = {}
+    for impl in ("vllm", "kvblock"):
+        with S.engine(impl) as eng:  # each hasher keeps its hash function and NONE_HASH
+            hashers[impl] = eng["hasher"]
+            Request, SamplingParams = eng["Request"], eng["SamplingParams"]
+    assert type(hashers["kvblock"]).__module__.startswith("kvblock"), hashers
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params.update_from_generation_config({}, S.EOS_TOKEN_ID)
+    clock = time.perf_counter_ns
+    samples: dict[str, list[float]] = {"vllm": [], "kvblock": []}
+    reqs: list = []
+    # as vLLM's engine core does once started (freeze_gc_heap): the startup heap is frozen, so
+    # the collection before each round walks only this bench's own objects (a full collection
+    # of the vLLM + torch heap would flush the CPU caches before every round, which the engine
+    # core never does between requests)
+    gc.collect()
+    gc.freeze()
+    try:
+        for rnd in range(HASH_ROUNDS + 1):  # round 0 warms up
+            last: list[bytes] = []
+            for impl in (("vllm", "kvblock") if rnd % 2 == 0 else ("kvblock", "vllm")):
                 prompts = _prompts(kind, rnd)
-                reqs = []  # the last round's requests are freed here, not inside the timed region
+                reqs = []  # the last requests are freed here, not inside the timed region
                 gc.collect()
+                hasher = hashers[impl]
                 t0 = clock()
                 reqs = [Request(f"h-{rnd}-{j}", p, params, None, block_hasher=hasher) for j, p in enumerate(prompts)]
                 dt = clock() - t0
                 if rnd:
-                    samples.append(dt / len(prompts) / 1e9)
+                    samples[impl].append(dt / len(prompts) / 1e9)
                 assert all(len(r.block_hashes) == W.PROMPT_LEN // W.BLOCK_SIZE for r in reqs)
-                digests += [bytes(r.block_hashes[-1]) for r in reqs]
-        finally:
-            gc.unfreeze()
-    _HASHES[(impl, kind)] = digests
-    other = _HASHES.get(("kvblock" if impl == "vllm" else "vllm", kind))
-    if other is not None:
-        assert other == digests, "kvblock's request hashes differ from vLLM's"
-    record_measured(f"{HASH_GROUP} [{kind} prompts]", impl, samples)
+                digests = [bytes(h) for r in reqs for h in r.block_hashes]
+                if last:
+                    assert digests == last, "kvblock's request hashes differ from vLLM's"
+                last = digests
+    finally:
+        gc.unfreeze()
+    for impl, s in samples.items():
+        record_measured(f"{HASH_GROUP} [{kind} prompts]", impl, s)
