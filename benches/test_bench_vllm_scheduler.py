@@ -34,7 +34,7 @@ from kvblock import workload as W
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 
-REPS = int(os.environ.get("KVBLOCK_BENCH_SCHED_REPS", "3"))
+REPS = int(os.environ.get("KVBLOCK_BENCH_SCHED_REPS", "5"))
 
 #: fingerprint, steps, finished requests, prefix-cache hits / queries (tokens) of each workload
 EXPECTED = {
