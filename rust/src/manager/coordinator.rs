@@ -840,16 +840,23 @@ impl Coordinator {
         }
     }
 
+    /// Most live requests [`Coordinator::warm_live_requests`] reads: past this their state no
+    /// longer stays in cache until the step's calls, and the pass would only add its own cost.
+    pub const WARM_MAX_LIVE: usize = 1024;
+
     /// Read, for every live request, what the no-op checks of its next `allocate_slots` and
     /// `cache_blocks` read (its generation, and per group whether it is present, its table's
-    /// length, its cached count and partial hit), so that a step's calls find it in cache:
-    /// one pass over small arrays whose misses overlap, instead of several misses per call.
-    /// Returns the live slots (the value is the reads' sum, which keeps them from being
-    /// optimised away).
-    pub fn warm_live_requests(&self, mut each: impl FnMut(usize)) -> u64 {
+    /// length, its cached count and partial hit), calling `each(slot)` for the caller's own
+    /// per-request state, so that a step's calls find it in cache: one pass over small arrays
+    /// whose misses overlap, instead of several misses per call. Nothing is read when more
+    /// than [`Coordinator::WARM_MAX_LIVE`] requests are live.
+    pub fn warm_live_requests(&self, mut each: impl FnMut(usize) -> u64) {
+        if self.reqs.len() > Self::WARM_MAX_LIVE {
+            return;
+        }
         let mut sum = 0u64;
         for s in self.reqs.live_slots() {
-            sum = sum.wrapping_add(self.reqs.gen_at(s as u32));
+            sum = sum.wrapping_add(self.reqs.gen_at(s as u32)).wrapping_add(each(s));
             for m in &self.managers {
                 if let Some(r) = m.req(s) {
                     sum = sum
@@ -859,9 +866,8 @@ impl Coordinator {
                         .wrapping_add(r.partial_hit.is_some() as u64);
                 }
             }
-            each(s);
         }
-        std::hint::black_box(sum)
+        std::hint::black_box(sum); // keeps the reads
     }
 
     /// Forget every request (a rebuilt pool).
