@@ -274,10 +274,31 @@ def test_request_forgotten_by_id_is_not_answered_from_a_reused_slot(forget):
     _same(v, k, lambda: v.cache_blocks(rv, 7), lambda: k.cache_blocks(rk, 7))
 
 
+def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_cache():
+    """kvblock knows a vLLM ``Request`` in its slot cache by a weak reference. When a request
+    object dies while the manager still holds its blocks (its id is still live), and another
+    request object, with another id, takes its address, the newcomer must get vLLM's answer for
+    an unknown request (new blocks), not the dead request's no-op; and the dead request's id
+    keeps its blocks. Run in a child process with C malloc (``vllm_address_reuse.py``), where
+    a freed request's address comes back to a new request within a few hundred tries."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "vllm_address_reuse.py"
+    env = dict(os.environ, PYTHONMALLOC="malloc")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    last = out.stdout.strip().splitlines()[-1:] or [out.stderr[-2000:]]
+    assert out.returncode == 0, last[0]
+    assert last[0].startswith("reused ")
+
+
 def test_slot_cache_releases_freed_requests_and_stays_bounded():
-    """The slot cache keeps no request object alive (it holds the ``request_id`` string),
-    freeing a request through its object drops its entry, and requests forgotten by id stay
-    in a table of fixed size (4,096 entries), so no id is kept without bound."""
+    """The slot cache keeps no request object alive (it holds a weak reference to a vLLM
+    ``Request``), freeing a request through its object drops its entry, and requests
+    forgotten by id stay in a table of fixed size (4,096 entries), so no entry is kept
+    without bound."""
     import sys
 
     _, k = _both([FullAttentionSpec(block_size=4, **A)], 8192, 4, 4)

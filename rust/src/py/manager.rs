@@ -134,6 +134,14 @@ fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field,
     }
 }
 
+/// `request.request_id` (a `str`).
+fn request_id_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    fields
+        .get(request, Field::RequestId)?
+        .cast_into::<PyString>()
+        .map_err(|_| type_err("request.request_id", "must be a str"))
+}
+
 impl ManagerState {
     /// With verify on hit, the request's blocks `first..end` (see [`ContentReader::read`]);
     /// None when it is off.
@@ -236,25 +244,22 @@ impl ManagerState {
     }
 
     /// The coordinator slot of a request this manager holds, found from the request object's
-    /// address and its `request_id` string's identity when it was seen before (see
-    /// `slot_cache.rs`), else from the id's characters; None for a request the manager does
-    /// not hold.
+    /// address when it was seen before (see `slot_cache.rs`), else from its id's characters;
+    /// None for a request the manager does not hold.
     fn known_slot(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
-        let id = self.id_of(request)?;
         let coord = &self.inner.coord;
-        if let Some(slot) = self.slots.get(request, &id, |s| coord.slot_generation(s)) {
+        let fields = &self.fields;
+        if let Some(slot) = self.slots.get(request, || request_id_of(fields, request), |s| coord.slot_generation(s))? {
             return Ok(Some(slot));
         }
+        let id = self.id_of(request)?;
         let Some((slot, generation)) = coord.slot_and_generation(request_id_str(&id)?) else { return Ok(None) };
         self.slots.insert(request, &id, slot, generation);
         Ok(Some(slot))
     }
 
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        self.fields
-            .get(request, Field::RequestId)?
-            .cast_into::<PyString>()
-            .map_err(|_| type_err("request.request_id", "must be a str"))
+        request_id_of(&self.fields, request)
     }
 
     /// The request's block hashes. kvblock's own API (strict inputs) refuses a request
