@@ -5,6 +5,8 @@ after an error is what vLLM's is (unchanged where vLLM is atomic)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from conftest import require_module
@@ -322,3 +324,45 @@ def test_slot_cache_releases_freed_requests_and_stays_bounded():
         live.append(r)  # kept alive: their addresses stay distinct
     assert 0 < k._slot_cache_len() <= 4096
     assert k.block_pool.get_num_free_blocks() == 8191
+
+
+def test_partial_mamba_hit_queues_the_same_copy_on_write_copy():
+    """A request that hits mid-way into a Mamba block (hash blocks of 16 tokens, Mamba blocks
+    of 544, vLLM's partial hash hits) gets a private copy of the shared Mamba state: both
+    managers queue the same copy and retain the same blocks until ``take_kv_cache_block_copies``
+    hands them over, then free them alike. (The randomized lockstep reaches this only in a
+    few of thousands of examples.)"""
+    init_none_hash(sha256)
+    specs = [FullAttentionSpec(block_size=16, **A), replace(_mamba(16), block_size=544)]
+    managers = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(
+            num_blocks=200,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+        )
+        managers.append(cls(cfg, 8192, 544, 16, enable_caching=True, num_hash_lookahead_tokens=1))
+    v, k = managers
+    assert type(k) is kv.KVCacheManager
+    tokens = list(range(1249))
+    for m in (v, k):
+        first = _request("first", tokens, 16, lookahead=1)
+        assert m.allocate_slots(first, 1248) is not None
+        first.num_computed_tokens = 1248
+        m.new_step_starts()
+        assert m.allocate_slots(first, 1) is not None
+        first.num_computed_tokens = 1249
+        m.new_step_starts()
+        m.free(first)
+    assert _state(v) == _state(k)
+    sv, sk = (_request("second", tokens, 16, lookahead=1) for _ in range(2))
+    (bv, nv, _), (bk, nk, _) = v.get_computed_blocks(sv), k.get_computed_blocks(sk)
+    assert nv == nk == 1248
+    _same(v, k, lambda: v.allocate_slots(sv, 1, nv, bv), lambda: k.allocate_slots(sk, 1, nk, bk))
+    cv, ck = v.take_kv_cache_block_copies(), k.take_kv_cache_block_copies()
+    assert cv[0], "no copy-on-write copy was queued"
+    assert [tuple(c) for c in cv[0]] == [tuple(c) for c in ck[0]]
+    assert [type(c) for c in ck[0]] == [type(c) for c in cv[0]]
+    assert [b.block_id for b in cv[1]] == [b.block_id for b in ck[1]]
+    _same(v, k, lambda: v.block_pool.free_blocks(cv[1]), lambda: k.block_pool.free_blocks(ck[1]))
+    assert v.take_kv_cache_block_copies() == k.take_kv_cache_block_copies() == ([], [])

@@ -257,9 +257,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [0] * self.num_kv_cache_groups
 
-    def take_events(self) -> list[KVCacheEvent]:
-        if not self.enable_kv_cache_events:
-            return []  # vLLM's pool keeps no events then
+    def _take_pool_events(self) -> list[KVCacheEvent]:
+        # take_events (the core's) with KV events on
         events = self.block_pool.take_events()
         meta = self.kv_cache_event_metadata
         for event in events:
@@ -270,9 +269,6 @@ class KVCacheManager(_core.KVCacheManagerCore):
                 continue
             event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = meta[event.group_idx]
         return events
-
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return self._get_blocks(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(self._block_ids(request_id))
@@ -312,19 +308,11 @@ class KVCacheManager(_core.KVCacheManagerCore):
             truncated.append(list(group_blocks[:num_blocks]))
         return self.create_kv_cache_blocks(tuple(truncated))
 
-    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
-        pairs = self._take_kv_cache_block_copies()
-        if not pairs:
-            return [], []
+    def _kv_cache_block_copies_of(self, pairs: list[tuple[int, int]]) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        # take_kv_cache_block_copies (the core's) when there are copies: vLLM's result types
         view = self.block_pool._view
         copies = [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
         return copies, [view(b) for pair in pairs for b in pair]
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        out: dict[str, list[tuple[int, int, int]]] = {}
-        for req_id, group_id, block_id, tokens in self._take_boundary_state_offloads():
-            out.setdefault(req_id, []).append((group_id, block_id, tokens))
-        return out
 
     def __repr__(self) -> str:
         return (

@@ -1544,9 +1544,10 @@ impl PyManager {
         self.state.with(py, |me| me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect())
     }
 
-    /// `get_blocks(request_id)`: the request's blocks per group as the manager's
-    /// `KVCacheBlocks` (block ids held in Rust; the shared empty one if it holds none).
-    fn _get_blocks<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
+    /// vLLM's `get_blocks(request_id)`: the request's blocks per group as the manager's
+    /// `KVCacheBlocks` (block ids held in Rust; the shared empty one if it holds none, or
+    /// for an unknown request).
+    fn get_blocks<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
         let me = self.state.borrow(py)?;
         let groups = me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect();
         me.blocks_of(py, groups)
@@ -1657,9 +1658,45 @@ impl PyManager {
         Ok(self.state.borrow_mut(py)?.inner.take_kv_cache_block_copies())
     }
 
-    /// `take_boundary_state_offloads`: `(request id, group, block id, boundary tokens)`.
-    fn _take_boundary_state_offloads(&self, py: Python<'_>) -> PyResult<Vec<(String, u32, u32, usize)>> {
-        Ok(self.state.borrow_mut(py)?.inner.take_boundary_state_offloads())
+    /// vLLM's `take_events()`: the KV events since the last call. `[]` with KV events off
+    /// (vLLM's pool keeps none then), answered here; otherwise the subclass's
+    /// `_take_pool_events()` (the pool's events, annotated as vLLM's manager does).
+    fn take_events<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let enabled = slf.get().state.borrow(py)?.pool.get().state.borrow(py)?.inner.events_enabled();
+        if !enabled {
+            return Ok(PyList::empty(py).into_any());
+        }
+        slf.call_method0(intern!(py, "_take_pool_events"))
+    }
+
+    /// vLLM's `take_kv_cache_block_copies()`: the pending copy-on-write copies of partial
+    /// hits, drained, and the blocks retained until they ran. `([], [])` when there are none
+    /// (most steps), answered here; otherwise what the subclass's
+    /// `_kv_cache_block_copies_of(pairs)` builds from the `(src_block_id, dst_block_id)` pairs.
+    fn take_kv_cache_block_copies<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let pairs = slf.get().state.borrow_mut(py)?.inner.take_kv_cache_block_copies();
+        if pairs.is_empty() {
+            return Ok((PyList::empty(py), PyList::empty(py)).into_pyobject(py)?.into_any());
+        }
+        slf.call_method1(intern!(py, "_kv_cache_block_copies_of"), (pairs,))
+    }
+
+    /// vLLM's `take_boundary_state_offloads()`: the Mamba boundary states to offload since the
+    /// last call, drained, as `{request_id: [(group, block_id, boundary_tokens), ...]}` in the
+    /// order they were recorded (an empty dict, as most steps, without building anything else).
+    fn take_boundary_state_offloads<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let offloads = self.state.borrow_mut(py)?.inner.take_boundary_state_offloads();
+        let out = PyDict::new(py);
+        for (request_id, group, block_id, tokens) in offloads {
+            let entry = (group, block_id, tokens).into_pyobject(py)?;
+            match out.get_item(&request_id)? {
+                Some(list) => list.cast_into::<PyList>()?.append(entry)?,
+                None => out.set_item(&request_id, PyList::new(py, [entry])?)?,
+            }
+        }
+        Ok(out)
     }
 
     /// `finalize_partial_tail_offloads(request)`: `(group, block id, boundary tokens)`.
