@@ -134,14 +134,6 @@ fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field,
     }
 }
 
-/// `request.request_id` (a `str`).
-fn request_id_of<'py>(fields: &RequestFields, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-    fields
-        .get(request, Field::RequestId)?
-        .cast_into::<PyString>()
-        .map_err(|_| type_err("request.request_id", "must be a str"))
-}
-
 impl ManagerState {
     /// With verify on hit, the request's blocks `first..end` (see [`ContentReader::read`]);
     /// None when it is off.
@@ -181,10 +173,7 @@ impl ManagerState {
     fn view<'py>(&self, request: &Bound<'py, PyAny>, has_scheduled_reqs: bool) -> PyResult<ReqView<'py>> {
         let py = request.py();
         let f = &self.fields;
-        let id = f
-            .get(request, Field::RequestId)?
-            .cast_into::<PyString>()
-            .map_err(|_| type_err("request.request_id", "must be a str"))?;
+        let id = self.id_of(request)?;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
             Some(t) => t.len()?,
@@ -248,8 +237,7 @@ impl ManagerState {
     /// None for a request the manager does not hold.
     fn known_slot(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let coord = &self.inner.coord;
-        let fields = &self.fields;
-        if let Some(slot) = self.slots.get(request, || request_id_of(fields, request), |s| coord.slot_generation(s))? {
+        if let Some(slot) = self.slots.get(request, || self.id_of(request), |s| coord.slot_generation(s))? {
             return Ok(Some(slot));
         }
         let id = self.id_of(request)?;
@@ -258,8 +246,12 @@ impl ManagerState {
         Ok(Some(slot))
     }
 
+    /// `request.request_id` (a `str`).
     fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
-        request_id_of(&self.fields, request)
+        self.fields
+            .get(request, Field::RequestId)?
+            .cast_into::<PyString>()
+            .map_err(|_| type_err("request.request_id", "must be a str"))
     }
 
     /// The request's block hashes. kvblock's own API (strict inputs) refuses a request

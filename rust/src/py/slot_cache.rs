@@ -47,15 +47,13 @@ struct Entry {
     generation: u64,
 }
 
-impl Entry {
-    /// The object the weak reference still refers to (Py_None once the request died).
-    #[inline(always)]
-    fn referent(wr: &Py<PyWeakrefReference>) -> usize {
-        // SAFETY: a `PyWeakrefReference` is a CPython weak reference object
-        // (`PyWeakReference`); reading its `wr_object` field is what `PyWeakref_GetObject`
-        // does, without a call (the GIL is held: the caller has a `Bound`).
-        unsafe { (*(wr.as_ptr() as *const ffi::PyWeakReference)).wr_object as usize }
-    }
+/// The address of the object a weak reference still refers to (Py_None's once it died).
+#[inline(always)]
+fn referent(wr: &Py<PyWeakrefReference>) -> usize {
+    // SAFETY: a `PyWeakrefReference` is a CPython weak reference object (`PyWeakReference`);
+    // reading its `wr_object` field is what `PyWeakref_GetObject` does, without a call (the
+    // GIL is held: the callers have a `Bound`).
+    unsafe { (*(wr.as_ptr() as *const ffi::PyWeakReference)).wr_object as usize }
 }
 
 #[derive(Default)]
@@ -88,7 +86,7 @@ impl SlotCache {
             return Ok(None);
         }
         let same = match &e.key {
-            Key::Referent(wr) => Entry::referent(wr) == address,
+            Key::Referent(wr) => referent(wr) == address,
             Key::RequestId(id) => id.as_ptr() == request_id()?.as_ptr(),
         };
         Ok(same.then_some(e.slot))
@@ -122,7 +120,7 @@ impl SlotCache {
             Some(&w) if w != u16::MAX => self.table.get(w as usize).and_then(|e| e.as_ref()).map_or(0, |e| {
                 e.slot
                     ^ match &e.key {
-                        Key::Referent(wr) => Entry::referent(wr),
+                        Key::Referent(wr) => referent(wr),
                         Key::RequestId(_) => 0,
                     }
             }),
