@@ -9,9 +9,10 @@ fingerprint of ``vllm_sched._feed``), and it is also pinned to its recorded valu
 of behaviour on either side fails here before any number is reported.
 
 The manager's share comes from separate passes of each (``vllm_sched.ManagerTimer``: every
-public manager method and the pool methods the scheduler calls wrapped with a clock, its own
-cost calibrated per call shape and subtracted), ``REPS`` of each interleaved, reported as the
-median; the timed runs carry no wrapper.
+public manager method and the pool methods the scheduler calls wrapped in a
+``kvblock._core.TimedCall``, which makes the scheduler's own vectorcall between two clock
+reads; the clock reads, calibrated, are subtracted), ``REPS`` of each interleaved, reported as
+the median; the step-time runs carry no wrapper.
 
 Both halves run with the startup heap frozen (``gc.freeze()``), as vLLM's engine core runs once
 started (``freeze_gc_heap``): the collections between runs and rounds then walk only this
@@ -108,8 +109,8 @@ def test_vllm_scheduler_step(record_measured, report_line, name):
         report_line(f"  KV manager share of a step [{name}, {'stock vLLM' if impl == 'vllm' else 'kvblock'}]: "
                     f"{share:.1%} median of {len(ts)} timed passes ({', '.join(f'{x:.1%}' for x in shares)}); "
                     f"median pass: {t.manager_ns / t.steps / 1e3:.1f} of {step / 1e3:.1f} µs per step, "
-                    f"{t.manager_calls / t.steps:.0f} calls a step, the wrapper's {t.manager_overhead_ns} ns "
-                    f"({t.manager_kw_overhead_ns} ns with keywords) a call subtracted; biggest (with the wrapper): "
+                    f"{t.manager_calls / t.steps:.0f} calls a step, the clock's {t.manager_overhead_ns} ns a call "
+                    f"subtracted; biggest (with the clock): "
                     f"{detail}")
     kv_share = _SHARES[name]["kvblock"][0]
     report_line(f"  target: kvblock's manager share <= 5%: {'met' if kv_share <= 0.05 else 'NOT met'} ({kv_share:.1%})")

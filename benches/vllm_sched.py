@@ -191,13 +191,12 @@ class SchedRun:
     step_ns: list[int]  # schedule() + update_from_output() per step
     manager_ns: int  # time inside the KV cache manager's methods (timed runs: 0)
     manager_calls: int
-    manager_by_name: dict[str, list[int]]  # name -> [ns with the wrapper, calls]
+    manager_by_name: dict[str, list[int]]  # name -> [ns with the clock reads, calls]
     finished: int
     hits: int
     queries: int
     kind: str = ""
-    manager_overhead_ns: int = 0  # the timer's own cost per positional call (subtracted in manager_ns)
-    manager_kw_overhead_ns: int = 0  # ... per call with keyword arguments
+    manager_overhead_ns: int = 0  # the timer's own cost per call (subtracted in manager_ns)
 
     @property
     def mean_step_s(self) -> float:
@@ -209,24 +208,23 @@ class SchedRun:
 
 class ManagerTimer:
     """Wraps every public method of one KV cache manager instance (and the block pool methods
-    the scheduler calls directly) with a clock. Calls made from inside a timed call are not
-    timed twice. The wrapper's own cost inside the timed interval is measured on a C builtin
-    that does next to nothing, called the same two ways the scheduler calls the manager
-    (positional arguments only, and with keyword arguments, which the wrapper re-packs into a
-    dict), as the least of several calibrations, and subtracted per call of each kind."""
+    the scheduler calls directly) in a ``kvblock._core.TimedCall`` on one ``CallClock``: the
+    arguments are unpacked before the clock is read, and the call made is the vectorcall the
+    scheduler would have made, so a timed interval holds the call and two clock reads (a
+    Python wrapper's own frame and bookkeeping cost as much as a manager call, and varied from
+    pass to pass more than the share measured). Calls made from inside a timed call are not
+    timed twice. The two clock reads, the least of several calibrations, are subtracted per
+    call."""
 
     POOL_METHODS = ("free_blocks", "get_num_free_blocks", "get_usage")
-    CALIBRATIONS = 7
 
     def __init__(self, manager: Any) -> None:
-        self.ns = 0
-        self.calls = 0
-        self.kw_calls = 0
-        self._depth = 0
-        self.by_name: dict[str, list[int]] = {}
-        self.empty = None
-        self.overhead_ns, self.kw_overhead_ns = self._calibrate()
-        self.empty = manager.empty_kv_cache_blocks
+        from kvblock._core import CallClock
+
+        self.clock = CallClock()
+        self.overhead_ns = min(self.clock.overhead_ns() for _ in range(7))
+        self._timed: dict[str, Any] = {}
+        empty = manager.empty_kv_cache_blocks
         for name in dir(type(manager)):
             if name.startswith("_"):
                 continue
@@ -234,62 +232,41 @@ class ManagerTimer:
                 continue
             attr = getattr(manager, name, None)
             if callable(attr) and not isinstance(attr, type):
-                setattr(manager, name, self._wrap(attr, name))
+                setattr(manager, name, self._wrap(attr, name, empty))
         pool = manager.block_pool
         for name in self.POOL_METHODS:
             if callable(getattr(pool, name, None)):
-                setattr(pool, name, self._wrap(getattr(pool, name), "block_pool." + name))
+                setattr(pool, name, self._wrap(getattr(pool, name), "block_pool." + name, None))
 
-    def _wrap(self, fn: Callable[..., Any], name: str = "") -> Callable[..., Any]:
-        clock = time.perf_counter_ns
-        acc = self.by_name.setdefault(name, [0, 0])
-        # allocate_slots split: calls that allocate nothing (most decode steps) and the rest
-        acc_new = self.by_name.setdefault(name + " [new blocks]", [0, 0]) if name == "allocate_slots" else acc
-        empty = self.empty
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth = 1
-            t0 = clock()
-            res = None
-            try:
-                res = fn(*args, **kwargs)
-                return res
-            finally:
-                dt = clock() - t0
-                self.ns += dt
-                self.calls += 1
-                if kwargs:
-                    self.kw_calls += 1
-                a = acc if res is None or res is empty else acc_new
-                a[0] += dt
-                a[1] += 1
-                self._depth = 0
-
+    def _wrap(self, fn: Callable[..., Any], name: str, empty: Any) -> Any:
+        timed = self.clock.wrap(fn, empty)
+        self._timed[name] = timed
         return timed
 
-    def _calibrate(self) -> tuple[int, int]:
-        # max(1, 2) and max(1, 2, key=None): C builtins that do next to nothing
-        positional, keyword = [], []
-        for _ in range(self.CALIBRATIONS):
-            for out, call in ((positional, lambda f: f(1, 2)), (keyword, lambda f: f(1, 2, key=None))):
-                self.ns = self.calls = self.kw_calls = 0
-                empty = self._wrap(max)
-                for _ in range(5_000):
-                    call(empty)
-                out.append(self.ns // max(self.calls, 1))
-        self.ns = self.calls = self.kw_calls = 0
-        self.by_name.clear()
-        # the least: a noisy neighbour only adds to a calibration, and a cost measured hot is at
-        # most what the wrapper costs among the scheduler's cold caches, so what is left is an
-        # upper bound of the manager's own time
-        return int(min(positional)), int(min(keyword))
+    @property
+    def ns(self) -> int:
+        return self.clock.ns
+
+    @property
+    def calls(self) -> int:
+        return self.clock.calls
+
+    @property
+    def by_name(self) -> dict[str, list[int]]:
+        """name -> [ns, calls] (with the clock reads); allocate_slots is also split into the
+        calls that allocated nothing and ``allocate_slots [new blocks]``."""
+        out: dict[str, list[int]] = {}
+        for name, timed in self._timed.items():
+            (ns0, n0), (ns1, n1) = timed.totals()
+            out[name] = [ns0 + ns1, n0 + n1]
+            if name == "allocate_slots":
+                out[name] = [ns0, n0]
+                out[name + " [new blocks]"] = [ns1, n1]
+        return out
 
     @property
     def net_ns(self) -> int:
-        pos = self.calls - self.kw_calls
-        return max(self.ns - pos * self.overhead_ns - self.kw_calls * self.kw_overhead_ns, 0)
+        return max(self.ns - self.calls * self.overhead_ns, 0)
 
 
 def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = False) -> SchedRun:
@@ -349,7 +326,7 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
         assert free == wl.num_blocks - 1, f"{free} free blocks at the end, expected {wl.num_blocks - 1}"
         return SchedRun(fp.hexdigest(), len(step_ns), step_ns, timer.net_ns if timer else 0,
                         timer.calls if timer else 0, dict(timer.by_name) if timer else {}, finished, hits,
-                        queries, kind, timer.overhead_ns if timer else 0, timer.kw_overhead_ns if timer else 0)
+                        queries, kind, timer.overhead_ns if timer else 0)
 
 
 def _ids(group_ids: Any) -> str:

@@ -366,3 +366,121 @@ def test_partial_mamba_hit_queues_the_same_copy_on_write_copy():
     assert [b.block_id for b in cv[1]] == [b.block_id for b in ck[1]]
     _same(v, k, lambda: v.block_pool.free_blocks(cv[1]), lambda: k.block_pool.free_blocks(ck[1]))
     assert v.take_kv_cache_block_copies() == k.take_kv_cache_block_copies() == ([], [])
+
+
+# -- the fast entries (rust/src/py/fast_entry.rs) ------------------------------------------------
+# kvblock.vllm's manager class answers allocate_slots / cache_blocks through fastcall entries
+# that take vLLM's decode-step call shapes without PyO3's argument matching and hand every other
+# call to KVCacheManagerCore's own method. Every shape must get exactly the method's answer.
+
+_CORE = kv.KVCacheManager.__mro__[1]  # kvblock._core.KVCacheManagerCore
+
+
+def _twins():
+    """Two kvblock managers in the same state, each with a decode-ready request "r" (in its
+    slot cache) and a waiting request "w"."""
+    out = []
+    for _ in range(2):
+        init_none_hash(sha256)
+        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
+        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        r = _request("r", list(range(1, 7)), 4)
+        _decode_ready(m, r)
+        out.append((m, r, _request("w", list(range(30, 39)), 4)))
+    return out
+
+
+def _answer(f):
+    try:
+        res = f()
+    except Exception as e:  # noqa: BLE001 - type and message are compared
+        return ("raised", type(e), str(e))
+    if res is None or isinstance(res, (int, float, bool)):
+        return ("value", res)
+    return ("blocks", res.get_block_ids())
+
+
+class _Int(int):
+    pass
+
+
+_KW = "".join(["num_", "lookahead_tokens"])  # a keyword name that is not the interned one
+ALLOCATE_SHAPES = {
+    "decode": ((1,), {"num_lookahead_tokens": 0}),
+    "positional only": ((1,), {}),
+    "lookahead past the table": ((1,), {"num_lookahead_tokens": 3}),
+    "crosses a block boundary": ((3,), {}),
+    "runtime keyword name": ((1,), {_KW: 0}),
+    "zero new tokens": ((0,), {}),
+    "negative": ((-1,), {}),
+    "bool": ((True,), {}),
+    "int subclass": ((_Int(1),), {}),
+    "float": ((1.0,), {}),
+    "str": (("1",), {}),
+    "huge": ((2**70,), {}),
+    "negative lookahead": ((1,), {"num_lookahead_tokens": -1}),
+    "bool lookahead": ((1,), {"num_lookahead_tokens": True}),
+    "unknown keyword": ((1,), {"lookahead": 0}),
+    "two keywords": ((1,), {"num_lookahead_tokens": 0, "delay_cache_blocks": True}),
+    "keyword num_new_tokens": ((), {"num_new_tokens": 1}),
+    "duplicate num_new_tokens": ((1,), {"num_new_tokens": 1}),
+    "three positional": ((1, 0), {}),
+    "missing num_new_tokens": ((), {}),
+}
+
+
+@pytest.mark.parametrize("who", ["r", "w"])
+@pytest.mark.parametrize("shape", list(ALLOCATE_SHAPES))
+def test_allocate_slots_fast_entry_answers_every_call_shape_as_the_method(shape, who):
+    args, kwargs = ALLOCATE_SHAPES[shape]
+    (m1, r1, w1), (m2, r2, w2) = _twins()
+    req1, req2 = (r1, r2) if who == "r" else (w1, w2)
+    ref = _answer(lambda: _CORE.allocate_slots(m1, req1, *args, **kwargs))
+    got = _answer(lambda: m2.allocate_slots(req2, *args, **kwargs))
+    assert got == ref
+    assert _state(m1) == _state(m2)
+    if shape == "decode" and who == "r":
+        assert m2.allocate_slots(req2, *args, **kwargs) is m2.empty_kv_cache_blocks
+
+
+CACHE_SHAPES = {
+    "no newly full block": ((7,), {}),
+    "a newly full block": ((8,), {}),
+    "keyword": ((), {"num_computed_tokens": 7}),
+    "negative": ((-1,), {}),
+    "bool": ((True,), {}),
+    "float": ((7.0,), {}),
+    "huge": ((2**70,), {}),
+    "three positional": ((7, 1), {}),
+    "missing": ((), {}),
+}
+
+
+@pytest.mark.parametrize("who", ["r", "w"])
+@pytest.mark.parametrize("shape", list(CACHE_SHAPES))
+def test_cache_blocks_fast_entry_answers_every_call_shape_as_the_method(shape, who):
+    args, kwargs = CACHE_SHAPES[shape]
+    (m1, r1, w1), (m2, r2, w2) = _twins()
+    for m, r in ((m1, r1), (m2, r2)):
+        r.append_output_token_ids(101)  # 8 tokens: the second block can become full
+        r.num_computed_tokens = 7
+    req1, req2 = (r1, r2) if who == "r" else (w1, w2)
+    ref = _answer(lambda: _CORE.cache_blocks(m1, req1, *args, **kwargs))
+    got = _answer(lambda: m2.cache_blocks(req2, *args, **kwargs))
+    assert got == ref
+    assert _state(m1) == _state(m2)
+
+
+def test_fast_entries_keep_the_methods_signature_and_docstring():
+    import inspect
+
+    from kvblock import _core
+
+    for name in ("allocate_slots", "cache_blocks"):
+        entry, method = getattr(kv.KVCacheManager, name), getattr(_CORE, name)
+        assert entry is not method
+        assert inspect.signature(entry) == inspect.signature(method)
+        assert entry.__doc__ == method.__doc__
+    with pytest.raises(ValueError, match="no fast entry"):
+        _core._fast_entry("free")

@@ -27,6 +27,9 @@ __all__ = [
     "PrefixIndexCore",
     "parent_tag",
     "event_ints",
+    "_fast_entry",
+    "CallClock",
+    "TimedCall",
 ]
 
 __version__: str
@@ -393,3 +396,34 @@ def parent_tag(parent_block_hash: int | bytes | None = None) -> int:
 
 def event_ints(block_hashes: Any) -> npt.NDArray[np.uint64]:
     """Block hashes as vLLM's 64-bit event ints."""
+
+@final
+class CallClock:
+    """Total time inside the outermost calls of the callables it wraps (benches: the KV cache
+    manager's share of a scheduler step); a call made while a timed call runs is not timed."""
+
+    def __new__(cls) -> CallClock: ...
+    def wrap(self, func: Callable[..., Any], empty: Any = None) -> TimedCall:
+        """``func`` timed on this clock; results that are None or ``empty`` count in bucket 0."""
+    @property
+    def ns(self) -> int:
+        """Nanoseconds inside outermost timed calls (two clock reads each included)."""
+    @property
+    def calls(self) -> int: ...
+    def overhead_ns(self, samples: int = 10000) -> int:
+        """Least nanoseconds between two back-to-back clock reads over ``samples`` tries."""
+
+@final
+class TimedCall:
+    """``func(*args, **kwargs)`` made as the same vectorcall, timed on its ``CallClock``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def totals(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((ns, calls) of results None or empty, (ns, calls) of the others)``."""
+    @property
+    def func(self) -> Callable[..., Any]: ...
+
+def _fast_entry(name: str) -> Any:
+    """The method descriptor of ``KVCacheManagerCore.<name>`` (``"allocate_slots"`` or
+    ``"cache_blocks"``) behind a fastcall entry that answers vLLM's no-op decode-step calls
+    itself and passes every other call to the method; ``ValueError`` for another name."""

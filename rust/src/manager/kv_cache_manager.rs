@@ -292,12 +292,15 @@ impl KVCacheManager {
                     && !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::Mamba { mode: MambaMode::Align, .. })
             })
         });
-        let running_hits = Error::Assertion(format!(
-            "request {:?} already holds blocks and cannot adopt new computed blocks",
-            req.request_id
-        ));
+        // built only when raised or deferred (a decode step's call never needs it)
+        let running_hits = || {
+            Error::Assertion(format!(
+                "request {:?} already holds blocks and cannot adopt new computed blocks",
+                req.request_id
+            ))
+        };
         if has_hits && ((running && counted_hits) || (self.strict_inputs && (running || holds))) {
-            return Err(running_hits);
+            return Err(running_hits());
         }
         if self.strict_inputs {
             for (i, m) in self.coord.managers.iter().enumerate() {
@@ -323,7 +326,7 @@ impl KVCacheManager {
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
         let mut deferred = None;
         if has_hits && running {
-            deferred = Some(running_hits);
+            deferred = Some(running_hits());
         } else if adopts && !running && holds {
             let e = Error::Assertion(format!(
                 "request {:?} already holds blocks and cannot adopt computed tokens",

@@ -232,6 +232,20 @@ impl ManagerState {
         Ok((id, num_computed, num_tokens, in_flight))
     }
 
+    /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
+    /// the request in `slot` ([`KVCacheManager::allocate_is_noop_at`]): reads
+    /// `request.num_computed_tokens`, and its token and in-flight counts only when needed.
+    fn noop_at(&self, request: &Bound<'_, PyAny>, slot: usize, args: &AllocArgs<'_>) -> PyResult<bool> {
+        let f = &self.fields;
+        let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
+        let mut noop = self.inner.allocate_is_noop_at(slot, num_computed, None, None, args);
+        if noop.is_none() {
+            let (_, _, num_tokens, in_flight) = self.quick_view(request)?;
+            noop = self.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), args);
+        }
+        Ok(noop == Some(true))
+    }
+
     /// The coordinator slot of a request this manager holds, found from the request object's
     /// address when it was seen before (see `slot_cache.rs`), else from its id's characters;
     /// None for a request the manager does not hold.
@@ -545,6 +559,62 @@ fn counts_array<'py>(py: Python<'py>, v: Vec<i32>, groups: usize) -> PyResult<Bo
         Ok(a.into_any())
     } else {
         Ok(a.reshape([n, groups])?.into_any())
+    }
+}
+
+impl PyManager {
+    /// The question `fast_entry.rs` asks for vLLM's running loop: the manager's shared empty
+    /// result if `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` (every
+    /// other argument at its default) changes nothing for a request the slot cache knows;
+    /// None to take the full method, which also raises every error there is. Changes nothing.
+    pub(super) fn decode_noop<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Option<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get().state.borrow(py).ok()?;
+        me.make_blocks.as_ref()?;
+        let args = AllocArgs {
+            num_new_tokens,
+            num_new_computed_tokens: 0,
+            new_computed: None,
+            num_lookahead_tokens,
+            num_external_computed_tokens: 0,
+            delay_cache_blocks: false,
+            num_encoder_tokens: 0,
+            full_sequence_must_fit: false,
+            reserved_blocks: 0,
+            has_scheduled_reqs: true,
+            skip_zeroing_group_ids: &[],
+            new_computed_generations: None,
+        };
+        let coord = &me.inner.coord;
+        let slot = me.slots.get(request, || me.id_of(request), |s| coord.slot_generation(s)).ok()??;
+        if me.noop_at(request, slot, &args).ok()? {
+            me.empty(py).ok()
+        } else {
+            None
+        }
+    }
+
+    /// The same for `cache_blocks(request, num_computed_tokens)`: `Some(())` if the call
+    /// changes nothing (caching off, or no newly full block for a request the slot cache
+    /// knows); None to take the full method. Changes nothing.
+    pub(super) fn cache_noop(
+        slf: &Bound<'_, Self>,
+        request: &Bound<'_, PyAny>,
+        num_computed_tokens: usize,
+    ) -> Option<()> {
+        let py = slf.py();
+        let me = slf.get().state.borrow(py).ok()?;
+        if !me.inner.enable_caching {
+            return Some(());
+        }
+        let coord = &me.inner.coord;
+        let slot = me.slots.get(request, || me.id_of(request), |s| coord.slot_generation(s)).ok()??;
+        me.inner.cache_is_noop_at(slot, num_computed_tokens).then_some(())
     }
 }
 
@@ -989,15 +1059,7 @@ impl PyManager {
             // a decode step between block boundaries: answered from the request object and
             // its num_computed_tokens (its token and in-flight counts only when needed)
             if let Some(slot) = me.known_slot(request)? {
-                let f = &me.fields;
-                let num_computed =
-                    field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
-                let mut noop = me.inner.allocate_is_noop_at(slot, num_computed, None, None, &args);
-                if noop.is_none() {
-                    let (_, _, num_tokens, in_flight) = me.quick_view(request)?;
-                    noop = me.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), &args);
-                }
-                if noop == Some(true) {
+                if me.noop_at(request, slot, &args)? {
                     return me.empty(py);
                 }
             }

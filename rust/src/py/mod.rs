@@ -3,9 +3,11 @@
 pub mod args;
 pub mod block_ids;
 pub mod block_pool;
+pub mod call_timer;
 pub mod convert;
 pub mod errors;
 pub mod events;
+pub mod fast_entry;
 pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
@@ -43,6 +45,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyManager>()?;
     m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
     m.add_class::<index::PyPrefixIndex>()?;
+    m.add_function(wrap_pyfunction!(fast_entry::_fast_entry, m)?)?;
+    m.add_class::<call_timer::PyCallClock>()?;
+    m.add_class::<call_timer::PyTimedCall>()?;
     m.add_function(wrap_pyfunction!(index::parent_tag, m)?)?;
     m.add_function(wrap_pyfunction!(index::event_ints, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;

@@ -1,0 +1,253 @@
+//! Fast entries for the two calls vLLM 0.33.0's async scheduler makes once per running request
+//! per step, which nearly always change nothing: `allocate_slots(request, num_new_tokens,
+//! num_lookahead_tokens=n)` in `schedule()` between block boundaries, and
+//! `cache_blocks(request, num_computed_tokens)` in `update_from_output()` with no newly full
+//! block.
+//!
+//! PyO3's generated entry matches each keyword against the method's parameter names by their
+//! characters (twelve for `allocate_slots`) and converts every argument given through its
+//! checks before the body runs. Inside a scheduler step, with the caches cold from vLLM's own
+//! Python between two such calls, that took about as long as the no-op body. Each entry here is
+//! a `METH_FASTCALL | METH_KEYWORDS` method descriptor of `KVCacheManagerCore`, which
+//! `kvblock.vllm`'s manager class installs under the method's name. For exactly the call shape
+//! above (two positional arguments, for `allocate_slots` at most the keyword
+//! `num_lookahead_tokens`; counts that are exact non-negative ints) it asks
+//! `PyManager::decode_noop` / `PyManager::cache_noop`, which read the request only through the
+//! slot cache. Any other call, and every call that is not a no-op, goes to the PyO3 method with
+//! the same arguments, so results and errors are the method's own.
+
+use super::manager::PyManager;
+use pyo3::exceptions::{PySystemError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyString;
+use std::ffi::CString;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// What an entry needs, made once per process.
+struct Entry {
+    /// The method's PyO3 descriptor on `KVCacheManagerCore`: the full path.
+    full: Py<PyAny>,
+    /// The keyword `allocate_slots`' fast path accepts.
+    lookahead_kw: Py<PyString>,
+    /// The entry's own method descriptor.
+    descr: Py<PyAny>,
+}
+
+static ALLOCATE_SLOTS: PyOnceLock<Entry> = PyOnceLock::new();
+static CACHE_BLOCKS: PyOnceLock<Entry> = PyOnceLock::new();
+
+/// The value of an exact, non-negative `int` that fits an `isize`; None for anything else
+/// (bools, subclasses, negatives, big ints: the full path checks and names them).
+///
+/// # Safety
+/// `o` is a live object and the GIL is held.
+unsafe fn exact_count(o: *mut ffi::PyObject) -> Option<usize> {
+    // SAFETY: as the caller guarantees; an exact int never fails to convert (overflow is
+    // reported through `overflow`, with no exception set).
+    unsafe {
+        if ffi::PyLong_CheckExact(o) == 0 {
+            return None;
+        }
+        let mut overflow = 0;
+        let v = ffi::PyLong_AsLongAndOverflow(o, &mut overflow);
+        if overflow != 0 || v < 0 {
+            return None;
+        }
+        Some(v as usize)
+    }
+}
+
+/// `allocate_slots`' no-op answer for the call shape above, or None to take the full path.
+///
+/// # Safety
+/// The arguments are those CPython passes a fastcall method: `args` holds `nargs` positional
+/// arguments and then one value per name in `kwnames` (a tuple, or NULL).
+unsafe fn fast_allocate_slots<'py>(
+    py: Python<'py>,
+    e: &Entry,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> Option<Bound<'py, PyAny>> {
+    if nargs != 2 {
+        return None;
+    }
+    // SAFETY: `args` holds `nargs` arguments and one more per keyword (checked to be one).
+    unsafe {
+        let num_lookahead_tokens = if kwnames.is_null() {
+            0
+        } else {
+            if ffi::PyTuple_GET_SIZE(kwnames) != 1 {
+                return None;
+            }
+            let name = ffi::PyTuple_GET_ITEM(kwnames, 0);
+            // identifiers in code objects are interned, so the name is usually the same
+            // object; a keyword built at run time is compared by its characters
+            if name != e.lookahead_kw.as_ptr() && ffi::PyUnicode_Compare(name, e.lookahead_kw.as_ptr()) != 0 {
+                if !ffi::PyErr_Occurred().is_null() {
+                    ffi::PyErr_Clear();
+                }
+                return None;
+            }
+            exact_count(*args.add(2))?
+        };
+        let num_new_tokens = exact_count(*args.add(1))?;
+        let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
+        let request = Bound::from_borrowed_ptr(py, *args);
+        PyManager::decode_noop(&manager, &request, num_new_tokens, num_lookahead_tokens)
+    }
+}
+
+/// `cache_blocks`' no-op answer (None, the method's result), or None to take the full path.
+///
+/// # Safety
+/// As for [`fast_allocate_slots`].
+unsafe fn fast_cache_blocks<'py>(
+    py: Python<'py>,
+    _e: &Entry,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> Option<Bound<'py, PyAny>> {
+    if nargs != 2 || !kwnames.is_null() {
+        return None;
+    }
+    // SAFETY: `args` holds the two positional arguments.
+    unsafe {
+        let num_computed_tokens = exact_count(*args.add(1))?;
+        let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
+        let request = Bound::from_borrowed_ptr(py, *args);
+        PyManager::cache_noop(&manager, &request, num_computed_tokens)?;
+        Some(py.None().into_bound(py))
+    }
+}
+
+/// The full path: the PyO3 method, `KVCacheManagerCore.<name>(self, *args, **kwargs)`, as one
+/// vectorcall; NULL with the exception set when it raises.
+///
+/// # Safety
+/// As for [`fast_allocate_slots`].
+unsafe fn full(
+    e: &Entry,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: as the caller guarantees; the objects are borrowed for the call only.
+    unsafe {
+        let nkw = if kwnames.is_null() { 0 } else { ffi::PyTuple_GET_SIZE(kwnames) };
+        let total = (nargs + nkw) as usize;
+        let mut stack: Vec<*mut ffi::PyObject> = Vec::with_capacity(total + 1);
+        stack.push(slf);
+        stack.extend((0..total).map(|i| *args.add(i)));
+        ffi::PyObject_Vectorcall(e.full.as_ptr(), stack.as_ptr(), nargs as usize + 1, kwnames)
+    }
+}
+
+/// What a fast path is: the answer, or None for the full path.
+type Fast = for<'py> unsafe fn(
+    Python<'py>,
+    &Entry,
+    *mut ffi::PyObject,
+    *const *mut ffi::PyObject,
+    ffi::Py_ssize_t,
+    *mut ffi::PyObject,
+) -> Option<Bound<'py, PyAny>>;
+
+/// The body of a C entry: its fast path, else its full path; a panic is a `PanicException`.
+///
+/// # Safety
+/// Called by CPython as a fastcall method, with the GIL held.
+unsafe fn run(
+    cell: &PyOnceLock<Entry>,
+    fast: Fast,
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls a method with the GIL held.
+    let py = unsafe { Python::assume_attached() };
+    let res = catch_unwind(AssertUnwindSafe(|| {
+        let Some(e) = cell.get(py) else {
+            PySystemError::new_err("kvblock: a fast entry was called before it was made").restore(py);
+            return std::ptr::null_mut();
+        };
+        // SAFETY: CPython's fastcall arguments, passed through.
+        unsafe {
+            match fast(py, e, slf, args, nargs, kwnames) {
+                Some(r) => r.into_ptr(),
+                None => full(e, slf, args, nargs, kwnames),
+            }
+        }
+    }));
+    res.unwrap_or_else(|_| {
+        pyo3::panic::PanicException::new_err("kvblock: panic in a KV cache manager call").restore(py);
+        std::ptr::null_mut()
+    })
+}
+
+unsafe extern "C" fn allocate_slots_entry(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: as CPython calls it.
+    unsafe { run(&ALLOCATE_SLOTS, fast_allocate_slots, slf, args, nargs, kwnames) }
+}
+
+unsafe extern "C" fn cache_blocks_entry(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: as CPython calls it.
+    unsafe { run(&CACHE_BLOCKS, fast_cache_blocks, slf, args, nargs, kwnames) }
+}
+
+/// The method descriptor with the fast entry for `name` (`"allocate_slots"` or
+/// `"cache_blocks"`), made once: same name, signature and docstring as the
+/// `KVCacheManagerCore` method, which it calls for everything but a no-op.
+///
+/// Raises `ValueError` for any other name.
+#[pyfunction]
+pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+    let (cell, c_name, meth): (&PyOnceLock<Entry>, &'static std::ffi::CStr, ffi::PyCFunctionFastWithKeywords) =
+        match name {
+            "allocate_slots" => (&ALLOCATE_SLOTS, c"allocate_slots", allocate_slots_entry),
+            "cache_blocks" => (&CACHE_BLOCKS, c"cache_blocks", cache_blocks_entry),
+            _ => return Err(PyValueError::new_err(format!("no fast entry for {name:?}"))),
+        };
+    let e = cell.get_or_try_init(py, || -> PyResult<Entry> {
+        let ty = py.get_type::<PyManager>();
+        let full = ty.getattr(name)?;
+        let sig: String = full.getattr("__text_signature__")?.extract()?;
+        let doc: String = full.getattr("__doc__")?.extract::<Option<String>>()?.unwrap_or_default();
+        let ml_doc = CString::new(format!("{name}{sig}\n--\n\n{doc}"))
+            .map_err(|_| PySystemError::new_err("a NUL in a docstring"))?;
+        // the method table and its strings live as long as the process, as a module's do
+        let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
+            ml_name: c_name.as_ptr(),
+            ml_meth: ffi::PyMethodDefPointer { PyCFunctionFastWithKeywords: meth },
+            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ml_doc: Box::leak(ml_doc.into_boxed_c_str()).as_ptr(),
+        }));
+        // SAFETY: a type object and a method table that outlives it; a new reference or NULL.
+        let descr = unsafe {
+            Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(ty.as_ptr().cast::<ffi::PyTypeObject>(), def))?
+        };
+        Ok(Entry {
+            full: full.unbind(),
+            lookahead_kw: PyString::intern(py, "num_lookahead_tokens").unbind(),
+            descr: descr.unbind(),
+        })
+    })?;
+    Ok(e.descr.clone_ref(py))
+}
