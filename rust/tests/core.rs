@@ -582,6 +582,27 @@ mod digest_memo_admission {
     use _core::hashing::digest_memo::DigestMemo;
 
     #[test]
+    fn a_block_offered_by_its_sighting_key_is_kept_on_the_second_offer() {
+        let mut m: DigestMemo<u32> = DigestMemo::new(64, 2).unwrap();
+        let parent = [3u8; 32];
+        let key = 0x9E37_79B9_7F4A_7C15u64; // what the caller derives from the block's digest
+        assert_eq!(m.offer_sighted(key, &parent, &[1, 2], 7), Some(7)); // first sighting
+        assert_eq!(m.get(&parent, &[1, 2]), None);
+        // another sighting key is another block to the doorkeeper
+        assert_eq!(m.offer_sighted(key ^ (1 << 40), &parent, &[1, 2], 6), Some(6));
+        assert_eq!(m.offer_sighted(key, &parent, &[1, 2], 8), None); // second: kept
+        assert_eq!(m.get(&parent, &[1, 2]), Some(&8)); // looked up by the exact key as ever
+        assert_eq!(m.get(&parent, &[1, 3]), None);
+        // what the memo cannot key is handed back, whatever the doorkeeper says
+        assert_eq!(m.offer_sighted(key, &parent, &[1, 2, 3], 5), Some(5));
+        assert_eq!(m.offer_sighted(key, &[0u8; 33], &[1, 2], 4), Some(4));
+        let mut none: DigestMemo<u32> = DigestMemo::new(0, 2).unwrap();
+        assert_eq!(none.offer_sighted(key, &parent, &[1, 2], 3), Some(3));
+        assert_eq!(none.offer_sighted(key, &parent, &[1, 2], 3), Some(3));
+        assert_eq!(m.stores(), 1);
+    }
+
+    #[test]
     fn a_block_is_kept_on_its_second_offer() {
         let mut m: DigestMemo<u32> = DigestMemo::new(64, 2).unwrap();
         let parent = [3u8; 32];

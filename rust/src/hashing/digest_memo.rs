@@ -188,18 +188,44 @@ impl<V> DigestMemo<V> {
     pub fn offer(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
         let Some(p) = parent_words(parent) else { return Some(value) };
         let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
-        let group = ((tag as usize >> 1) & (self.seen.len() / WAYS - 1)) * WAYS;
+        if !self.sighted(tag) {
+            return Some(value);
+        }
+        self.store(tag, first, &p, tokens, value)
+    }
+
+    /// [`DigestMemo::offer`] with the doorkeeper keyed by `sighting`: a well-mixed 64-bit
+    /// function of the key that the caller already has, such as the first 8 bytes of the
+    /// block's digest (equal keys have equal digests). A first offer then hashes nothing; the
+    /// key is hashed only when it is stored. A memo must be offered to one way only: the two
+    /// note different fingerprints for the same key.
+    pub fn offer_sighted(&mut self, sighting: u64, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
+        if self.values.is_empty() || tokens.len() != self.block_size || parent.len() > MAX_PARENT_LEN {
+            return Some(value);
+        }
+        if !self.sighted(sighting) {
+            return Some(value);
+        }
+        self.insert(parent, tokens, value)
+    }
+
+    /// Note a sighting of the key whose hash is `h` in the doorkeeper: false on a first
+    /// sighting (its fingerprint is noted, the oldest of its set dropped), true on a second
+    /// (the fingerprint is cleared: the key is stored now).
+    #[inline]
+    fn sighted(&mut self, h: u64) -> bool {
+        let group = ((h as usize >> 1) & (self.seen.len() / WAYS - 1)) * WAYS;
         let seen = &mut self.seen[group..group + WAYS];
-        let fingerprint = (tag >> 32) as u32 | 1;
+        let fingerprint = (h >> 32) as u32 | 1;
         match seen.iter().position(|&f| f == fingerprint) {
             None => {
                 seen.rotate_right(1); // the oldest sighting goes
                 seen[0] = fingerprint;
-                Some(value)
+                false
             }
             Some(i) => {
                 seen[i] = 0;
-                self.store(tag, first, &p, tokens, value)
+                true
             }
         }
     }

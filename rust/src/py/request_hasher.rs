@@ -75,6 +75,18 @@ pub struct PyRequestBlockHasher {
     memo_slots: usize,
 }
 
+/// The digest memo's doorkeeper key for a block: the first 8 bytes of its digest (every
+/// algorithm's digest is well mixed, and equal inputs have equal digests), so that offering a
+/// block that is seen for the first time hashes nothing more.
+#[inline]
+fn sighting(digest: &Bound<'_, PyBytes>) -> u64 {
+    let mut w = [0u8; 8];
+    let b = digest.as_bytes();
+    let n = b.len().min(8);
+    w[..n].copy_from_slice(&b[..n]);
+    u64::from_le_bytes(w)
+}
+
 /// What a request hasher is asked to hash: `num_new` blocks from token `start`.
 struct NewBlocks<'py> {
     hashes: Bound<'py, PyList>,
@@ -153,7 +165,7 @@ impl PyRequestBlockHasher {
                     let Some(d) = chain_objects(py, &one)?.pop() else { break }; // one block, one digest
                                                                                  // the entry it replaces (or the value not kept) is released here: the GIL
                                                                                  // is held, and a bytes object runs no Python code when freed
-                    drop(memo.offer(p.as_bytes(), block, d.clone().unbind()));
+                    drop(memo.offer_sighted(sighting(&d), p.as_bytes(), block, d.clone().unbind()));
                     d
                 }
             };
@@ -189,7 +201,7 @@ impl PyRequestBlockHasher {
         let mut p = parent;
         for (block, d) in tokens.chunks_exact(self.block_size).zip(digests) {
             // the entry it replaces (or the value not kept) is released here: the GIL is held
-            drop(memo.offer(p.as_bytes(), block, d.clone().unbind()));
+            drop(memo.offer_sighted(sighting(d), p.as_bytes(), block, d.clone().unbind()));
             p = d;
         }
         Ok(())
