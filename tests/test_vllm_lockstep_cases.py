@@ -430,18 +430,29 @@ ALLOCATE_SHAPES = {
 }
 
 
+def _entry_matches_method(name, args, kwargs, who, prepare=None):
+    """Call ``name`` through the fast entry on one twin and through KVCacheManagerCore's
+    method on the other: the same answer (blocks, value, or exception type and message) and
+    the same state after. Returns the twin the entry was called on, and its request."""
+    (m1, r1, w1), (m2, r2, w2) = _twins()
+    if prepare:
+        prepare(r1)
+        prepare(r2)
+    req1, req2 = (r1, r2) if who == "r" else (w1, w2)
+    ref = _answer(lambda: getattr(_CORE, name)(m1, req1, *args, **kwargs))
+    got = _answer(lambda: getattr(m2, name)(req2, *args, **kwargs))
+    assert got == ref
+    assert _state(m1) == _state(m2)
+    return m2, req2
+
+
 @pytest.mark.parametrize("who", ["r", "w"])
 @pytest.mark.parametrize("shape", list(ALLOCATE_SHAPES))
 def test_allocate_slots_fast_entry_answers_every_call_shape_as_the_method(shape, who):
     args, kwargs = ALLOCATE_SHAPES[shape]
-    (m1, r1, w1), (m2, r2, w2) = _twins()
-    req1, req2 = (r1, r2) if who == "r" else (w1, w2)
-    ref = _answer(lambda: _CORE.allocate_slots(m1, req1, *args, **kwargs))
-    got = _answer(lambda: m2.allocate_slots(req2, *args, **kwargs))
-    assert got == ref
-    assert _state(m1) == _state(m2)
+    m, req = _entry_matches_method("allocate_slots", args, kwargs, who)
     if shape == "decode" and who == "r":
-        assert m2.allocate_slots(req2, *args, **kwargs) is m2.empty_kv_cache_blocks
+        assert m.allocate_slots(req, *args, **kwargs) is m.empty_kv_cache_blocks
 
 
 CACHE_SHAPES = {
@@ -457,19 +468,16 @@ CACHE_SHAPES = {
 }
 
 
+def _eight_tokens(r):
+    r.append_output_token_ids(101)  # 8 tokens: the second block can become full
+    r.num_computed_tokens = 7
+
+
 @pytest.mark.parametrize("who", ["r", "w"])
 @pytest.mark.parametrize("shape", list(CACHE_SHAPES))
 def test_cache_blocks_fast_entry_answers_every_call_shape_as_the_method(shape, who):
     args, kwargs = CACHE_SHAPES[shape]
-    (m1, r1, w1), (m2, r2, w2) = _twins()
-    for m, r in ((m1, r1), (m2, r2)):
-        r.append_output_token_ids(101)  # 8 tokens: the second block can become full
-        r.num_computed_tokens = 7
-    req1, req2 = (r1, r2) if who == "r" else (w1, w2)
-    ref = _answer(lambda: _CORE.cache_blocks(m1, req1, *args, **kwargs))
-    got = _answer(lambda: m2.cache_blocks(req2, *args, **kwargs))
-    assert got == ref
-    assert _state(m1) == _state(m2)
+    _entry_matches_method("cache_blocks", args, kwargs, who, _eight_tokens)
 
 
 def test_fast_entries_keep_the_methods_signature_and_docstring():
