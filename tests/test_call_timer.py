@@ -64,3 +64,19 @@ def test_refuses_what_it_cannot_call_and_measures_its_own_clock():
         clock.wrap(3)
     overhead = clock.overhead_ns(1000)
     assert isinstance(overhead, int) and 0 <= overhead < 1_000_000
+
+
+def test_a_cycle_through_a_timed_call_is_collected():
+    import gc
+    import weakref
+
+    class Holder:
+        pass
+
+    clock = CallClock()
+    h = Holder()
+    h.timed = clock.wrap(lambda: h)  # h -> TimedCall -> lambda -> h
+    alive = weakref.ref(h)
+    del h
+    gc.collect()
+    assert alive() is None

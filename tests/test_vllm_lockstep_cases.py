@@ -480,6 +480,102 @@ def test_cache_blocks_fast_entry_answers_every_call_shape_as_the_method(shape, w
     _entry_matches_method("cache_blocks", args, kwargs, who, _eight_tokens)
 
 
+class _WatchedRequest(Request):
+    """A vLLM ``Request`` whose ``num_computed_tokens`` reads are counted and can run a hook
+    (raise, or call the manager again) while a manager call reads them."""
+
+    hook = None
+    reads = 0
+
+    @property
+    def num_computed_tokens(self):
+        type(self).reads += 1
+        if type(self).hook is not None:
+            type(self).hook(self)
+        return self._nct
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, v):
+        self._nct = v
+
+
+def _watched(m):
+    r = _WatchedRequest("r", list(range(1, 7)), SamplingParams(max_tokens=64), None,
+                        block_hasher=get_request_block_hasher(4, sha256, 0))
+    _decode_ready(m, r)
+    return r
+
+
+def _raise_once(r):
+    _WatchedRequest.hook = None
+    raise KeyError("transient")
+
+
+@pytest.mark.parametrize("new_tokens", [1, 3])  # a no-op decode step, and one crossing a block boundary
+@pytest.mark.parametrize("hook", ["raises", "calls the manager again", "none"])
+def test_fast_entry_reads_the_request_as_often_as_the_method_and_raises_what_it_raises(hook, new_tokens):
+    """What runs while a request is read (a property that raises, or that calls the manager
+    back) sees the fast entry do exactly what the method does: the same number of reads, the
+    same exception (a re-entrant call is refused with the manager's RuntimeError), the same
+    state after."""
+    seen = []
+    for via in ("method", "entry"):
+        init_none_hash(sha256)
+        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
+        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        r = _watched(m)
+        call = (lambda *a, **k: _CORE.allocate_slots(m, *a, **k)) if via == "method" else m.allocate_slots
+        again = (lambda q: _CORE.cache_blocks(m, q, 4)) if via == "method" else (lambda q: m.cache_blocks(q, 4))
+
+        def reenter(q, again=again):
+            _WatchedRequest.hook = None
+            again(q)
+
+        _WatchedRequest.reads = 0
+        _WatchedRequest.hook = {"raises": _raise_once, "calls the manager again": reenter, "none": None}[hook]
+        try:
+            got = _answer(lambda: call(r, new_tokens, num_lookahead_tokens=0))
+        finally:
+            _WatchedRequest.hook = None
+        seen.append((got, _WatchedRequest.reads, _state(m)))
+    assert seen[0] == seen[1]
+    if hook == "raises":
+        assert seen[1][0][:2] == ("raised", KeyError)
+    if hook == "calls the manager again":
+        assert seen[1][0][:2] == ("raised", RuntimeError) and "already borrowed" in seen[1][0][2]
+
+
+@pytest.mark.parametrize("hook", ["raises", "calls the manager again"])
+def test_cache_blocks_fast_entry_raises_what_the_method_raises_while_reading_the_request(hook):
+    """The same for ``cache_blocks`` at a newly full block, where the request is read."""
+    seen = []
+    for via in ("method", "entry"):
+        init_none_hash(sha256)
+        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
+        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        r = _watched(m)
+        r.append_output_token_ids(101)
+        r.num_computed_tokens = 7
+        call = (lambda *a: _CORE.cache_blocks(m, *a)) if via == "method" else m.cache_blocks
+        again = (lambda q: _CORE.allocate_slots(m, q, 1)) if via == "method" else (lambda q: m.allocate_slots(q, 1))
+
+        def reenter(q, again=again):
+            _WatchedRequest.hook = None
+            again(q)
+
+        _WatchedRequest.reads = 0
+        _WatchedRequest.hook = _raise_once if hook == "raises" else reenter
+        try:
+            got = _answer(lambda: call(r, 8))
+        finally:
+            _WatchedRequest.hook = None
+        seen.append((got, _WatchedRequest.reads, _state(m)))
+    assert seen[0] == seen[1]
+    assert seen[1][0][0] == "raised"
+
+
 def test_fast_entries_keep_the_methods_signature_and_docstring():
     import inspect
 

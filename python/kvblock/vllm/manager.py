@@ -86,11 +86,11 @@ class KVCacheManager(_core.KVCacheManagerCore):
         UnsupportedConfiguration: an unsupported configuration with ``KVBLOCK_VLLM_STRICT=1``.
     """
 
-    # KVCacheManagerCore's allocate_slots and cache_blocks behind fastcall entries that answer
-    # the calls vLLM's scheduler makes for every running request every step when they change
-    # nothing (``allocate_slots(request, n, num_lookahead_tokens=k)`` between block
-    # boundaries, ``cache_blocks(request, n)`` with no newly full block) without PyO3's
-    # argument matching; every other call is the method's own (rust/src/py/fast_entry.rs)
+    # KVCacheManagerCore's allocate_slots and cache_blocks behind fastcall entries: the call
+    # shapes vLLM's scheduler uses for every running request every step
+    # (``allocate_slots(request, n, num_lookahead_tokens=k)``, ``cache_blocks(request, n)``)
+    # run the method's own steps without PyO3's argument matching; any other call is passed
+    # to the method (rust/src/py/fast_entry.rs)
     allocate_slots = _core._fast_entry("allocate_slots")
     cache_blocks = _core._fast_entry("cache_blocks")
 

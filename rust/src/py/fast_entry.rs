@@ -11,10 +11,11 @@
 //! a `METH_FASTCALL | METH_KEYWORDS` method descriptor of `KVCacheManagerCore`, which
 //! `kvblock.vllm`'s manager class installs under the method's name. For exactly the call shape
 //! above (two positional arguments, for `allocate_slots` at most the keyword
-//! `num_lookahead_tokens`; counts that are exact non-negative ints) it asks
-//! `PyManager::decode_noop` / `PyManager::cache_noop`, which read the request only through the
-//! slot cache. Any other call, and every call that is not a no-op, goes to the PyO3 method with
-//! the same arguments, so results and errors are the method's own.
+//! `num_lookahead_tokens`; counts that are exact non-negative ints) it runs
+//! `PyManager::fast_allocate_slots` / `PyManager::fast_cache_blocks`: the method's own steps
+//! (the same borrow, reads, no-op check, allocation and errors) past its argument parsing.
+//! Any other call goes to the PyO3 method with the same arguments, so results and errors are
+//! the method's own either way.
 
 use super::manager::PyManager;
 use pyo3::exceptions::{PySystemError, PyValueError};
@@ -59,7 +60,8 @@ unsafe fn exact_count(o: *mut ffi::PyObject) -> Option<usize> {
     }
 }
 
-/// `allocate_slots`' no-op answer for the call shape above, or None to take the full path.
+/// `allocate_slots` for the call shape above (its answer or its error), or None for another
+/// shape: the full path.
 ///
 /// # Safety
 /// The arguments are those CPython passes a fastcall method: `args` holds `nargs` positional
@@ -71,7 +73,7 @@ unsafe fn fast_allocate_slots<'py>(
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
-) -> Option<Bound<'py, PyAny>> {
+) -> Option<PyResult<Bound<'py, PyAny>>> {
     if nargs != 2 {
         return None;
     }
@@ -97,11 +99,12 @@ unsafe fn fast_allocate_slots<'py>(
         let num_new_tokens = exact_count(*args.add(1))?;
         let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
         let request = Bound::from_borrowed_ptr(py, *args);
-        PyManager::decode_noop(&manager, &request, num_new_tokens, num_lookahead_tokens)
+        Some(PyManager::fast_allocate_slots(&manager, &request, num_new_tokens, num_lookahead_tokens))
     }
 }
 
-/// `cache_blocks`' no-op answer (None, the method's result), or None to take the full path.
+/// `cache_blocks` for the call shape above (None, its result, or its error), or None for
+/// another shape: the full path.
 ///
 /// # Safety
 /// As for [`fast_allocate_slots`].
@@ -112,7 +115,7 @@ unsafe fn fast_cache_blocks<'py>(
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
-) -> Option<Bound<'py, PyAny>> {
+) -> Option<PyResult<Bound<'py, PyAny>>> {
     if nargs != 2 || !kwnames.is_null() {
         return None;
     }
@@ -121,8 +124,7 @@ unsafe fn fast_cache_blocks<'py>(
         let num_computed_tokens = exact_count(*args.add(1))?;
         let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
         let request = Bound::from_borrowed_ptr(py, *args);
-        PyManager::cache_noop(&manager, &request, num_computed_tokens)?;
-        Some(py.None().into_bound(py))
+        Some(PyManager::fast_cache_blocks(&manager, &request, num_computed_tokens).map(|()| py.None().into_bound(py)))
     }
 }
 
@@ -149,7 +151,7 @@ unsafe fn full(
     }
 }
 
-/// What a fast path is: the answer, or None for the full path.
+/// What a fast path is: the call's answer or error, or None for the full path.
 type Fast = for<'py> unsafe fn(
     Python<'py>,
     &Entry,
@@ -157,7 +159,7 @@ type Fast = for<'py> unsafe fn(
     *const *mut ffi::PyObject,
     ffi::Py_ssize_t,
     *mut ffi::PyObject,
-) -> Option<Bound<'py, PyAny>>;
+) -> Option<PyResult<Bound<'py, PyAny>>>;
 
 /// The body of a C entry: its fast path, else its full path; a panic is a `PanicException`.
 ///
@@ -171,24 +173,30 @@ unsafe fn run(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // SAFETY: CPython calls a method with the GIL held.
-    let py = unsafe { Python::assume_attached() };
-    let res = catch_unwind(AssertUnwindSafe(|| {
-        let Some(e) = cell.get(py) else {
-            PySystemError::new_err("kvblock: a fast entry was called before it was made").restore(py);
-            return std::ptr::null_mut();
-        };
-        // SAFETY: CPython's fastcall arguments, passed through.
-        unsafe {
-            match fast(py, e, slf, args, nargs, kwnames) {
-                Some(r) => r.into_ptr(),
-                None => full(e, slf, args, nargs, kwnames),
+    // attached as PyO3's own entries are (the GIL is held: CPython calls a method so), so
+    // that references released during the call are released at once
+    Python::attach(|py| {
+        let res = catch_unwind(AssertUnwindSafe(|| {
+            let Some(e) = cell.get(py) else {
+                PySystemError::new_err("kvblock: a fast entry was called before it was made").restore(py);
+                return std::ptr::null_mut();
+            };
+            // SAFETY: CPython's fastcall arguments, passed through.
+            unsafe {
+                match fast(py, e, slf, args, nargs, kwnames) {
+                    Some(Ok(r)) => r.into_ptr(),
+                    Some(Err(err)) => {
+                        err.restore(py);
+                        std::ptr::null_mut()
+                    }
+                    None => full(e, slf, args, nargs, kwnames),
+                }
             }
-        }
-    }));
-    res.unwrap_or_else(|_| {
-        pyo3::panic::PanicException::new_err("kvblock: panic in a KV cache manager call").restore(py);
-        std::ptr::null_mut()
+        }));
+        res.unwrap_or_else(|_| {
+            pyo3::panic::PanicException::new_err("kvblock: panic in a KV cache manager call").restore(py);
+            std::ptr::null_mut()
+        })
     })
 }
 

@@ -232,6 +232,93 @@ impl ManagerState {
         Ok((id, num_computed, num_tokens, in_flight))
     }
 
+    /// `allocate_slots` once its arguments are read (`adopts_hits`: `args.new_computed` holds
+    /// the hit blocks passed). A decode step between block boundaries is answered from the
+    /// request object and its `num_computed_tokens` (its token and in-flight counts only when
+    /// needed); otherwise the request's view, hashes and content are read and checked, then
+    /// the allocation is made in the pool.
+    fn allocate<'py>(
+        &mut self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: &AllocArgs<'_>,
+        adopts_hits: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let me = self;
+        if !adopts_hits {
+            if let Some(slot) = me.known_slot(request)? {
+                if me.noop_at(request, slot, args)? {
+                    return me.empty(py);
+                }
+            }
+        }
+        let v = me.view(request, args.has_scheduled_reqs)?;
+        let ret = me.new_request_retention(request, &v)?;
+        let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
+        let content = {
+            let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(args), hashes.0.len());
+            hashes.check(lo, hi)?;
+            // adopted hit blocks are not recorded again: their positions need no content
+            let recorded_from =
+                if adopts_hits { args.num_new_computed_tokens / me.inner.coord.hash_block_size } else { 0 };
+            me.content(request, lo.max(recorded_from), hi)?
+        };
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let events = me.event_inputs(request, p.inner.events_enabled())?;
+        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
+        let inner = &mut me.inner;
+        let res = p.tagged(request, events.as_ref(), |pool, tag| {
+            let mut view = v.as_view(tag)?;
+            view.content = content.as_ref();
+            inner.allocate_slots(pool, &view, &hashes, args).py_err()
+        });
+        drop(p);
+        match res? {
+            None => Ok(py.None().into_bound(py)),
+            Some(new) => {
+                if let Some(r) = ret {
+                    me.inner.retention.requests.insert(request_id_str(&v.id)?.to_owned(), r);
+                }
+                me.blocks_of(py, new)
+            }
+        }
+    }
+
+    /// `cache_blocks(request, n)` once `n` is read: nothing to do with caching off or with no
+    /// newly full block (then only the request's slot is looked up), else the request's view
+    /// and hashes are read and checked and its newly full blocks cached.
+    fn cache(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>, n: usize) -> PyResult<()> {
+        let me = self;
+        if !me.inner.enable_caching {
+            return Ok(());
+        }
+        // nothing newly full to cache: vLLM reads only the request id then
+        if let Some(slot) = me.known_slot(request)? {
+            if me.inner.cache_is_noop_at(slot, n) {
+                return Ok(());
+            }
+        }
+        let v = me.view(request, false)?;
+        let hashes = me.hashes(request)?;
+        let content = {
+            let mut rv = v.as_view(0)?;
+            rv.num_computed_tokens = n;
+            let (lo, hi) = me.inner.cache_read_range(&rv, None, hashes.0.len());
+            hashes.check(lo, hi)?;
+            me.content(request, lo, hi)?
+        };
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let events = me.event_inputs(request, p.inner.events_enabled())?;
+        let inner = &mut me.inner;
+        p.tagged(request, events.as_ref(), |pool, tag| {
+            let mut view = v.as_view(tag)?;
+            view.content = content.as_ref();
+            inner.cache_blocks(pool, &view, &hashes, n).py_err()
+        })
+    }
+
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
     /// the request in `slot` ([`KVCacheManager::allocate_is_noop_at`]): reads
     /// `request.num_computed_tokens`, and its token and in-flight counts only when needed.
@@ -563,19 +650,21 @@ fn counts_array<'py>(py: Python<'py>, v: Vec<i32>, groups: usize) -> PyResult<Bo
 }
 
 impl PyManager {
-    /// The question `fast_entry.rs` asks for vLLM's running loop: the manager's shared empty
-    /// result if `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` (every
-    /// other argument at its default) changes nothing for a request the slot cache knows;
-    /// None to take the full method, which also raises every error there is. Changes nothing.
-    pub(super) fn decode_noop<'py>(
+    /// `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` with every other
+    /// argument at its default, for `fast_entry.rs`: the method's very steps, reads and
+    /// errors, without its argument parsing (the caller has checked both counts).
+    pub(super) fn fast_allocate_slots<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
         num_new_tokens: usize,
         num_lookahead_tokens: usize,
-    ) -> Option<Bound<'py, PyAny>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let me = slf.get().state.borrow(py).ok()?;
-        me.make_blocks.as_ref()?;
+        let mut guard = slf.get().state.borrow_mut(py)?;
+        let me = &mut *guard;
+        if me.make_blocks.is_none() {
+            return Err(not_initialised());
+        }
         let args = AllocArgs {
             num_new_tokens,
             num_new_computed_tokens: 0,
@@ -590,31 +679,17 @@ impl PyManager {
             skip_zeroing_group_ids: &[],
             new_computed_generations: None,
         };
-        let coord = &me.inner.coord;
-        let slot = me.slots.get(request, || me.id_of(request), |s| coord.slot_generation(s)).ok()??;
-        if me.noop_at(request, slot, &args).ok()? {
-            me.empty(py).ok()
-        } else {
-            None
-        }
+        me.allocate(py, request, &args, false)
     }
 
-    /// The same for `cache_blocks(request, num_computed_tokens)`: `Some(())` if the call
-    /// changes nothing (caching off, or no newly full block for a request the slot cache
-    /// knows); None to take the full method. Changes nothing.
-    pub(super) fn cache_noop(
+    /// `cache_blocks(request, num_computed_tokens)` for `fast_entry.rs`, likewise.
+    pub(super) fn fast_cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,
         num_computed_tokens: usize,
-    ) -> Option<()> {
+    ) -> PyResult<()> {
         let py = slf.py();
-        let me = slf.get().state.borrow(py).ok()?;
-        if !me.inner.enable_caching {
-            return Some(());
-        }
-        let coord = &me.inner.coord;
-        let slot = me.slots.get(request, || me.id_of(request), |s| coord.slot_generation(s)).ok()??;
-        me.inner.cache_is_noop_at(slot, num_computed_tokens).then_some(())
+        slf.get().state.borrow_mut(py)?.cache(py, request, num_computed_tokens)
     }
 }
 
@@ -1055,46 +1130,7 @@ impl PyManager {
             skip_zeroing_group_ids: &skip,
             new_computed_generations: gens.as_deref(),
         };
-        if hits.is_none() {
-            // a decode step between block boundaries: answered from the request object and
-            // its num_computed_tokens (its token and in-flight counts only when needed)
-            if let Some(slot) = me.known_slot(request)? {
-                if me.noop_at(request, slot, &args)? {
-                    return me.empty(py);
-                }
-            }
-        }
-        let v = me.view(request, has_scheduled_reqs)?;
-        let ret = me.new_request_retention(request, &v)?;
-        let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
-        let content = {
-            let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args), hashes.0.len());
-            hashes.check(lo, hi)?;
-            // adopted hit blocks are not recorded again: their positions need no content
-            let recorded_from =
-                if hits.is_some() { args.num_new_computed_tokens / me.inner.coord.hash_block_size } else { 0 };
-            me.content(request, lo.max(recorded_from), hi)?
-        };
-        let pool = me.pool.bind(py).clone();
-        let mut p = pool.get().state.borrow_mut(py)?;
-        let events = me.event_inputs(request, p.inner.events_enabled())?;
-        super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
-        let inner = &mut me.inner;
-        let res = p.tagged(request, events.as_ref(), |pool, tag| {
-            let mut view = v.as_view(tag)?;
-            view.content = content.as_ref();
-            inner.allocate_slots(pool, &view, &hashes, &args).py_err()
-        });
-        drop(p);
-        match res? {
-            None => Ok(py.None().into_bound(py)),
-            Some(new) => {
-                if let Some(r) = ret {
-                    me.inner.retention.requests.insert(request_id_str(&v.id)?.to_owned(), r);
-                }
-                me.blocks_of(py, new)
-            }
-        }
+        me.allocate(py, request, &args, hits.is_some())
     }
 
     /// Admit new requests in order, each exactly as `get_computed_blocks(r)` followed by
@@ -1395,35 +1431,7 @@ impl PyManager {
     ) -> PyResult<()> {
         let py = slf.py();
         let n = count(num_computed_tokens, "num_computed_tokens")?;
-        let mut guard = slf.get().state.borrow_mut(py)?;
-        let me = &mut *guard;
-        if !me.inner.enable_caching {
-            return Ok(());
-        }
-        // nothing newly full to cache: vLLM reads only the request id then
-        if let Some(slot) = me.known_slot(request)? {
-            if me.inner.cache_is_noop_at(slot, n) {
-                return Ok(());
-            }
-        }
-        let v = me.view(request, false)?;
-        let hashes = me.hashes(request)?;
-        let content = {
-            let mut rv = v.as_view(0)?;
-            rv.num_computed_tokens = n;
-            let (lo, hi) = me.inner.cache_read_range(&rv, None, hashes.0.len());
-            hashes.check(lo, hi)?;
-            me.content(request, lo, hi)?
-        };
-        let pool = me.pool.bind(py).clone();
-        let mut p = pool.get().state.borrow_mut(py)?;
-        let events = me.event_inputs(request, p.inner.events_enabled())?;
-        let inner = &mut me.inner;
-        p.tagged(request, events.as_ref(), |pool, tag| {
-            let mut view = v.as_view(tag)?;
-            view.content = content.as_ref();
-            inner.cache_blocks(pool, &view, &hashes, n).py_err()
-        })
+        slf.get().state.borrow_mut(py)?.cache(py, request, n)
     }
 
     /// `remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens=None)`:
