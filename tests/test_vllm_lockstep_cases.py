@@ -376,15 +376,20 @@ def test_partial_mamba_hit_queues_the_same_copy_on_write_copy():
 _CORE = kv.KVCacheManager.__mro__[1]  # kvblock._core.KVCacheManagerCore
 
 
+def _small_manager():
+    """A kvblock manager of 32 four-token blocks, one full-attention group."""
+    init_none_hash(sha256)
+    cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
+    return kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+
+
 def _twins():
     """Two kvblock managers in the same state, each with a decode-ready request "r" (in its
     slot cache) and a waiting request "w"."""
     out = []
     for _ in range(2):
-        init_none_hash(sha256)
-        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
-        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        m = _small_manager()
         r = _request("r", list(range(1, 7)), 4)
         _decode_ready(m, r)
         out.append((m, r, _request("w", list(range(30, 39)), 4)))
@@ -520,10 +525,7 @@ def test_fast_entry_reads_the_request_as_often_as_the_method_and_raises_what_it_
     state after."""
     seen = []
     for via in ("method", "entry"):
-        init_none_hash(sha256)
-        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
-        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        m = _small_manager()
         r = _watched(m)
         call = (lambda *a, **k: _CORE.allocate_slots(m, *a, **k)) if via == "method" else m.allocate_slots
         again = (lambda q: _CORE.cache_blocks(m, q, 4)) if via == "method" else (lambda q: m.cache_blocks(q, 4))
@@ -551,10 +553,7 @@ def test_cache_blocks_fast_entry_raises_what_the_method_raises_while_reading_the
     """The same for ``cache_blocks`` at a newly full block, where the request is read."""
     seen = []
     for via in ("method", "entry"):
-        init_none_hash(sha256)
-        cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
-        m = kv.KVCacheManager(cfg, 64, 4, 4, enable_caching=True)
+        m = _small_manager()
         r = _watched(m)
         r.append_output_token_ids(101)
         r.num_computed_tokens = 7
