@@ -5,6 +5,7 @@ after an error is what vLLM's is (unchanged where vLLM is atomic)."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -324,6 +325,75 @@ def test_slot_cache_releases_freed_requests_and_stays_bounded():
         live.append(r)  # kept alive: their addresses stay distinct
     assert 0 < k._slot_cache_len() <= 4096
     assert k.block_pool.get_num_free_blocks() == 8191
+
+
+class _IdWatchedRequest(Request):
+    """A vLLM ``Request`` that counts its ``request_id`` reads (``id_reads``): a call
+    answered from the slot cache reads no id."""
+
+    @property
+    def request_id(self):
+        self.id_reads += 1
+        return self._rid
+
+    @request_id.setter
+    def request_id(self, v):
+        self.id_reads = 0
+        self._rid = v
+
+
+class _RefSubclass(weakref.ref):
+    pass
+
+
+def _other_weak_references(r) -> list:
+    """Weak references of every kind CPython keeps in ``r``'s weak-reference list besides
+    the basic one: with a callback, a proxy, a ``weakref.ref`` subclass, a
+    ``WeakValueDictionary`` entry."""
+    return [weakref.ref(r, lambda _: None), weakref.proxy(r), _RefSubclass(r),
+            weakref.WeakValueDictionary({"r": r})]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_slot_cache_knows_a_request_that_has_other_weak_references(when):
+    """The slot cache proves a request object is the one it cached by finding its weak
+    reference at the head of the object's weak-reference list (``py/slot_cache.rs``).
+    Other weak references to the request, made before or after kvblock first sees it, must
+    not stop it being answered from the cache nor change any answer: step by step it reads
+    its id exactly as often as a twin request with no other weak reference (none at all on
+    a decode step inside a block), and all three managers (the fast entry with and without
+    other references, the PyO3 method) end each step in the same state."""
+    runs = []
+    for m, with_others in ((_small_manager(), True), (_small_manager(), False), (_small_manager(), False)):
+        r = _IdWatchedRequest("r", list(range(1, 7)), SamplingParams(max_tokens=64), None,
+                              block_hasher=get_request_block_hasher(4, sha256, 0))
+        others = _other_weak_references(r) if with_others and when == "before" else []
+        _decode_ready(m, r)
+        if with_others and when == "after":
+            others = _other_weak_references(r)
+        runs.append((m, r, others))
+    (k, rk, others), (c, rc, _), (v, rv, _) = runs
+    assert len(others) == 4 and weakref.getweakrefcount(rk) >= 4
+    cache_answered = 0
+    for step in range(8):
+        rk.id_reads = rc.id_reads = 0
+        a = k.allocate_slots(rk, 1, num_lookahead_tokens=0)
+        a_control = c.allocate_slots(rc, 1, num_lookahead_tokens=0)
+        b = _CORE.allocate_slots(v, rv, 1, num_lookahead_tokens=0)
+        assert rk.id_reads == rc.id_reads, f"step {step}: other weak references changed the id reads"
+        cache_answered += rk.id_reads == 0
+        answers = [(x is None, x is m.empty_kv_cache_blocks, None if x is None else x.get_block_ids())
+                   for x, m in ((a, k), (a_control, c), (b, v))]
+        assert answers[0] == answers[1] == answers[2]
+        for m, r in ((k, rk), (c, rc), (v, rv)):
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(100 + step)
+            m.cache_blocks(r, r.num_computed_tokens - 1)
+        assert _state(k) == _state(c) == _state(v)
+    # of the 8 decode steps (7 to 14 tokens, 4-token blocks), the 4 that neither fill a block
+    # (8, 12: it is cached) nor start one (9, 13: it is allocated) are answered from the cache
+    assert cache_answered == 4
+    assert k._slot_cache_len() == 1
 
 
 def test_partial_mamba_hit_queues_the_same_copy_on_write_copy():

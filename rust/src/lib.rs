@@ -13,6 +13,7 @@ pub mod hashing;
 pub mod index;
 pub mod manager;
 pub mod pool;
+pub mod prefetch;
 
 #[cfg(feature = "python")]
 mod py;

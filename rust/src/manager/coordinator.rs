@@ -275,6 +275,19 @@ impl Coordinator {
         self.reqs.gen_at(slot as u32)
     }
 
+    /// Start loading what a no-op `allocate_slots` or `cache_blocks` reads of the request in
+    /// `slot` (its generation and each group's entry), so that those misses overlap: for a
+    /// caller that has just learnt the slot (see [`crate::prefetch`]).
+    #[inline(always)]
+    pub fn prefetch_request(&self, slot: usize) {
+        self.reqs.prefetch_gen(slot as u32);
+        for m in &self.managers {
+            if let Some(r) = m.req(slot) {
+                crate::prefetch::prefetch(r);
+            }
+        }
+    }
+
     /// The slot of a request, added if new.
     #[inline]
     pub fn slot_or_insert(&mut self, request_id: &str) -> usize {

@@ -106,6 +106,14 @@ impl<T: Default> RequestTable<T> {
         Some(std::mem::take(&mut self.slots[s as usize]))
     }
 
+    /// Start loading the generation of `slot` (see [`crate::prefetch`]).
+    #[inline(always)]
+    pub fn prefetch_gen(&self, slot: u32) {
+        if let Some(g) = self.gens.get(slot as usize) {
+            crate::prefetch::prefetch(g);
+        }
+    }
+
     /// The slots holding an entry, ascending.
     pub fn live_slots(&self) -> impl Iterator<Item = usize> + '_ {
         self.gens.iter().enumerate().filter(|(_, &g)| g != 0).map(|(s, _)| s)

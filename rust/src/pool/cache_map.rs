@@ -351,19 +351,9 @@ impl CacheMap {
     /// them one by one, so that their cache misses overlap.
     #[inline(always)]
     pub fn prefetch_slot(&self, slot: u32) {
-        #[cfg(target_arch = "x86_64")]
         if let Some(e) = self.slots.get(slot as usize) {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            let p = e as *const Entry as *const i8;
-            // SAFETY: a prefetch is only a hint; both addresses lie within (or at the last
-            // line of) the entry, and a prefetch never faults.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(p);
-                _mm_prefetch::<_MM_HINT_T0>(p.add(std::mem::size_of::<Entry>() - 1));
-            }
+            crate::prefetch::prefetch(e);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = slot;
     }
 
     /// Unlink `node` from `slot`'s key; the key goes when its last node does (an overflow

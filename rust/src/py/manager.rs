@@ -216,20 +216,17 @@ impl ManagerState {
         super::retention::request_retention(request, v.num_prompt_tokens)
     }
 
-    /// The request id, `num_computed_tokens`, `num_tokens` and `num_in_flight_tokens`, as
-    /// [`ManagerState::view`] reads them: what deciding [`KVCacheManager::allocate_is_noop`]
-    /// takes.
-    fn quick_view<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(Bound<'py, PyString>, usize, usize, usize)> {
-        let py = request.py();
+    /// The request's `num_tokens` and `num_in_flight_tokens`, as [`ManagerState::view`] reads
+    /// them: what deciding [`KVCacheManager::allocate_is_noop_at`] takes beyond
+    /// `num_computed_tokens` at a block boundary.
+    fn token_counts(&self, request: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
         let f = &self.fields;
-        let id = self.id_of(request)?;
-        let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
             Some(t) => t.len()?,
-            None => field_count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
+            None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens")?,
         };
         let in_flight = opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
-        Ok((id, num_computed, num_tokens, in_flight))
+        Ok((num_tokens, in_flight))
     }
 
     /// `allocate_slots` once its arguments are read (`adopts_hits`: `args.new_computed` holds
@@ -321,13 +318,14 @@ impl ManagerState {
 
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
     /// the request in `slot` ([`KVCacheManager::allocate_is_noop_at`]): reads
-    /// `request.num_computed_tokens`, and its token and in-flight counts only when needed.
+    /// `request.num_computed_tokens`, and its token and in-flight counts only when needed
+    /// (at a block boundary); never its id, which the slot stands for.
     fn noop_at(&self, request: &Bound<'_, PyAny>, slot: usize, args: &AllocArgs<'_>) -> PyResult<bool> {
         let f = &self.fields;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let mut noop = self.inner.allocate_is_noop_at(slot, num_computed, None, None, args);
         if noop.is_none() {
-            let (_, _, num_tokens, in_flight) = self.quick_view(request)?;
+            let (num_tokens, in_flight) = self.token_counts(request)?;
             noop = self.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), args);
         }
         Ok(noop == Some(true))
@@ -338,7 +336,12 @@ impl ManagerState {
     /// None for a request the manager does not hold.
     fn known_slot(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let coord = &self.inner.coord;
-        if let Some(slot) = self.slots.get(request, || self.id_of(request), |s| coord.slot_generation(s))? {
+        if let Some(slot) = self.slots.get(
+            request,
+            || self.id_of(request),
+            |s| coord.slot_generation(s),
+            |s| coord.prefetch_request(s),
+        )? {
             return Ok(Some(slot));
         }
         let id = self.id_of(request)?;

@@ -10,12 +10,14 @@
 //! request's entry in the coordinator's request table and a key that proves the object at
 //! that address is the one that was cached:
 //!
-//! - for a request type with weak-reference support (vLLM's `Request`), a weak reference to
-//!   the request: CPython clears it when the request dies, so no other object that later
-//!   takes the address matches, and a hit reads no request attribute at all (for vLLM's
-//!   `Request` each attribute read is a dict lookup in a ~60-key instance dict, which cost as
-//!   much as the rest of the call);
-//! - otherwise (`kvblock.Request`, whose fields are slots read at a fixed offset), the
+//! - for a request type whose instances hold their weak-reference list (vLLM's `Request` on
+//!   CPython 3.11), the request's basic weak reference: CPython clears it when the request
+//!   dies, so no other object that later takes the address matches. A hit compares it with
+//!   the head of the request's own weak-reference list (see `weak_list_head`) and reads no
+//!   request attribute (for vLLM's `Request` each attribute read is a dict lookup in a ~60-key
+//!   instance dict, which cost as much as the rest of the call);
+//! - otherwise (`kvblock.Request`, whose fields are slots read at a fixed offset, or a type
+//!   whose weak-reference list CPython keeps outside the object), the
 //!   request's `request_id` string object (a strong reference: no other string can take its
 //!   address while the entry exists), compared by identity on every hit.
 //!
@@ -47,13 +49,29 @@ struct Entry {
     generation: u64,
 }
 
-/// The address of the object a weak reference still refers to (Py_None's once it died).
+/// The first weak reference in `obj`'s weak-reference list (0 for none), for a type whose
+/// list lives in the object (`tp_weaklistoffset > 0`; an entry keyed by a weak reference is
+/// made for such types only).
+///
+/// CPython keeps an object's basic weak reference (a plain `weakref.ref` without a callback,
+/// which `PyWeakref_NewRef(obj, NULL)` returns for every such call while it lives) at the
+/// head of the list. An entry holds its request's basic reference, so the head of the list
+/// of the object at the entry's address is that reference exactly when the object is the
+/// request that was cached: a dead request's list was cleared, and a new object at its
+/// address has a list of its own. Reading the head touches the request object, which the
+/// caller reads anyway, instead of the reference object.
 #[inline(always)]
-fn referent(wr: &Py<PyWeakrefReference>) -> usize {
-    // SAFETY: a `PyWeakrefReference` is a CPython weak reference object (`PyWeakReference`);
-    // reading its `wr_object` field is what `PyWeakref_GetObject` does, without a call (the
-    // GIL is held: the callers have a `Bound`).
-    unsafe { (*(wr.as_ptr() as *const ffi::PyWeakReference)).wr_object as usize }
+fn weak_list_head(obj: &Bound<'_, PyAny>) -> usize {
+    // SAFETY: reading the type's weak-list offset (a plain field of the type object) and,
+    // for a positive one, the object's list pointer at that offset (a PyObject* field of
+    // every instance of the type); the GIL is held (the caller has a `Bound`).
+    unsafe {
+        let off = (*ffi::Py_TYPE(obj.as_ptr())).tp_weaklistoffset;
+        if off <= 0 {
+            return 0;
+        }
+        *((obj.as_ptr() as *const u8).offset(off) as *const usize)
+    }
 }
 
 #[derive(Default)]
@@ -72,24 +90,27 @@ fn way(address: usize) -> usize {
 impl SlotCache {
     /// The slot of `request`, if its entry names a live request entry (`generation_at(slot)`
     /// is the coordinator's current generation of a slot). `request_id` reads the request's
-    /// id; it is called only for an entry keyed by the id string.
+    /// id; it is called only for an entry keyed by the id string. `prefetch(slot)` is called
+    /// as soon as the entry's slot is known, before anything else is read for it.
     #[inline]
     pub fn get<'py>(
         &self,
         request: &Bound<'py, PyAny>,
         request_id: impl FnOnce() -> PyResult<Bound<'py, PyString>>,
         generation_at: impl Fn(usize) -> u64,
+        prefetch: impl Fn(usize),
     ) -> PyResult<Option<usize>> {
         let address = request.as_ptr() as usize;
         let Some(e) = self.table.get(way(address)).and_then(|e| e.as_ref()) else { return Ok(None) };
-        if e.address != address || e.generation == 0 || generation_at(e.slot) != e.generation {
+        if e.address != address || e.generation == 0 {
             return Ok(None);
         }
+        prefetch(e.slot);
         let same = match &e.key {
-            Key::Referent(wr) => referent(wr) == address,
+            Key::Referent(wr) => weak_list_head(request) == wr.as_ptr() as usize,
             Key::RequestId(id) => id.as_ptr() == request_id()?.as_ptr(),
         };
-        Ok(same.then_some(e.slot))
+        Ok((same && generation_at(e.slot) == e.generation).then_some(e.slot))
     }
 
     /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`.
@@ -112,18 +133,14 @@ impl SlotCache {
         self.way_of_slot[slot] = w as u16;
     }
 
-    /// Read the entry last inserted for `slot` and what its key points at (see
-    /// `Coordinator::warm_live_requests`); the value read is returned to keep the read.
+    /// Read the entry last inserted for `slot` (see `Coordinator::warm_live_requests`); the
+    /// value read is returned to keep the read.
     #[inline]
     pub fn warm(&self, slot: usize) -> usize {
         match self.way_of_slot.get(slot) {
-            Some(&w) if w != u16::MAX => self.table.get(w as usize).and_then(|e| e.as_ref()).map_or(0, |e| {
-                e.slot
-                    ^ match &e.key {
-                        Key::Referent(wr) => referent(wr),
-                        Key::RequestId(_) => 0,
-                    }
-            }),
+            Some(&w) if w != u16::MAX => {
+                self.table.get(w as usize).and_then(|e| e.as_ref()).map_or(0, |e| e.slot ^ e.address)
+            }
             _ => 0,
         }
     }
