@@ -277,6 +277,50 @@ def test_request_forgotten_by_id_is_not_answered_from_a_reused_slot(forget):
     _same(v, k, lambda: v.cache_blocks(rv, 7), lambda: k.cache_blocks(rk, 7))
 
 
+def test_request_given_an_equal_id_string_gets_vllms_answers():
+    """kvblock's full ``allocate_slots`` path uses the slot its slot cache found for the
+    request object only while the request's ``request_id`` is the string object the entry was
+    made with; an equal id in another string object (vLLM keys by value) is looked up by its
+    text again. Through the decode steps that fill and start blocks, both managers give the
+    same answers and end each step in the same state."""
+    v, k = _both([FullAttentionSpec(block_size=4, **A)], 32, 4, 4)
+    rv, rk = (_request("req-1", list(range(1, 7)), 4) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        _decode_ready(m, r)
+        fresh = "".join(["req", "-1"])
+        assert fresh == r.request_id and fresh is not r.request_id
+        r.request_id = fresh
+    for step in range(8):
+        _same(v, k, lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0),
+              lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
+        for r in (rv, rk):
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(100 + step)
+        _same(v, k, lambda: v.cache_blocks(rv, rv.num_computed_tokens),
+              lambda: k.cache_blocks(rk, rk.num_computed_tokens))
+    assert [b.block_id for b in k.coordinator.single_type_managers[0].req_to_blocks["req-1"]] == \
+        [b.block_id for b in v.coordinator.single_type_managers[0].req_to_blocks["req-1"]]
+    assert len(k.coordinator.single_type_managers[0].req_to_blocks["req-1"]) == 4
+
+
+def test_request_renamed_before_a_block_boundary_call_gets_vllms_answer():
+    """A call that leaves the no-op check (here one that fills a block) uses the slot found
+    for the request object only if its ``request_id`` is still the string object the entry
+    was made with: a request renamed to another id (vLLM keys by the id it reads, so it sees
+    a new request) gets vLLM's answer for that id, and both managers end in the same state."""
+    v, k = _both([FullAttentionSpec(block_size=4, **A)], 32, 4, 4)
+    rv, rk = (_request("req-1", list(range(1, 7)), 4) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        _decode_ready(m, r)
+        r.num_computed_tokens += 1
+        r.append_output_token_ids(101)  # 7 computed of 8 tokens: the next call fills block 1
+        r.request_id = "req-2"
+    res = _same(v, k, lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0),
+                lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
+    assert res is not None and res.get_block_ids() != ([],)  # a new request's blocks
+    assert set(k.coordinator.single_type_managers[0].req_to_blocks) == {"req-1", "req-2"}
+
+
 def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_cache():
     """kvblock knows a vLLM ``Request`` in its slot cache by a weak reference. When a request
     object dies while the manager still holds its blocks (its id is still live), and another

@@ -307,9 +307,16 @@ impl Coordinator {
     /// Forget the slot of a request no group holds anything of.
     pub fn release_if_vacant(&mut self, request_id: &str) {
         if let Some(s) = self.slot(request_id) {
-            if self.managers.iter().all(|m| m.is_vacant(s)) {
-                self.reqs.remove(request_id);
-            }
+            self.release_slot_if_vacant(s, request_id);
+        }
+    }
+
+    /// [`Coordinator::release_if_vacant`] for the request in `slot` (`request_id`'s slot):
+    /// the id is looked up only to forget it.
+    pub fn release_slot_if_vacant(&mut self, slot: usize, request_id: &str) {
+        debug_assert_eq!(self.slot(request_id), Some(slot));
+        if self.managers.iter().all(|m| m.is_vacant(slot)) {
+            self.reqs.remove(request_id);
         }
     }
 

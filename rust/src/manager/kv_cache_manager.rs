@@ -10,6 +10,33 @@ use crate::manager::retention::RetentionState;
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
+/// No hit blocks for each of up to this many groups: what `allocate_slots` passes its groups
+/// when the caller adopts none (more groups than this get a vector made per call).
+static NO_BLOCKS: [&[u32]; 16] = [&[]; 16];
+
+/// One flag per KV cache group, kept inline for up to 64 groups.
+enum GroupFlags {
+    Inline(u64),
+    Spilled(Vec<bool>),
+}
+
+impl GroupFlags {
+    fn of(flags: impl ExactSizeIterator<Item = bool>) -> Self {
+        if flags.len() <= 64 {
+            GroupFlags::Inline(flags.enumerate().fold(0, |bits, (i, f)| bits | (f as u64) << i))
+        } else {
+            GroupFlags::Spilled(flags.collect())
+        }
+    }
+
+    fn get(&self, i: usize) -> bool {
+        match self {
+            GroupFlags::Inline(bits) => i < 64 && bits >> i & 1 == 1,
+            GroupFlags::Spilled(v) => v.get(i).copied().unwrap_or(false),
+        }
+    }
+}
+
 /// What `allocate_slots` reads from the request besides its hashes.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RequestView<'a> {
@@ -402,11 +429,30 @@ impl KVCacheManager {
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
+        let known = self.coord.slot(req.request_id);
+        self.allocate_slots_in(pool, known, req, hashes, a)
+    }
+
+    /// [`KVCacheManager::allocate_slots`] for a caller that knows the request's slot:
+    /// `known` is `Coordinator::slot(req.request_id)` (None for a request the manager does
+    /// not hold), which saves looking the id up again.
+    pub fn allocate_slots_in(
+        &mut self,
+        pool: &mut BlockPool,
+        known: Option<usize>,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        a: &AllocArgs<'_>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        debug_assert_eq!(known, self.coord.slot(req.request_id));
         let deferred = self.check_alloc(pool, req, a)?;
-        let existed = self.coord.slot(req.request_id).is_some();
-        let slot = self.coord.slot_or_insert(req.request_id);
+        let existed = known.is_some();
+        let slot = match known {
+            Some(s) => s,
+            None => self.coord.slot_or_insert(req.request_id),
+        };
         // which groups already had a table for the request (vLLM's defaultdict entries)
-        let had_table: Vec<bool> = self.coord.managers.iter().map(|m| m.req(slot).is_some_and(|r| r.present)).collect();
+        let had_table = GroupFlags::of(self.coord.managers.iter().map(|m| m.req(slot).is_some_and(|r| r.present)));
         let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
         let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. }));
         if res.is_err() && (self.strict_inputs || refused) && !existed {
@@ -415,16 +461,16 @@ impl KVCacheManager {
             self.coord.forget_if_blockless(req.request_id);
         } else if refused {
             // the same for a request known before: the empty tables this call made go again
-            for (m, had) in self.coord.managers.iter_mut().zip(had_table) {
+            for (i, m) in self.coord.managers.iter_mut().enumerate() {
                 if let Some(r) = m.reqs.get_mut(slot) {
-                    if !had && r.blocks.is_empty() {
+                    if !had_table.get(i) && r.blocks.is_empty() {
                         r.present = false;
                     }
                 }
             }
             self.coord.release_if_vacant(req.request_id);
         } else if !matches!(res, Ok(Some(_))) {
-            self.coord.release_if_vacant(req.request_id);
+            self.coord.release_slot_if_vacant(slot, req.request_id);
         }
         res
     }
@@ -439,10 +485,17 @@ impl KVCacheManager {
         deferred: Option<Error>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         let n = self.coord.num_groups();
-        let empty: Vec<&[u32]> = vec![&[]; n];
-        let new_computed: Vec<&[u32]> = match a.new_computed {
-            Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
-            None => empty,
+        let passed: Vec<&[u32]>;
+        let new_computed: &[&[u32]] = match a.new_computed {
+            Some(nc) => {
+                passed = nc.iter().map(|g| g.as_slice()).collect();
+                &passed
+            }
+            None if n <= NO_BLOCKS.len() => &NO_BLOCKS[..n],
+            None => {
+                passed = vec![&[]; n];
+                &passed
+            }
         };
         let num_local_computed = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
         let total_uncapped = num_local_computed.saturating_add(a.num_external_computed_tokens);
@@ -455,7 +508,7 @@ impl KVCacheManager {
                 pool,
                 slot,
                 full,
-                &new_computed,
+                new_computed,
                 a.num_encoder_tokens,
                 total_computed,
                 num_local_computed,
@@ -480,7 +533,7 @@ impl KVCacheManager {
             pool,
             slot,
             need_slot,
-            &new_computed,
+            new_computed,
             a.num_encoder_tokens,
             total_uncapped,
             num_local_computed,
@@ -504,7 +557,7 @@ impl KVCacheManager {
                 pool,
                 slot,
                 adopts,
-                &new_computed,
+                new_computed,
                 num_local_computed,
                 a.num_external_computed_tokens,
                 need_slot,
@@ -519,7 +572,7 @@ impl KVCacheManager {
             self.coord.allocate_new_computed_blocks(
                 pool,
                 slot,
-                &new_computed,
+                new_computed,
                 num_local_computed,
                 a.num_external_computed_tokens,
                 a.skip_zeroing_group_ids,
@@ -671,6 +724,19 @@ impl KVCacheManager {
         a: Option<&AllocArgs<'_>>,
         num_hashes: usize,
     ) -> (usize, usize) {
+        self.cache_read_range_in(self.coord.slot(req.request_id), req, a, num_hashes)
+    }
+
+    /// [`KVCacheManager::cache_read_range`] for a caller that knows the request's slot
+    /// (`known`, as for [`KVCacheManager::allocate_slots_in`]).
+    pub fn cache_read_range_in(
+        &self,
+        known: Option<usize>,
+        req: &RequestView<'_>,
+        a: Option<&AllocArgs<'_>>,
+        num_hashes: usize,
+    ) -> (usize, usize) {
+        debug_assert_eq!(known, self.coord.slot(req.request_id));
         if !self.enable_caching {
             return (0, 0);
         }
@@ -685,7 +751,7 @@ impl KVCacheManager {
             }
             None => req.num_computed_tokens,
         };
-        match self.coord.slot(req.request_id) {
+        match known {
             Some(slot) => self.coord.cache_read_range(slot, n, req.num_prompt_tokens, num_hashes),
             None => (0, (n / self.coord.hash_block_size).min(num_hashes)),
         }

@@ -242,18 +242,25 @@ impl ManagerState {
         adopts_hits: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let me = self;
+        let mut known = None;
         if !adopts_hits {
-            if let Some(slot) = me.known_slot(request)? {
+            known = me.known_slot(request)?;
+            if let Some(slot) = known {
                 if me.noop_at(request, slot, args)? {
                     return me.empty(py);
                 }
             }
         }
         let v = me.view(request, args.has_scheduled_reqs)?;
+        // the slot found for the request object, if it is its id's slot (else looked up by id)
+        let known = match known {
+            Some(slot) if me.slots.slot_has_id(request, slot, &v.id) => Some(slot),
+            _ => me.inner.coord.slot(request_id_str(&v.id)?),
+        };
         let ret = me.new_request_retention(request, &v)?;
         let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
         let content = {
-            let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(args), hashes.0.len());
+            let (lo, hi) = me.inner.cache_read_range_in(known, &v.as_view(0)?, Some(args), hashes.0.len());
             hashes.check(lo, hi)?;
             // adopted hit blocks are not recorded again: their positions need no content
             let recorded_from =
@@ -268,7 +275,7 @@ impl ManagerState {
         let res = p.tagged(request, events.as_ref(), |pool, tag| {
             let mut view = v.as_view(tag)?;
             view.content = content.as_ref();
-            inner.allocate_slots(pool, &view, &hashes, args).py_err()
+            inner.allocate_slots_in(pool, known, &view, &hashes, args).py_err()
         });
         drop(p);
         match res? {

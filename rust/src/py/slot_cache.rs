@@ -45,6 +45,8 @@ enum Key {
 struct Entry {
     address: usize,
     key: Key,
+    /// The `request_id` read when the entry was made (the same object as a `RequestId` key).
+    id: Py<PyString>,
     slot: usize,
     generation: u64,
 }
@@ -126,11 +128,23 @@ impl SlotCache {
         };
         let address = request.as_ptr() as usize;
         let w = way(address);
-        self.table[w] = Some(Entry { address, key, slot, generation });
+        self.table[w] = Some(Entry { address, key, id: id.clone().unbind(), slot, generation });
         if self.way_of_slot.len() <= slot {
             self.way_of_slot.resize(slot + 1, u16::MAX);
         }
         self.way_of_slot[slot] = w as u16;
+    }
+
+    /// True if `slot`, which [`SlotCache::get`] just gave for `request`, is the slot of the
+    /// request id `id` too: `id` is the string object the entry was made with (a request
+    /// whose `request_id` was set to another object since is looked up by its id again).
+    #[inline]
+    pub fn slot_has_id(&self, request: &Bound<'_, PyAny>, slot: usize, id: &Bound<'_, PyString>) -> bool {
+        let address = request.as_ptr() as usize;
+        self.table
+            .get(way(address))
+            .and_then(|e| e.as_ref())
+            .is_some_and(|e| e.address == address && e.slot == slot && e.id.as_ptr() == id.as_ptr())
     }
 
     /// Read the entry last inserted for `slot` (see `Coordinator::warm_live_requests`); the
