@@ -15,6 +15,10 @@ pub trait HashSource {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Start loading hash `i` without waiting for it (a hint: see [`crate::prefetch`]), for a
+    /// reader about to go through several hashes in order. Nothing by default.
+    #[inline(always)]
+    fn prefetch(&self, _i: usize) {}
     /// Hash `i` as a [`Digest`].
     fn digest(&self, i: usize) -> Result<Digest> {
         let b = self.get(i)?;

@@ -663,7 +663,28 @@ impl BlockPool {
         }
         let keep = |i: usize| mask.is_none_or(|m| m[i - num_cached]);
         let mut keys = Vec::with_capacity(num_full - num_cached);
+        // a prefill caches tens of blocks whose hashes and key entries are rarely in cache:
+        // start loading them a few blocks ahead, so that their misses overlap
+        const AHEAD: usize = 4;
+        let ahead = |pool: &Self, i: usize| {
+            if i < num_full {
+                hashes.prefetch(i);
+                if let Some(&b) = table.get(i) {
+                    if let Some(k) = pool.key_slot.get(b as usize) {
+                        crate::prefetch::prefetch(k);
+                    }
+                }
+            }
+        };
+        if num_full - num_cached > 1 {
+            for i in num_cached..num_cached + AHEAD {
+                ahead(self, i);
+            }
+        }
         for (i, &b) in table.iter().enumerate().take(num_full).skip(num_cached) {
+            if num_full - num_cached > 1 {
+                ahead(self, i + AHEAD);
+            }
             self.check_id(b)?;
             if b == NULL_BLOCK || !keep(i) {
                 continue;

@@ -40,6 +40,15 @@ impl HashSource for PyHashes<'_> {
     fn get(&self, i: usize) -> crate::error::Result<&[u8]> {
         list_hash_bytes(&self.0, i, "request.block_hashes")
     }
+    /// Starts loading the bytes object of item `i` (its header and a 32-byte digest).
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        if i < self.0.len() {
+            // SAFETY: i < len with the GIL held; only the item's address is taken.
+            let item = unsafe { pyo3::ffi::PyList_GET_ITEM(self.0.as_ptr(), i as pyo3::ffi::Py_ssize_t) };
+            crate::prefetch::prefetch_bytes(item as *const u8, std::mem::size_of::<pyo3::ffi::PyBytesObject>() + 32);
+        }
+    }
 }
 
 /// Read `hashes[i]` from a Python list of bytes as a [`Digest`].
