@@ -322,8 +322,8 @@ def test_request_renamed_before_a_block_boundary_call_gets_vllms_answer():
 
 
 def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_cache():
-    """kvblock knows a vLLM ``Request`` in its slot cache by a weak reference. When a request
-    object dies while the manager still holds its blocks (its id is still live), and another
+    """kvblock knows a request in its slot cache by its address and ``request_id`` object. When
+    a request object dies while the manager still holds its blocks (its id is still live), and another
     request object, with another id, takes its address, the newcomer must get vLLM's answer for
     an unknown request (new blocks), not the dead request's no-op; and the dead request's id
     keeps its blocks. Run in a child process with C malloc (``vllm_address_reuse.py``), where
@@ -342,8 +342,8 @@ def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_
 
 
 def test_slot_cache_releases_freed_requests_and_stays_bounded():
-    """The slot cache keeps no request object alive (it holds a weak reference to a vLLM
-    ``Request``), freeing a request through its object drops its entry, and requests
+    """The slot cache keeps no request object alive (it holds the request's id string),
+    freeing a request through its object drops its entry, and requests
     forgotten by id stay in a table of fixed size (4,096 entries), so no entry is kept
     without bound."""
     import sys
@@ -373,7 +373,7 @@ def test_slot_cache_releases_freed_requests_and_stays_bounded():
 
 class _IdWatchedRequest(Request):
     """A vLLM ``Request`` that counts its ``request_id`` reads (``id_reads``): a call
-    answered from the slot cache reads no id."""
+    answered from the slot cache reads it once (the cache's identity check)."""
 
     @property
     def request_id(self):
@@ -400,13 +400,12 @@ def _other_weak_references(r) -> list:
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_slot_cache_knows_a_request_that_has_other_weak_references(when):
-    """The slot cache proves a request object is the one it cached by finding its weak
-    reference at the head of the object's weak-reference list (``py/slot_cache.rs``).
-    Other weak references to the request, made before or after kvblock first sees it, must
-    not stop it being answered from the cache nor change any answer: step by step it reads
-    its id exactly as often as a twin request with no other weak reference (none at all on
-    a decode step inside a block), and all three managers (the fast entry with and without
-    other references, the PyO3 method) end each step in the same state."""
+    """Weak references to a request (with a callback, a proxy, a ``weakref.ref`` subclass, a
+    ``WeakValueDictionary`` entry), made before or after kvblock first sees it, change nothing:
+    step by step the request reads its id exactly as often as a twin request with none (once,
+    the slot cache's identity check, on a decode step inside a block), and all three managers
+    (the fast entry with and without other references, the PyO3 method) give the same answers
+    and end each step in the same state."""
     runs = []
     for m, with_others in ((_small_manager(), True), (_small_manager(), False), (_small_manager(), False)):
         r = _IdWatchedRequest("r", list(range(1, 7)), SamplingParams(max_tokens=64), None,
@@ -418,14 +417,14 @@ def test_slot_cache_knows_a_request_that_has_other_weak_references(when):
         runs.append((m, r, others))
     (k, rk, others), (c, rc, _), (v, rv, _) = runs
     assert len(others) == 4 and weakref.getweakrefcount(rk) >= 4
-    cache_answered = 0
+    reads = []
     for step in range(8):
         rk.id_reads = rc.id_reads = 0
         a = k.allocate_slots(rk, 1, num_lookahead_tokens=0)
         a_control = c.allocate_slots(rc, 1, num_lookahead_tokens=0)
         b = _CORE.allocate_slots(v, rv, 1, num_lookahead_tokens=0)
         assert rk.id_reads == rc.id_reads, f"step {step}: other weak references changed the id reads"
-        cache_answered += rk.id_reads == 0
+        reads.append(rk.id_reads)
         answers = [(x is None, x is m.empty_kv_cache_blocks, None if x is None else x.get_block_ids())
                    for x, m in ((a, k), (a_control, c), (b, v))]
         assert answers[0] == answers[1] == answers[2]
@@ -435,9 +434,41 @@ def test_slot_cache_knows_a_request_that_has_other_weak_references(when):
             m.cache_blocks(r, r.num_computed_tokens - 1)
         assert _state(k) == _state(c) == _state(v)
     # of the 8 decode steps (7 to 14 tokens, 4-token blocks), the 4 that neither fill a block
-    # (8, 12: it is cached) nor start one (9, 13: it is allocated) are answered from the cache
-    assert cache_answered == 4
+    # (8, 12: it is cached) nor start one (9, 13: it is allocated) are answered from the cache,
+    # reading the id once; the others read it again for the full path
+    assert [reads[i] for i in (0, 3, 4, 7)] == [1, 1, 1, 1]
+    assert all(reads[i] > 1 for i in (1, 2, 5, 6))
     assert k._slot_cache_len() == 1
+
+
+@pytest.mark.parametrize("new_id", ["other", "equal_text"])
+def test_request_renamed_after_a_no_op_call_gets_vllms_answers(new_id):
+    """A request renamed after kvblock answered a no-op call from its slot cache (found by a
+    fresh user: the slot cache then knew the request by a weak reference and went on answering
+    the old id's no-op, leaving the new id with no blocks). vLLM keys by the id it reads, so
+    another id is a new request that gets blocks, and an equal id in another string object is
+    the same request; kvblock's slot cache compares the id object on every hit, so both
+    managers give the same answers and states on every step after the rename."""
+    v, k = _both([FullAttentionSpec(block_size=4, **A)], 32, 4, 4)
+    rv, rk = (_request("req-a", list(range(1, 7)), 4) for _ in range(2))
+    for m, r in ((v, rv), (k, rk)):
+        _decode_ready(m, r)  # ends with a no-op allocate_slots: r is in kvblock's slot cache
+        fresh = "req-b" if new_id == "other" else "".join(["req", "-a"])
+        assert fresh is not r.request_id
+        r.request_id = fresh
+    for step in range(6):
+        res = _same(v, k, lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0),
+                    lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
+        if step == 0:
+            renamed = new_id == "other"
+            assert res is not None and (res.get_block_ids() != ([],)) == renamed
+        for r in (rv, rk):
+            r.num_computed_tokens += 1
+            r.append_output_token_ids(100 + step)
+        _same(v, k, lambda: v.cache_blocks(rv, rv.num_computed_tokens),
+              lambda: k.cache_blocks(rk, rk.num_computed_tokens))
+    held = set(k.coordinator.single_type_managers[0].req_to_blocks)
+    assert held == ({"req-a", "req-b"} if new_id == "other" else {"req-a"})
 
 
 def test_partial_mamba_hit_queues_the_same_copy_on_write_copy():
