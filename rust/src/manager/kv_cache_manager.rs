@@ -14,6 +14,16 @@ use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 /// when the caller adopts none (more groups than this get a vector made per call).
 static NO_BLOCKS: [&[u32]; 16] = [&[]; 16];
 
+/// The hit blocks passed for each of `n` groups (`new_computed`), or none for each, as slices.
+fn hit_lists(new_computed: Option<&[Vec<u32>]>, n: usize) -> std::borrow::Cow<'_, [&[u32]]> {
+    use std::borrow::Cow;
+    match new_computed {
+        Some(nc) => Cow::Owned(nc.iter().map(|g| g.as_slice()).collect()),
+        None if n <= NO_BLOCKS.len() => Cow::Borrowed(&NO_BLOCKS[..n]),
+        None => Cow::Owned(vec![&[] as &[u32]; n]),
+    }
+}
+
 /// One flag per KV cache group, kept inline for up to 64 groups.
 enum GroupFlags {
     Inline(u64),
@@ -366,12 +376,7 @@ impl KVCacheManager {
             deferred = Some(e);
         }
         if adopts && !running {
-            let n = self.coord.num_groups();
-            let empty: Vec<&[u32]> = vec![&[]; n];
-            let nc: Vec<&[u32]> = match a.new_computed {
-                Some(nc) => nc.iter().map(|g| g.as_slice()).collect(),
-                None => empty,
-            };
+            let nc = hit_lists(a.new_computed, self.coord.num_groups());
             let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
             if deferred.is_none() {
                 if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
@@ -468,7 +473,7 @@ impl KVCacheManager {
                     }
                 }
             }
-            self.coord.release_if_vacant(req.request_id);
+            self.coord.release_slot_if_vacant(slot, req.request_id);
         } else if !matches!(res, Ok(Some(_))) {
             self.coord.release_slot_if_vacant(slot, req.request_id);
         }
@@ -484,19 +489,8 @@ impl KVCacheManager {
         a: &AllocArgs<'_>,
         deferred: Option<Error>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        let n = self.coord.num_groups();
-        let passed: Vec<&[u32]>;
-        let new_computed: &[&[u32]] = match a.new_computed {
-            Some(nc) => {
-                passed = nc.iter().map(|g| g.as_slice()).collect();
-                &passed
-            }
-            None if n <= NO_BLOCKS.len() => &NO_BLOCKS[..n],
-            None => {
-                passed = vec![&[]; n];
-                &passed
-            }
-        };
+        let hits = hit_lists(a.new_computed, self.coord.num_groups());
+        let new_computed: &[&[u32]] = &hits;
         let num_local_computed = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
         let total_uncapped = num_local_computed.saturating_add(a.num_external_computed_tokens);
         let total_computed = total_uncapped.min(self.max_model_len);

@@ -171,14 +171,10 @@ impl ManagerState {
     }
 
     fn view<'py>(&self, request: &Bound<'py, PyAny>, has_scheduled_reqs: bool) -> PyResult<ReqView<'py>> {
-        let py = request.py();
         let f = &self.fields;
         let id = self.id_of(request)?;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
-        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
-            Some(t) => t.len()?,
-            None => field_count(&request.getattr(intern!(py, "num_tokens"))?, "request.num_tokens")?,
-        };
+        let num_tokens = self.num_tokens(request)?;
         let num_prompt_tokens = match f.get_opt(request, Field::NumPromptTokens)? {
             Some(v) => field_count(&v, "request.num_prompt_tokens")?,
             None => num_tokens,
@@ -220,13 +216,19 @@ impl ManagerState {
     /// them: what deciding [`KVCacheManager::allocate_is_noop_at`] takes beyond
     /// `num_computed_tokens` at a block boundary.
     fn token_counts(&self, request: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
-        let f = &self.fields;
-        let num_tokens = match f.get_opt(request, Field::AllTokenIds)? {
-            Some(t) => t.len()?,
-            None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens")?,
-        };
-        let in_flight = opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
+        let num_tokens = self.num_tokens(request)?;
+        let in_flight =
+            opt_field_count(&self.fields, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
         Ok((num_tokens, in_flight))
+    }
+
+    /// `request.num_tokens`: the length of its token list where it has one (vLLM's property
+    /// is that length), else its `num_tokens` attribute.
+    fn num_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        match self.fields.get_opt(request, Field::AllTokenIds)? {
+            Some(t) => t.len(),
+            None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens"),
+        }
     }
 
     /// `allocate_slots` once its arguments are read (`adopts_hits`: `args.new_computed` holds
@@ -326,7 +328,7 @@ impl ManagerState {
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
     /// the request in `slot` ([`KVCacheManager::allocate_is_noop_at`]): reads
     /// `request.num_computed_tokens`, and its token and in-flight counts only when needed
-    /// (at a block boundary); never its id, which the slot stands for.
+    /// (at a block boundary); the slot cache has already checked its id.
     fn noop_at(&self, request: &Bound<'_, PyAny>, slot: usize, args: &AllocArgs<'_>) -> PyResult<bool> {
         let f = &self.fields;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
@@ -372,10 +374,7 @@ impl ManagerState {
     fn hashes<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<PyHashes<'py>> {
         let hashes = PyHashes::of(self.fields.get(request, Field::BlockHashes)?, "request.block_hashes")?;
         if self.inner.strict_inputs && !hashes.0.is_empty() {
-            let num_tokens = match self.fields.get_opt(request, Field::AllTokenIds)? {
-                Some(t) => t.len()?,
-                None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens")?,
-            };
+            let num_tokens = self.num_tokens(request)?;
             let h = self.inner.coord.hash_block_size;
             if let Ok(hb) = request.getattr(intern!(request.py(), "_hash_block_size")) {
                 let hb: usize = hb.extract().unwrap_or(0);
