@@ -591,6 +591,9 @@ impl Coordinator {
             self.scheduler_block_size,
             self.drop_eagle_groups.iter().any(|&d| d),
         );
+        if pool.events_enabled() {
+            self.check_cache_within_table(pool, slot, hashes, num_computed_tokens)?;
+        }
         for gid in 0..self.managers.len() {
             if !self.managers[gid].cfg.enable_caching {
                 continue;
@@ -598,6 +601,38 @@ impl Coordinator {
             let n = self.num_cacheable_tokens(num_computed_tokens, gid);
             let retention = self.retention_interval;
             self.managers[gid].cache_blocks(pool, slot, req, hashes, n, retention, &boundaries)?;
+        }
+        Ok(())
+    }
+
+    /// With KV events on, vLLM's `cache_full_blocks` indexes the request's table for each
+    /// newly full block when it builds the `BlockStored` event, and so raises `IndexError` for
+    /// a count past the blocks the request holds (with events off it slices the table and
+    /// raises nothing). Checked before anything changes: the `IndexError` leaves the cache
+    /// as it was (vLLM has by then cached the held blocks, and emits no event).
+    fn check_cache_within_table(
+        &self,
+        pool: &BlockPool,
+        slot: usize,
+        hashes: &dyn HashSource,
+        num_computed_tokens: usize,
+    ) -> Result<()> {
+        let hashed = hashes.len() * pool.hash_block_size();
+        for (gid, m) in self.managers.iter().enumerate() {
+            if !m.cfg.enable_caching || !m.cfg.spec.prefix_cacheable {
+                continue;
+            }
+            let Some(r) = m.reqs.get(slot) else { continue };
+            let n = self.num_cacheable_tokens(num_computed_tokens, gid);
+            let num_full = n.min(hashed) / m.cfg.block_size;
+            if num_full > r.num_cached.unwrap_or(0) && num_full > r.blocks.len() {
+                let msg = format!(
+                    "list index out of range: caching {num_full} full blocks of a request holding {} (group {gid})",
+                    r.blocks.len()
+                );
+                // vLLM's callers get vLLM's IndexError; kvblock's own API a ValueError
+                return Err(if self.past_hashes_is_error { Error::Index(msg) } else { Error::Value(msg) });
+            }
         }
         Ok(())
     }

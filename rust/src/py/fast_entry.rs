@@ -34,6 +34,8 @@ struct Entry {
     lookahead_kw: Py<PyString>,
     /// The entry's own method descriptor.
     descr: Py<PyAny>,
+    /// The method's parameters after `self`, as vLLM reads them.
+    params: &'static [(&'static str, Param)],
 }
 
 static ALLOCATE_SLOTS: PyOnceLock<Entry> = PyOnceLock::new();
@@ -128,26 +130,101 @@ unsafe fn fast_cache_blocks<'py>(
     }
 }
 
+/// How vLLM's method body reads a parameter, for the coercions of [`full`].
+#[derive(Clone, Copy, PartialEq)]
+enum Param {
+    /// Used in arithmetic and comparisons: a bool counts as the int 0 or 1.
+    Count,
+    /// Tested with `if`: any object counts by its truth value.
+    Flag,
+    /// Passed on as it is.
+    Other,
+}
+
+/// `allocate_slots`' parameters after `self`, in order, with how vLLM reads each.
+const ALLOCATE_SLOTS_PARAMS: [(&str, Param); 12] = [
+    ("request", Param::Other),
+    ("num_new_tokens", Param::Count),
+    ("num_new_computed_tokens", Param::Count),
+    ("new_computed_blocks", Param::Other),
+    ("num_lookahead_tokens", Param::Count),
+    ("num_external_computed_tokens", Param::Count),
+    ("delay_cache_blocks", Param::Flag),
+    ("num_encoder_tokens", Param::Count),
+    ("full_sequence_must_fit", Param::Flag),
+    ("reserved_blocks", Param::Count),
+    ("has_scheduled_reqs", Param::Flag),
+    ("skip_zeroing_group_ids", Param::Other),
+];
+
+/// `cache_blocks`' parameters after `self`.
+const CACHE_BLOCKS_PARAMS: [(&str, Param); 2] = [("request", Param::Other), ("num_computed_tokens", Param::Count)];
+
+/// `v` as vLLM's method body would take it for a parameter read as `kind`: a bool count as
+/// an int, a flag as a bool (None to pass `v` on unchanged); Err when its truth value raises.
+///
+/// # Safety
+/// `v` is a live object and the GIL is held.
+unsafe fn coerced<'py>(py: Python<'py>, kind: Param, v: *mut ffi::PyObject) -> PyResult<Option<Bound<'py, PyAny>>> {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        let is_bool = ffi::PyBool_Check(v) != 0;
+        match kind {
+            Param::Count if is_bool => Ok(Some(i64::from(v == ffi::Py_True()).into_pyobject(py)?.into_any())),
+            Param::Flag if !is_bool => Ok(Some(Bound::from_borrowed_ptr(py, v).is_truthy()?.into_pyobject(py)?.to_owned().into_any())),
+            _ => Ok(None),
+        }
+    }
+}
+
 /// The full path: the PyO3 method, `KVCacheManagerCore.<name>(self, *args, **kwargs)`, as one
-/// vectorcall; NULL with the exception set when it raises.
+/// vectorcall; NULL with the exception set when it raises. The arguments are first taken as
+/// vLLM's method body takes them (see [`Param`]): `True` for a count is 1, any object for a
+/// flag is its truth value. The PyO3 method itself is kvblock's stricter API (it refuses a
+/// bool count), which the vLLM manager must not be: vLLM's callers may pass either.
 ///
 /// # Safety
 /// As for [`fast_allocate_slots`].
 unsafe fn full(
+    py: Python<'_>,
     e: &Entry,
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // SAFETY: as the caller guarantees; the objects are borrowed for the call only.
+    // SAFETY: as the caller guarantees; the objects are borrowed for the call only, and the
+    // replacements live in `held` until it returns.
     unsafe {
         let nkw = if kwnames.is_null() { 0 } else { ffi::PyTuple_GET_SIZE(kwnames) };
         let total = (nargs + nkw) as usize;
         let mut stack: Vec<*mut ffi::PyObject> = Vec::with_capacity(total + 1);
         stack.push(slf);
         stack.extend((0..total).map(|i| *args.add(i)));
-        ffi::PyObject_Vectorcall(e.full.as_ptr(), stack.as_ptr(), nargs as usize + 1, kwnames)
+        let mut held: Vec<Bound<'_, PyAny>> = Vec::new();
+        for i in 0..total {
+            let kind = if i < nargs as usize {
+                e.params.get(i).map_or(Param::Other, |p| p.1)
+            } else {
+                let name = ffi::PyTuple_GET_ITEM(kwnames, (i - nargs as usize) as ffi::Py_ssize_t);
+                let name = Bound::from_borrowed_ptr(py, name);
+                e.params.iter().find(|p| name.eq(p.0).unwrap_or(false)).map_or(Param::Other, |p| p.1)
+            };
+            match coerced(py, kind, stack[i + 1]) {
+                Ok(Some(v)) => {
+                    stack[i + 1] = v.as_ptr();
+                    held.push(v);
+                }
+                Ok(None) => {}
+                Err(err) => {
+                    err.restore(py);
+                    return std::ptr::null_mut();
+                }
+            }
+        }
+        let r = ffi::PyObject_Vectorcall(e.full.as_ptr(), stack.as_ptr(), nargs as usize + 1, kwnames);
+        drop(held);
+        r
     }
 }
 
@@ -189,7 +266,7 @@ unsafe fn run(
                         err.restore(py);
                         std::ptr::null_mut()
                     }
-                    None => full(e, slf, args, nargs, kwnames),
+                    None => full(py, e, slf, args, nargs, kwnames),
                 }
             }
         }));
@@ -227,10 +304,11 @@ unsafe extern "C" fn cache_blocks_entry(
 /// Raises `ValueError` for any other name.
 #[pyfunction]
 pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
-    let (cell, c_name, meth): (&PyOnceLock<Entry>, &'static std::ffi::CStr, ffi::PyCFunctionFastWithKeywords) =
+    type Meth = ffi::PyCFunctionFastWithKeywords;
+    let (cell, c_name, meth, params): (&PyOnceLock<Entry>, &'static std::ffi::CStr, Meth, &'static [(&str, Param)]) =
         match name {
-            "allocate_slots" => (&ALLOCATE_SLOTS, c"allocate_slots", allocate_slots_entry),
-            "cache_blocks" => (&CACHE_BLOCKS, c"cache_blocks", cache_blocks_entry),
+            "allocate_slots" => (&ALLOCATE_SLOTS, c"allocate_slots", allocate_slots_entry, &ALLOCATE_SLOTS_PARAMS),
+            "cache_blocks" => (&CACHE_BLOCKS, c"cache_blocks", cache_blocks_entry, &CACHE_BLOCKS_PARAMS),
             _ => return Err(PyValueError::new_err(format!("no fast entry for {name:?}"))),
         };
     let e = cell.get_or_try_init(py, || -> PyResult<Entry> {
@@ -255,6 +333,7 @@ pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
             full: full.unbind(),
             lookahead_kw: PyString::intern(py, "num_lookahead_tokens").unbind(),
             descr: descr.unbind(),
+            params,
         })
     })?;
     Ok(e.descr.clone_ref(py))

@@ -64,12 +64,33 @@ pub struct RequestFields {
     ty: Option<Py<PyType>>,
     offsets: [isize; N],
     names: [Py<PyString>; N],
+    /// A missing attribute stays the `AttributeError` reading it raised (vLLM's managers read
+    /// request attributes plainly); otherwise it is a `TypeError` naming the field.
+    missing_is_attribute_error: bool,
 }
 
 impl RequestFields {
     /// Field names only: every read goes through `getattr`.
     pub fn generic(py: Python<'_>) -> Self {
-        RequestFields { ty: None, offsets: [-1; N], names: NAMES.map(|n| PyString::intern(py, n).unbind()) }
+        RequestFields {
+            ty: None,
+            offsets: [-1; N],
+            names: NAMES.map(|n| PyString::intern(py, n).unbind()),
+            missing_is_attribute_error: false,
+        }
+    }
+
+    /// These fields with a missing attribute raised as the `AttributeError` itself, with the
+    /// field named (what vLLM's manager raises for an object lacking a request attribute).
+    pub fn with_attribute_errors(mut self) -> Self {
+        self.missing_is_attribute_error = true;
+        self
+    }
+
+    /// True if `request`'s type is exactly the registered request type.
+    #[inline(always)]
+    pub fn is_exact_type(&self, request: &Bound<'_, PyAny>) -> bool {
+        self.ty.as_ref().is_some_and(|ty| request.get_type().is(ty.bind(request.py())))
     }
 
     /// Learn the slot offsets of `request_type` (fields that are not plain slots keep using
@@ -146,7 +167,9 @@ impl RequestFields {
     #[cold]
     #[inline(never)]
     fn get_slow<'py>(&self, request: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-        request.getattr(self.names[i].bind(request.py())).map_err(|e| not_a_request(request, NAMES[i], e))
+        request
+            .getattr(self.names[i].bind(request.py()))
+            .map_err(|e| not_a_request(request, NAMES[i], e, self.missing_is_attribute_error))
     }
 
     /// `setattr(request, field, value)`, stored straight into the slot for the exact request
@@ -181,15 +204,22 @@ impl RequestFields {
     }
 }
 
-/// A missing request attribute as a `TypeError` naming the object's type (`None` or some
-/// other object passed where a request belongs); other errors pass through.
-fn not_a_request(request: &Bound<'_, PyAny>, name: &str, e: PyErr) -> PyErr {
+/// A missing request attribute as a `TypeError` (or, `as_attribute_error`, an
+/// `AttributeError`) naming the field and the object's type (`None` or some other object
+/// passed where a request belongs); other errors pass through.
+#[cold]
+fn not_a_request(request: &Bound<'_, PyAny>, name: &str, e: PyErr, as_attribute_error: bool) -> PyErr {
     let py = request.py();
     if !e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) {
         return e;
     }
     let ty = request.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-    pyo3::exceptions::PyTypeError::new_err(format!("request: expected a request with a `{name}` attribute, got {ty}"))
+    let msg = format!("request: expected a request with a `{name}` attribute, got {ty}");
+    if as_attribute_error {
+        pyo3::exceptions::PyAttributeError::new_err(msg)
+    } else {
+        pyo3::exceptions::PyTypeError::new_err(msg)
+    }
 }
 
 /// CPython's `PyMemberDescrObject` (`Include/cpython/descrobject.h`), the same on every

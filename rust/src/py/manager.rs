@@ -65,6 +65,34 @@ fn field_count(v: &Bound<'_, PyAny>, arg: &str) -> PyResult<usize> {
     count(super::args::int64(v, arg)?, arg)
 }
 
+/// vLLM's first check in `allocate_slots`, made before anything else is read (as vLLM does):
+/// a call with no new tokens must adopt computed tokens.
+#[inline(always)]
+fn nothing_to_allocate_check(num_new_tokens: usize, num_new_computed: usize, num_external: usize) -> PyResult<()> {
+    if num_new_tokens == 0 && num_new_computed == 0 && num_external == 0 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+        ));
+    }
+    Ok(())
+}
+
+/// A request id argument of a by-id call: `Some` for a `str`. Any other object is, on
+/// kvblock's own API, a `TypeError`; on the vLLM manager (`vllm_ids`) an id no request has
+/// (None), as in vLLM's tables, which are dicts keyed by the id (an unhashable one is the
+/// dict's `TypeError`).
+fn id_arg<'a>(id: &'a Bound<'_, PyAny>, vllm_ids: bool) -> PyResult<Option<&'a str>> {
+    if let Ok(s) = id.cast::<PyString>() {
+        return request_id_str(s).map(Some);
+    }
+    if vllm_ids {
+        id.hash()?;
+        return Ok(None);
+    }
+    let ty = id.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    Err(type_err("request_id", format!("expected str, got {ty}")))
+}
+
 fn not_initialised() -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err(
         "KVCacheManagerCore is not initialised (use kvblock.KVCacheManager, which calls _init_python)",
@@ -175,12 +203,11 @@ impl ManagerState {
         let id = self.id_of(request)?;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
         let num_tokens = self.num_tokens(request)?;
-        let num_prompt_tokens = match f.get_opt(request, Field::NumPromptTokens)? {
+        let num_prompt_tokens = match self.vllm_field(request, Field::NumPromptTokens)? {
             Some(v) => field_count(&v, "request.num_prompt_tokens")?,
             None => num_tokens,
         };
-        let num_in_flight_tokens =
-            opt_field_count(f, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
+        let num_in_flight_tokens = self.in_flight(request)?;
         let shared_prefix_boundary =
             opt_field_count(f, request, Field::SharedPrefixBoundary, "request.shared_prefix_boundary")?;
         let waiting = self.watermark_applies(request, has_scheduled_reqs)?;
@@ -217,17 +244,48 @@ impl ManagerState {
     /// `num_computed_tokens` at a block boundary.
     fn token_counts(&self, request: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
         let num_tokens = self.num_tokens(request)?;
-        let in_flight =
-            opt_field_count(&self.fields, request, Field::NumInFlightTokens, "request.num_in_flight_tokens")?;
-        Ok((num_tokens, in_flight))
+        Ok((num_tokens, self.in_flight(request)?))
     }
 
-    /// `request.num_tokens`: the length of its token list where it has one (vLLM's property
-    /// is that length), else its `num_tokens` attribute.
+    /// A field vLLM's `allocate_slots` reads on every call (`num_prompt_tokens`,
+    /// `num_in_flight_tokens`): required on the vLLM manager (a request lacking it raises
+    /// vLLM's `AttributeError`), optional (None when missing) on kvblock's own.
+    fn vllm_field<'py>(&self, request: &Bound<'py, PyAny>, f: Field) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if self.inner.strict_inputs {
+            self.fields.get_opt(request, f)
+        } else {
+            self.fields.get(request, f).map(Some)
+        }
+    }
+
+    /// `request.num_in_flight_tokens` (see [`ManagerState::vllm_field`]; 0 when missing).
+    fn in_flight(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
+        match self.vllm_field(request, Field::NumInFlightTokens)? {
+            Some(v) => field_count(&v, "request.num_in_flight_tokens"),
+            None => Ok(0),
+        }
+    }
+
+    /// `request.num_tokens`. For the registered request type (vLLM's `Request`, whose property
+    /// is this) the length of its token list; any other type's own `num_tokens` (a subclass
+    /// may override it), or its token list's length when it has no such attribute (kvblock's
+    /// own manager only).
     fn num_tokens(&self, request: &Bound<'_, PyAny>) -> PyResult<usize> {
-        match self.fields.get_opt(request, Field::AllTokenIds)? {
-            Some(t) => t.len(),
-            None => field_count(&request.getattr(intern!(request.py(), "num_tokens"))?, "request.num_tokens"),
+        let py = request.py();
+        if self.fields.is_exact_type(request) {
+            if let Some(t) = self.fields.get_opt(request, Field::AllTokenIds)? {
+                return t.len();
+            }
+        }
+        match request.getattr(intern!(py, "num_tokens")) {
+            Ok(n) => field_count(&n, "request.num_tokens"),
+            Err(e) if self.inner.strict_inputs && e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
+                match self.fields.get_opt(request, Field::AllTokenIds)? {
+                    Some(t) => t.len(),
+                    None => Err(e),
+                }
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -474,6 +532,44 @@ impl ManagerState {
         Ok(self.inner.enable_caching && !self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()?)
     }
 
+    /// `max_cache_hit_length` as vLLM's `get_computed_blocks` takes it: a bool as 0 or 1. A
+    /// float or a negative int is vLLM's error where a full-attention group takes part (its
+    /// `islice` raises `ValueError`); without one (sliding window, chunked local, Mamba) a
+    /// float is a `TypeError` and a negative length a miss, as their `range`s make them.
+    fn vllm_max_cache_hit_length(&self, m: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let arg = "max_cache_hit_length";
+        if m.is_instance_of::<pyo3::types::PyBool>() {
+            return Ok(usize::from(m.is_truthy()?));
+        }
+        let full = self.inner.coord.managers.iter().any(|t| t.cfg.spec.kind.is_full_attention());
+        if m.is_instance_of::<pyo3::types::PyFloat>() {
+            let msg = "expected int, got float";
+            return Err(if full { value_err(arg, msg) } else { type_err(arg, msg) });
+        }
+        let v = super::args::int64(m, arg)?;
+        match usize::try_from(v) {
+            Ok(v) => Ok(v),
+            Err(_) if full => Err(negative_count(v, arg)),
+            Err(_) => Ok(0),
+        }
+    }
+
+    /// The block ids per group of the request `request_id` (see [`id_arg`]; empty lists for
+    /// an unknown request).
+    fn block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        Ok(match id_arg(request_id, !self.inner.strict_inputs)? {
+            Some(id) => self.inner.coord.get_blocks(id).into_iter().map(|b| b.to_vec()).collect(),
+            None => vec![Vec::new(); self.inner.coord.num_groups()],
+        })
+    }
+
+    /// True if no group frees blocks as a request's computed tokens grow (full and cross
+    /// attention only): vLLM's `remove_skipped_blocks` then returns before reading its
+    /// arguments.
+    fn never_skips(&self) -> bool {
+        self.inner.coord.managers.iter().all(|t| matches!(t.cfg.spec.kind, Kind::FullAttention | Kind::CrossAttention))
+    }
+
     /// `kv_cache_report_mode == "full"` with events on: a hit publishes `BlockStored`.
     fn reports_hits(&self, request: &Bound<'_, PyAny>, events_enabled: bool) -> PyResult<bool> {
         if !events_enabled {
@@ -533,9 +629,15 @@ impl ManagerState {
         let groups = match b.getattr(intern!(py, "_ids")) {
             Ok(g) if !g.is_none() => g,
             _ => {
-                let blocks = b.getattr(intern!(py, "blocks")).map_err(|_| {
+                let blocks = b.getattr(intern!(py, "blocks")).map_err(|e| {
                     let ty = b.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-                    type_err("new_computed_blocks", format!("expected KVCacheBlocks, got {ty}"))
+                    let msg = format!("new_computed_blocks: expected KVCacheBlocks, got {ty}");
+                    // vLLM reads `new_computed_blocks.blocks`: its AttributeError
+                    if self.inner.strict_inputs || !e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) {
+                        pyo3::exceptions::PyTypeError::new_err(msg)
+                    } else {
+                        pyo3::exceptions::PyAttributeError::new_err(msg)
+                    }
                 })?;
                 if self.empty_blocks.as_ref().is_some_and(|e| e.bind(py).is(&blocks)) {
                     return Ok((None, None));
@@ -674,6 +776,7 @@ impl PyManager {
         if me.make_blocks.is_none() {
             return Err(not_initialised());
         }
+        nothing_to_allocate_check(num_new_tokens, 0, 0)?;
         let args = AllocArgs {
             num_new_tokens,
             num_new_computed_tokens: 0,
@@ -858,7 +961,8 @@ impl PyManager {
         me.empty = Some(empty);
         me.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);
         me.waiting_states = Some((waiting, preempted));
-        me.fields = RequestFields::for_type(request_type)?;
+        let fields = RequestFields::for_type(request_type)?;
+        me.fields = if me.inner.strict_inputs { fields } else { fields.with_attribute_errors() };
         Ok(())
     }
 
@@ -885,11 +989,25 @@ impl PyManager {
             return Err(not_initialised());
         }
         let max_len = match max_cache_hit_length {
-            Some(m) if !m.is_none() => Some(super::args::count(m, "max_cache_hit_length")?),
+            Some(m) if !m.is_none() => {
+                if me.inner.strict_inputs {
+                    Some(super::args::count(m, "max_cache_hit_length")?)
+                } else if me.reads_cache(request)? {
+                    Some(me.vllm_max_cache_hit_length(m)?)
+                } else {
+                    // vLLM returns the empty hit before reading it
+                    Some(0)
+                }
+            }
             _ => None,
         };
-        let num_tokens =
-            if max_len.is_none() && me.reads_cache(request)? { me.view(request, false)?.num_tokens } else { 0 };
+        let num_tokens = match max_len {
+            Some(_) => 0,
+            None if !me.reads_cache(request)? => 0,
+            // vLLM reads `request.num_tokens` only
+            None if !me.inner.strict_inputs => me.num_tokens(request)?,
+            None => me.view(request, false)?.num_tokens,
+        };
         let (blocks, n, boundary) = me.lookup(request, num_tokens, max_len)?;
         let blocks = if me.inner.strict_inputs { me.hits_of(py, blocks)? } else { me.blocks_of(py, blocks)? };
         Ok((blocks, n, boundary))
@@ -1119,18 +1237,33 @@ impl PyManager {
             // checked first: the result could not be built after the allocation
             return Err(not_initialised());
         }
+        let num_new_tokens = count(num_new_tokens, "num_new_tokens")?;
+        let num_new_computed_tokens = count(num_new_computed_tokens, "num_new_computed_tokens")?;
+        let num_external_computed_tokens = count(num_external_computed_tokens, "num_external_computed_tokens")?;
+        nothing_to_allocate_check(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)?;
         let (hits, gens) = me.hit_ids_and_generations(py, new_computed_blocks)?;
         let gens = if me.inner.strict_inputs { gens } else { None };
         let skip: Vec<u32> = match skip_zeroing_group_ids {
-            Some(s) if !s.is_none() => s.extract()?,
+            Some(s) if !s.is_none() && me.inner.strict_inputs => s.extract()?,
+            // vLLM asks `i in skip_zeroing_group_ids` of each group, only when allocating
+            // external blocks
+            Some(s) if !s.is_none() && num_external_computed_tokens > 0 => {
+                let mut skip = Vec::new();
+                for g in 0..me.inner.coord.num_groups() as u32 {
+                    if s.contains(g)? {
+                        skip.push(g);
+                    }
+                }
+                skip
+            }
             _ => Vec::new(),
         };
         let args = AllocArgs {
-            num_new_tokens: count(num_new_tokens, "num_new_tokens")?,
-            num_new_computed_tokens: count(num_new_computed_tokens, "num_new_computed_tokens")?,
+            num_new_tokens,
+            num_new_computed_tokens,
             new_computed: hits.as_deref(),
             num_lookahead_tokens: count(num_lookahead_tokens, "num_lookahead_tokens")?,
-            num_external_computed_tokens: count(num_external_computed_tokens, "num_external_computed_tokens")?,
+            num_external_computed_tokens,
             delay_cache_blocks,
             num_encoder_tokens: count(num_encoder_tokens, "num_encoder_tokens")?,
             full_sequence_must_fit,
@@ -1408,14 +1541,16 @@ impl PyManager {
             me.slots.remove(request);
             id
         };
-        Self::free_request_id(slf, request_id_str(&id)?)
+        Self::free_request_id(slf, id.as_any())
     }
 
     /// `free` by request id.
-    fn free_request_id(slf: &Bound<'_, Self>, request_id: &str) -> PyResult<()> {
+    fn free_request_id(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
         let mut guard = slf.get().state.borrow_mut(py)?;
         let me = &mut *guard;
+        // vLLM pops the id from its tables: another object is an id no request has
+        let Some(request_id) = id_arg(request_id, !me.inner.strict_inputs)? else { return Ok(()) };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
@@ -1449,16 +1584,26 @@ impl PyManager {
     fn remove_skipped_blocks(
         &self,
         py: Python<'_>,
-        request_id: &str,
-        #[pyo3(from_py_with = super::args::num_computed_tokens)] processed_computed_tokens: i64,
+        request_id: &Bound<'_, PyAny>,
+        processed_computed_tokens: &Bound<'_, PyAny>,
         num_prompt_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let n = count(processed_computed_tokens, "processed_computed_tokens")?;
+        let mut me = self.state.borrow_mut(py)?;
+        let vllm = !me.inner.strict_inputs;
+        if vllm && me.never_skips() {
+            return Ok(());
+        }
+        let n = if vllm && processed_computed_tokens.is_instance_of::<pyo3::types::PyBool>() {
+            usize::from(processed_computed_tokens.is_truthy()?)
+        } else {
+            super::args::count(processed_computed_tokens, "processed_computed_tokens")?
+        };
         let prompt = match num_prompt_tokens {
             Some(p) if !p.is_none() => Some(super::args::count(p, "num_prompt_tokens")?),
             _ => None,
         };
-        let mut me = self.state.borrow_mut(py)?;
+        // vLLM would key a new table entry by another object: refused (kvblock keys by str)
+        let request_id = id_arg(request_id, false)?.unwrap_or_default();
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         me.inner.remove_skipped_blocks(&mut p.inner, request_id, n, prompt).py_err()
@@ -1611,16 +1756,17 @@ impl PyManager {
     }
 
     /// The request's block ids per group, in table order (empty lists if unknown).
-    fn _block_ids(&self, py: Python<'_>, request_id: &str) -> PyResult<Vec<Vec<u32>>> {
-        self.state.with(py, |me| me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect())
+    fn _block_ids(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
+        let me = self.state.borrow(py)?;
+        Ok(me.block_ids(request_id)?)
     }
 
     /// vLLM's `get_blocks(request_id)`: the request's blocks per group as the manager's
     /// `KVCacheBlocks` (block ids held in Rust; the shared empty one if it holds none, or
     /// for an unknown request).
-    fn get_blocks<'py>(&self, py: Python<'py>, request_id: &str) -> PyResult<Bound<'py, PyAny>> {
+    fn get_blocks<'py>(&self, py: Python<'py>, request_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         let me = self.state.borrow(py)?;
-        let groups = me.inner.coord.get_blocks(request_id).into_iter().map(|b| b.to_vec()).collect();
+        let groups = me.block_ids(request_id)?;
         me.blocks_of(py, groups)
     }
 
@@ -1801,8 +1947,20 @@ impl PyManager {
     }
 
     /// `record_blocks_for_zeroing(request_id, start_token)`.
-    fn record_blocks_for_zeroing(&self, py: Python<'_>, request_id: &str, start_token: usize) -> PyResult<()> {
-        self.state.borrow_mut(py)?.inner.record_blocks_for_zeroing(request_id, start_token).py_err()
+    fn record_blocks_for_zeroing(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        start_token: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        // vLLM's loop reads its arguments only for groups that record blocks for zeroing
+        if !me.inner.strict_inputs && !me.inner.coord.managers.iter().any(|m| m.cfg.record_new_block_ids) {
+            return Ok(());
+        }
+        let start_token = super::args::count(start_token, "start_token")?;
+        let request_id = id_arg(request_id, false)?.unwrap_or_default();
+        me.inner.record_blocks_for_zeroing(request_id, start_token).py_err()
     }
 
     /// The coordinator's configuration, for its Python view.
