@@ -36,6 +36,8 @@ struct Entry {
     descr: Py<PyAny>,
     /// The method's parameters after `self`, as vLLM reads them.
     params: &'static [(&'static str, Param)],
+    /// Their names, interned once (keywords are matched by identity first).
+    param_names: Vec<Py<PyString>>,
 }
 
 static ALLOCATE_SLOTS: PyOnceLock<Entry> = PyOnceLock::new();
@@ -207,8 +209,14 @@ unsafe fn full(
                 e.params.get(i).map_or(Param::Other, |p| p.1)
             } else {
                 let name = ffi::PyTuple_GET_ITEM(kwnames, (i - nargs as usize) as ffi::Py_ssize_t);
-                let name = Bound::from_borrowed_ptr(py, name);
-                e.params.iter().find(|p| name.eq(p.0).unwrap_or(false)).map_or(Param::Other, |p| p.1)
+                let at = e.param_names.iter().position(|n| n.as_ptr() == name).or_else(|| {
+                    let found = e.param_names.iter().position(|n| ffi::PyUnicode_Compare(name, n.as_ptr()) == 0);
+                    if !ffi::PyErr_Occurred().is_null() {
+                        ffi::PyErr_Clear();
+                    }
+                    found
+                });
+                at.map_or(Param::Other, |j| e.params[j].1)
             };
             match coerced(py, kind, stack[i + 1]) {
                 Ok(Some(v)) => {
@@ -334,6 +342,7 @@ pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
             lookahead_kw: PyString::intern(py, "num_lookahead_tokens").unbind(),
             descr: descr.unbind(),
             params,
+            param_names: params.iter().map(|p| PyString::intern(py, p.0).unbind()).collect(),
         })
     })?;
     Ok(e.descr.clone_ref(py))
