@@ -427,10 +427,9 @@ def test_block_queued_while_in_use_is_refused_not_queued_twice():
 def test_errors_reading_optional_request_fields_are_not_swallowed():
     mgr = KVCacheManager(num_blocks=20, block_size=4)
 
-    class Interrupting:
+    class Interrupting:  # no num_tokens: its length is read from the token list, which raises
         request_id = "x"
         num_computed_tokens = 0
-        num_tokens = 8
         block_hashes: list = []
         skip_reading_prefix_cache = False
 

@@ -580,16 +580,35 @@ ALLOCATE_SHAPES = {
 }
 
 
+_COUNTS = {"allocate_slots": ("num_new_tokens", "num_new_computed_tokens", None, "num_lookahead_tokens",
+                                "num_external_computed_tokens", None, "num_encoder_tokens", None,
+                                "reserved_blocks"),
+           "cache_blocks": ("num_computed_tokens",)}
+
+
+def _as_vllm_reads(name, args, kwargs):
+    """The arguments as vLLM's method body uses them: a bool passed as a count is the int 0 or
+    1 (``True + 3 == 4``). The fast entry takes them so; the core method is kvblock's strict API
+    and refuses a bool count."""
+    counts = _COUNTS[name]
+    take = lambda k, v: int(v) if isinstance(v, bool) and k in counts else v  # noqa: E731
+    named = [counts[i] if i < len(counts) else None for i in range(len(args))]
+    return (tuple(take(k, v) for k, v in zip(named, args)),
+            {k: take(k, v) for k, v in kwargs.items()})
+
+
 def _entry_matches_method(name, args, kwargs, who, prepare=None):
-    """Call ``name`` through the fast entry on one twin and through KVCacheManagerCore's
-    method on the other: the same answer (blocks, value, or exception type and message) and
-    the same state after. Returns the twin the entry was called on, and its request."""
+    """Call ``name`` through the fast entry on one twin and, on the other, KVCacheManagerCore's
+    method on the same arguments as vLLM's body reads them (see ``_as_vllm_reads``): the same
+    answer (blocks, value, or exception type and message) and the same state after. Returns the
+    twin the entry was called on, and its request."""
     (m1, r1, w1), (m2, r2, w2) = _twins()
     if prepare:
         prepare(r1)
         prepare(r2)
     req1, req2 = (r1, r2) if who == "r" else (w1, w2)
-    ref = _answer(lambda: getattr(_CORE, name)(m1, req1, *args, **kwargs))
+    ref_args, ref_kwargs = _as_vllm_reads(name, args, kwargs)
+    ref = _answer(lambda: getattr(_CORE, name)(m1, req1, *ref_args, **ref_kwargs))
     got = _answer(lambda: getattr(m2, name)(req2, *args, **kwargs))
     assert got == ref
     assert _state(m1) == _state(m2)
