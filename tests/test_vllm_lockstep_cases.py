@@ -17,7 +17,6 @@ vllm = require_module("vllm")
 import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -34,44 +33,14 @@ from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-get_request_block_hasher = getattr(vku, "_kvblock_original_get_request_block_hasher", vku.get_request_block_hasher)
-init_none_hash = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_hash)
-
-A = dict(num_kv_heads=1, head_size=1, dtype=torch.float32)
+from vllm_oracle import A, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm_oracle import both as _both  # noqa: E402
+from vllm_oracle import request as _request  # noqa: E402
+from vllm_oracle import state as _state  # noqa: E402
 
 
 def _mamba(bs: int) -> MambaSpec:
     return MambaSpec(block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
-
-
-def _both(specs, num_blocks: int, block_size: int, hash_block_size: int, **kw):
-    """vLLM's own manager and kvblock's, on the same configuration."""
-    init_none_hash(sha256)
-    out = []
-    for cls in (VllmKVCacheManager, kv.KVCacheManager):
-        cfg = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
-        )
-        out.append(cls(cfg, 64, block_size, hash_block_size, enable_caching=True, **kw))
-    assert type(out[1]) is kv.KVCacheManager
-    return out
-
-
-def _request(rid: str, tokens: list[int], hash_block_size: int, lookahead: int = 0) -> Request:
-    hasher = get_request_block_hasher(hash_block_size, sha256, lookahead)
-    return Request(rid, list(tokens), SamplingParams(max_tokens=64), None, block_hasher=hasher)
-
-
-def _state(m) -> tuple:
-    pool = m.block_pool
-    return (
-        [{r: [b.block_id for b in bl] for r, bl in stm.req_to_blocks.items()} for stm in m.coordinator.single_type_managers],
-        [dict(stm.num_cached_block) for stm in m.coordinator.single_type_managers],
-        [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-        [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-    )
 
 
 def _same(v, k, fv, fk):

@@ -118,6 +118,14 @@ pub struct KVCacheManager {
 }
 
 impl KVCacheManager {
+    /// True for vLLM's callers (`strict_inputs` off): errors are raised as vLLM's own (an
+    /// `IndexError` past a request's hashes, an `AttributeError` for a missing request
+    /// attribute) and arguments are read as vLLM's method bodies read them.
+    #[inline(always)]
+    pub fn vllm_caller(&self) -> bool {
+        !self.strict_inputs
+    }
+
     /// A manager for `cfg` (checked as vLLM's constructors check it).
     pub fn new(cfg: &ManagerConfig) -> Result<Self> {
         let coord = Coordinator::new(cfg)?;

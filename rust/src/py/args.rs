@@ -26,6 +26,21 @@ pub fn int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<i64> {
     Err(type_err(arg, format!("expected int, got {ty}")))
 }
 
+/// A bool passed where vLLM's code takes a count, as the int it is in Python arithmetic
+/// (`True` is 1, `False` 0); None for any other object. kvblock's own API refuses a bool count
+/// ([`int64`]); its vLLM manager takes one as vLLM does.
+pub fn bool_count(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    obj.cast::<PyBool>().ok().map(|b| usize::from(b.is_true()))
+}
+
+/// A count as vLLM's code uses it: a bool is 0 or 1 ([`bool_count`]), else [`count`].
+pub fn vllm_count(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<usize> {
+    match bool_count(obj) {
+        Some(n) => Ok(n),
+        None => count(obj, arg),
+    }
+}
+
 /// [`int64`] narrowed to `[0, 2**32)`.
 pub fn uint32(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u32> {
     let v = int64(obj, arg)?;

@@ -169,13 +169,13 @@ const CACHE_BLOCKS_PARAMS: [(&str, Param); 2] = [("request", Param::Other), ("nu
 /// `v` is a live object and the GIL is held.
 unsafe fn coerced<'py>(py: Python<'py>, kind: Param, v: *mut ffi::PyObject) -> PyResult<Option<Bound<'py, PyAny>>> {
     // SAFETY: as the caller guarantees.
-    unsafe {
-        let is_bool = ffi::PyBool_Check(v) != 0;
-        match kind {
-            Param::Count if is_bool => Ok(Some(i64::from(v == ffi::Py_True()).into_pyobject(py)?.into_any())),
-            Param::Flag if !is_bool => Ok(Some(Bound::from_borrowed_ptr(py, v).is_truthy()?.into_pyobject(py)?.to_owned().into_any())),
-            _ => Ok(None),
+    let v = unsafe { Bound::from_borrowed_ptr(py, v) };
+    match kind {
+        Param::Count => Ok(super::args::bool_count(&v).map(|n| n.into_pyobject(py)).transpose()?.map(|n| n.into_any())),
+        Param::Flag if !v.is_instance_of::<pyo3::types::PyBool>() => {
+            Ok(Some(v.is_truthy()?.into_pyobject(py)?.to_owned().into_any()))
         }
+        _ => Ok(None),
     }
 }
 

@@ -538,8 +538,8 @@ impl ManagerState {
     /// float is a `TypeError` and a negative length a miss, as their `range`s make them.
     fn vllm_max_cache_hit_length(&self, m: &Bound<'_, PyAny>) -> PyResult<usize> {
         let arg = "max_cache_hit_length";
-        if m.is_instance_of::<pyo3::types::PyBool>() {
-            return Ok(usize::from(m.is_truthy()?));
+        if let Some(n) = super::args::bool_count(m) {
+            return Ok(n);
         }
         let full = self.inner.coord.managers.iter().any(|t| t.cfg.spec.kind.is_full_attention());
         if m.is_instance_of::<pyo3::types::PyFloat>() {
@@ -557,7 +557,7 @@ impl ManagerState {
     /// The block ids per group of the request `request_id` (see [`id_arg`]; empty lists for
     /// an unknown request).
     fn block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
-        Ok(match id_arg(request_id, !self.inner.strict_inputs)? {
+        Ok(match id_arg(request_id, self.inner.vllm_caller())? {
             Some(id) => self.inner.coord.get_blocks(id).into_iter().map(|b| b.to_vec()).collect(),
             None => vec![Vec::new(); self.inner.coord.num_groups()],
         })
@@ -1005,7 +1005,7 @@ impl PyManager {
             Some(_) => 0,
             None if !me.reads_cache(request)? => 0,
             // vLLM reads `request.num_tokens` only
-            None if !me.inner.strict_inputs => me.num_tokens(request)?,
+            None if me.inner.vllm_caller() => me.num_tokens(request)?,
             None => me.view(request, false)?.num_tokens,
         };
         let (blocks, n, boundary) = me.lookup(request, num_tokens, max_len)?;
@@ -1193,7 +1193,7 @@ impl PyManager {
             group_ids: &kv_cache_group_ids,
             drop_eagle_block,
             alignment_tokens: super::args::count(alignment_tokens, "alignment_tokens")?.max(1),
-            past_hashes_is_error: me.inner.coord.past_hashes_is_error,
+            past_hashes_is_error: me.inner.vllm_caller(),
             verify: None,
         };
         m.find_longest_cache_hit(&p.inner, &q).py_err()
@@ -1550,7 +1550,7 @@ impl PyManager {
         let mut guard = slf.get().state.borrow_mut(py)?;
         let me = &mut *guard;
         // vLLM pops the id from its tables: another object is an id no request has
-        let Some(request_id) = id_arg(request_id, !me.inner.strict_inputs)? else { return Ok(()) };
+        let Some(request_id) = id_arg(request_id, me.inner.vllm_caller())? else { return Ok(()) };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         super::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
@@ -1589,14 +1589,15 @@ impl PyManager {
         num_prompt_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
-        let vllm = !me.inner.strict_inputs;
+        let vllm = me.inner.vllm_caller();
         if vllm && me.never_skips() {
             return Ok(());
         }
-        let n = if vllm && processed_computed_tokens.is_instance_of::<pyo3::types::PyBool>() {
-            usize::from(processed_computed_tokens.is_truthy()?)
+        let arg = "processed_computed_tokens";
+        let n = if vllm {
+            super::args::vllm_count(processed_computed_tokens, arg)?
         } else {
-            super::args::count(processed_computed_tokens, "processed_computed_tokens")?
+            super::args::count(processed_computed_tokens, arg)?
         };
         let prompt = match num_prompt_tokens {
             Some(p) if !p.is_none() => Some(super::args::count(p, "num_prompt_tokens")?),
@@ -1758,7 +1759,7 @@ impl PyManager {
     /// The request's block ids per group, in table order (empty lists if unknown).
     fn _block_ids(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
         let me = self.state.borrow(py)?;
-        Ok(me.block_ids(request_id)?)
+        me.block_ids(request_id)
     }
 
     /// vLLM's `get_blocks(request_id)`: the request's blocks per group as the manager's
@@ -1955,7 +1956,7 @@ impl PyManager {
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         // vLLM's loop reads its arguments only for groups that record blocks for zeroing
-        if !me.inner.strict_inputs && !me.inner.coord.managers.iter().any(|m| m.cfg.record_new_block_ids) {
+        if me.inner.vllm_caller() && !me.inner.coord.managers.iter().any(|m| m.cfg.record_new_block_ids) {
             return Ok(());
         }
         let start_token = super::args::count(start_token, "start_token")?;
