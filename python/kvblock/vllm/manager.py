@@ -84,6 +84,16 @@ class KVCacheManager(_core.KVCacheManagerCore):
         AssertionError / ValueError: where vLLM's constructor raises (block sizes that do not
             divide, Mamba prefix caching outside "align" mode, a bad retention interval...).
         UnsupportedConfiguration: an unsupported configuration with ``KVBLOCK_VLLM_STRICT=1``.
+
+    Bad input to its methods: where vLLM's manager raises, the same exception type
+    (``AttributeError`` for an object lacking a request attribute, ``IndexError`` past a
+    request's hashes or table, ``AssertionError`` for vLLM's protocol checks, ...), and
+    nothing changes, also where vLLM changes its state before it raises. Arguments are read as
+    vLLM's method bodies read them: a bool count is 0 or 1, a flag counts by its truth value, a
+    non-``str`` id is an unknown request in by-id lookups. A count that is not an int in
+    ``[0, 2**63)`` (a float, a negative or huge int), which vLLM would act on wrongly, is a
+    ``TypeError`` / ``ValueError`` naming the argument, changing nothing (README, "Where
+    kvblock deliberately differs from vLLM 0.33.0"; ``tests/test_vllm_bad_input.py``).
     """
 
     # KVCacheManagerCore's allocate_slots and cache_blocks behind fastcall entries: the call
