@@ -33,6 +33,7 @@ from .request import (
 from .stats import PrefixCacheStats
 
 StaleHitError = _core.StaleHitError
+IntOutOfRangeError = _core.IntOutOfRangeError
 
 __version__ = _core.__version__
 
@@ -52,6 +53,7 @@ __all__ = [
     "BlockPool",
     "BlockTable",
     "FreeKVCacheBlockQueue",
+    "IntOutOfRangeError",
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheManager",

@@ -18,6 +18,7 @@ __all__ = [
     "BlockIds",
     "KVCacheManagerCore",
     "StaleHitError",
+    "IntOutOfRangeError",
     "hash_block_tokens",
     "hash_blocks",
     "hash_requests",
@@ -40,6 +41,11 @@ ALGORITHMS: tuple[str, ...]
 
 _Tokens = Sequence[int] | npt.NDArray[np.integer[Any]]
 _Ids = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+class IntOutOfRangeError(ValueError, OverflowError):
+    """An int argument that does not fit in 64 bits: a ``ValueError`` (kvblock's API) and an
+    ``OverflowError`` (what Python raises where such an int is used as a size or index, as
+    vLLM's code does)."""
 
 class StaleHitError(ValueError):
     """Hit blocks passed to ``allocate_slots`` were evicted and handed out again after

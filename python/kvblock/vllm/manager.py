@@ -92,7 +92,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
     vLLM's method bodies read them: a bool count is 0 or 1, a flag counts by its truth value, a
     non-``str`` id is an unknown request in by-id lookups. A count that is not an int in
     ``[0, 2**63)`` (a float, a negative or huge int), which vLLM would act on wrongly, is a
-    ``TypeError`` / ``ValueError`` naming the argument, changing nothing (README, "Where
+    ``TypeError`` / ``ValueError`` naming the argument (past 64 bits
+    :class:`kvblock.IntOutOfRangeError`, also vLLM's ``OverflowError``), changing nothing (README, "Where
     kvblock deliberately differs from vLLM 0.33.0"; ``tests/test_vllm_bad_input.py``).
     """
 

@@ -3,7 +3,8 @@
 //! PyO3's own conversion raises `OverflowError` for an int that does not fit the parameter
 //! (with a message that names neither the argument nor the value) and accepts `True` as 1.
 //! These extractors make a bool or a non-int a `TypeError` and an int out of range a
-//! `ValueError`, each naming the argument (and the value).
+//! `ValueError` (one that does not fit in 64 bits: `IntOutOfRangeError`, also an
+//! `OverflowError`), each naming the argument (and the value).
 
 use super::errors::{type_err, value_err};
 use pyo3::prelude::*;
@@ -20,7 +21,8 @@ pub fn int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<i64> {
     }
     let is_int = obj.is_instance_of::<PyInt>() || obj.hasattr(pyo3::intern!(obj.py(), "__index__")).unwrap_or(false);
     if is_int {
-        return Err(value_err(arg, format!("{obj} is out of range (must fit in a signed 64-bit integer)")));
+        let msg = format!("{arg}: {obj} is out of range (must fit in a signed 64-bit integer)");
+        return Err(super::errors::int_out_of_range(obj.py(), msg));
     }
     let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
     Err(type_err(arg, format!("expected int, got {ty}")))

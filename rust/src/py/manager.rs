@@ -554,6 +554,25 @@ impl ManagerState {
         }
     }
 
+    /// `record_blocks_for_zeroing`'s `start_token` as vLLM's loop reads it: first
+    /// `start_token % block_size == 0` for the first group that records (Python's own `%`, so
+    /// its `TypeError` for a non-number and vLLM's `AssertionError` for a misaligned value,
+    /// `True` and `-1` included), then the aligned value as a count (a bool is 0 or 1; a
+    /// float is the `TypeError` vLLM's slice raises; a negative or huge int, which vLLM
+    /// slices from the end or past it, is refused).
+    fn vllm_start_token(&self, start_token: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let arg = "start_token";
+        if let Some(m) = self.inner.coord.managers.iter().find(|m| m.cfg.record_new_block_ids) {
+            let bs = m.cfg.block_size;
+            if !start_token.rem(bs)?.eq(0)? {
+                return Err(pyo3::exceptions::PyAssertionError::new_err(format!(
+                    "{arg}: {start_token} is not a multiple of the block size {bs}"
+                )));
+            }
+        }
+        super::args::vllm_count(start_token, arg)
+    }
+
     /// The block ids per group of the request `request_id` (see [`id_arg`]; empty lists for
     /// an unknown request).
     fn block_ids(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u32>>> {
@@ -1600,6 +1619,7 @@ impl PyManager {
             super::args::count(processed_computed_tokens, arg)?
         };
         let prompt = match num_prompt_tokens {
+            Some(p) if !p.is_none() && vllm => Some(super::args::vllm_count(p, "num_prompt_tokens")?),
             Some(p) if !p.is_none() => Some(super::args::count(p, "num_prompt_tokens")?),
             _ => None,
         };
@@ -1959,7 +1979,11 @@ impl PyManager {
         if me.inner.vllm_caller() && !me.inner.coord.managers.iter().any(|m| m.cfg.record_new_block_ids) {
             return Ok(());
         }
-        let start_token = super::args::count(start_token, "start_token")?;
+        let start_token = if me.inner.vllm_caller() {
+            me.vllm_start_token(start_token)?
+        } else {
+            super::args::count(start_token, "start_token")?
+        };
         let request_id = id_arg(request_id, false)?.unwrap_or_default();
         me.inner.record_blocks_for_zeroing(request_id, start_token).py_err()
     }

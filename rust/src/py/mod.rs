@@ -44,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
     m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
+    m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
     m.add_function(wrap_pyfunction!(fast_entry::_fast_entry, m)?)?;
     m.add_class::<call_timer::PyCallClock>()?;
