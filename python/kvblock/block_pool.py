@@ -377,8 +377,8 @@ class BlockPool(_core.BlockPoolCore):
             them as ``lookahead_token_ids``).
         medium: the ``medium`` field of events (``"GPU"``).
 
-    Per block the pool keeps 28 bytes (ref count, key slot, key token count, two free-queue
-    links, two key-list links); building it is O(num_gpu_blocks) in Rust with no Python
+    Per block the pool keeps 32 bytes (ref count, key slot, key token count, reuse
+    generation, two free-queue links, two key-list links); building it is O(num_gpu_blocks) in Rust with no Python
     object per block. The id API (``cache_ids``) knows no request: its ``BlockStored`` events
     carry the hashes but empty ``token_ids``.
 

@@ -21,6 +21,25 @@ pub const NULL_BLOCK: u32 = 0;
 const NO_KEY: u32 = u32::MAX;
 const NO_TOKENS: u32 = u32::MAX;
 
+/// A block's own state, kept together so that handing a block out, evicting it or caching it
+/// reads one cache line for it rather than one per field.
+#[derive(Clone, Copy, Debug)]
+struct BlockMeta {
+    ref_cnt: u32,
+    /// Slot of the block's primary key in `map`, or `NO_KEY`.
+    key_slot: u32,
+    /// `block_hash_num_tokens` of the primary key, or `NO_TOKENS` (None).
+    key_tokens: u32,
+    /// Times the block was handed out anew or lost its keys: a hit read at generation `g` is
+    /// still the block it named iff the generation is still `g`.
+    generation: u32,
+}
+
+impl BlockMeta {
+    /// A block never used: no references, no key, generation 0.
+    const FREE: BlockMeta = BlockMeta { ref_cnt: 0, key_slot: NO_KEY, key_tokens: NO_TOKENS, generation: 0 };
+}
+
 /// The block pool.
 #[derive(Clone)]
 pub struct BlockPool {
@@ -28,11 +47,8 @@ pub struct BlockPool {
     enable_caching: bool,
     hash_block_size: usize,
     num_hash_lookahead_tokens: usize,
-    ref_cnt: Vec<u32>,
-    /// Slot of the block's primary key in `map`, or `NO_KEY`.
-    key_slot: Vec<u32>,
-    /// `block_hash_num_tokens` of the primary key, or `NO_TOKENS` (None).
-    key_tokens: Vec<u32>,
+    /// Per block, the fields one allocation, eviction or caching reads together.
+    meta: Vec<BlockMeta>,
     /// Further keys of a block: `(slot, overflow node)`, in insertion order.
     secondary: HashMap<u32, Vec<(u32, u32)>>,
     /// `unpin_blocks` reuse watchers: block -> caller's watcher id.
@@ -45,9 +61,6 @@ pub struct BlockPool {
     events: Vec<Event>,
     scratch: Vec<u32>,
     scratch2: Vec<u32>,
-    /// Times each block was handed out anew or lost its keys: a hit read at generation `g`
-    /// is still the block it named iff the generation is still `g`.
-    generation: Vec<u32>,
     /// Priority retention (None: plain LRU, vLLM's order).
     retention: Option<Box<Retention>>,
 }
@@ -77,9 +90,7 @@ impl BlockPool {
             enable_caching,
             hash_block_size,
             num_hash_lookahead_tokens: 0,
-            ref_cnt: Error::try_vec("the block arena", num_blocks, 0)?,
-            key_slot: Error::try_vec("the block arena", num_blocks, NO_KEY)?,
-            key_tokens: Error::try_vec("the block arena", num_blocks, NO_TOKENS)?,
+            meta: Error::try_vec("the block arena", num_blocks, BlockMeta::FREE)?,
             secondary: HashMap::new(),
             watchers: HashMap::new(),
             fired: Vec::new(),
@@ -89,7 +100,6 @@ impl BlockPool {
             events: Vec::new(),
             scratch: Vec::new(),
             scratch2: Vec::new(),
-            generation: Error::try_vec("the block arena", num_blocks, 0)?,
             retention: None,
         })
     }
@@ -138,7 +148,7 @@ impl BlockPool {
     /// with retention off or for the null block.
     pub fn assign_retention(&mut self, b: u32, p: u8, duration_s: Option<f64>) {
         if let Some(r) = self.retention.as_deref_mut() {
-            if b != NULL_BLOCK && self.ref_cnt[b as usize] > 0 {
+            if b != NULL_BLOCK && self.meta[b as usize].ref_cnt > 0 {
                 r.assign(b, p, duration_s);
             }
         }
@@ -147,13 +157,13 @@ impl BlockPool {
     /// A block's generation (see [`BlockPool::generation_of`] users: stale-hit checks).
     pub fn generation(&self, b: u32) -> Result<u32> {
         self.check_id(b)?;
-        Ok(self.generation[b as usize])
+        Ok(self.meta[b as usize].generation)
     }
 
     /// A valid block's generation.
     #[inline(always)]
     pub fn generation_of(&self, b: u32) -> u32 {
-        self.generation[b as usize]
+        self.meta[b as usize].generation
     }
 
     /// Set `num_hash_lookahead_tokens` (tokens after each block covered by its hash; events
@@ -205,10 +215,11 @@ impl BlockPool {
         1.0 - self.num_free_blocks() as f64 / total as f64
     }
 
-    /// Bytes of per-block metadata: the arena, the free-queue links and the primary-key links
-    /// (the hash map's own table and key slab excluded).
+    /// Bytes of per-block metadata: the block's own state (reference count, primary key slot,
+    /// its token count, generation), the free-queue links and the primary-key links (the hash
+    /// map's own table and key slab excluded).
     pub fn bytes_per_block() -> usize {
-        3 * std::mem::size_of::<u32>() + FreeQueue::bytes_per_block() + CacheMap::bytes_per_block()
+        std::mem::size_of::<BlockMeta>() + FreeQueue::bytes_per_block() + CacheMap::bytes_per_block()
     }
 
     #[inline(always)]
@@ -229,13 +240,13 @@ impl BlockPool {
     /// A block's reference count.
     pub fn ref_cnt(&self, b: u32) -> Result<u32> {
         self.check_id(b)?;
-        Ok(self.ref_cnt[b as usize])
+        Ok(self.meta[b as usize].ref_cnt)
     }
 
     /// A block's reference count, for a valid id.
     #[inline(always)]
     pub fn ref_of(&self, b: u32) -> u32 {
-        self.ref_cnt[b as usize]
+        self.meta[b as usize].ref_cnt
     }
 
     /// Set a block's reference count (vLLM code writes `block.ref_cnt` directly, e.g. to
@@ -244,7 +255,7 @@ impl BlockPool {
     pub fn set_ref_cnt(&mut self, b: u32, v: u32) -> Result<()> {
         self.check_id(b)?;
         if b == NULL_BLOCK {
-            self.ref_cnt[0] = v; // never maintained, as in vLLM
+            self.meta[0].ref_cnt = v; // never maintained, as in vLLM
             return Ok(());
         }
         let queued = self.queue.contains(b);
@@ -255,13 +266,13 @@ impl BlockPool {
                 if queued { "" } else { "not " }
             )));
         }
-        self.ref_cnt[b as usize] = v;
+        self.meta[b as usize].ref_cnt = v;
         Ok(())
     }
 
     /// Number of these (valid) blocks that are free, the null block not counted.
     pub fn count_free(&self, ids: &[u32]) -> usize {
-        ids.iter().filter(|&&b| b != NULL_BLOCK && self.ref_cnt[b as usize] == 0).count()
+        ids.iter().filter(|&&b| b != NULL_BLOCK && self.meta[b as usize].ref_cnt == 0).count()
     }
 
     /// A block's primary cache key (vLLM's `block.block_hash`), if it has one.
@@ -272,20 +283,20 @@ impl BlockPool {
 
     #[inline(always)]
     fn key_of_block(&self, b: u32) -> Option<Key> {
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         (s != NO_KEY).then(|| self.map.key_of(s))
     }
 
     /// True if the (valid) block has a primary key.
     #[inline(always)]
     pub fn has_hash(&self, b: u32) -> bool {
-        self.key_slot[b as usize] != NO_KEY
+        self.meta[b as usize].key_slot != NO_KEY
     }
 
     /// `block_hash_num_tokens`: the prefix length the primary key covers.
     pub fn block_hash_num_tokens(&self, b: u32) -> Result<Option<usize>> {
         self.check_id(b)?;
-        let t = self.key_tokens[b as usize];
+        let t = self.meta[b as usize].key_tokens;
         Ok((t != NO_TOKENS).then_some(t as usize))
     }
 
@@ -366,10 +377,10 @@ impl BlockPool {
     /// further ones) and reset its hash; the keys that were in the map (attached) are
     /// returned, for `BlockRemoved` events.
     fn remove_cached_block_hashes(&mut self, b: u32, removed: &mut Vec<Key>) {
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         if s != NO_KEY {
-            self.key_slot[b as usize] = NO_KEY;
-            self.key_tokens[b as usize] = NO_TOKENS;
+            self.meta[b as usize].key_slot = NO_KEY;
+            self.meta[b as usize].key_tokens = NO_TOKENS;
             if let Some((key, true)) = self.map.remove(s, b) {
                 removed.push(key);
             }
@@ -400,7 +411,7 @@ impl BlockPool {
 
     #[inline]
     fn evict(&mut self, b: u32) -> bool {
-        if self.key_slot[b as usize] == NO_KEY && !self.secondary.contains_key(&b) {
+        if self.meta[b as usize].key_slot == NO_KEY && !self.secondary.contains_key(&b) {
             return false;
         }
         let mut removed = Vec::new();
@@ -412,7 +423,7 @@ impl BlockPool {
     /// `_insert_block_hash`: key `key` for block `b` (primary if it has none, else a further
     /// key), unless it already holds it.
     fn insert_block_hash(&mut self, key: Key, b: u32, num_tokens: Option<usize>) {
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         if s != NO_KEY && self.map.key_of(s) == key {
             return;
         }
@@ -421,8 +432,8 @@ impl BlockPool {
         }
         if s == NO_KEY {
             let slot = self.map.insert(key, b);
-            self.key_slot[b as usize] = slot;
-            self.key_tokens[b as usize] = num_tokens.map_or(NO_TOKENS, |t| t as u32);
+            self.meta[b as usize].key_slot = slot;
+            self.meta[b as usize].key_tokens = num_tokens.map_or(NO_TOKENS, |t| t as u32);
         } else {
             let node = self.map.new_overflow_node(b);
             let slot = self.map.insert_node(key, node);
@@ -442,13 +453,13 @@ impl BlockPool {
             // The LRU blocks handed out are rarely in cache: start loading all their key
             // entries before evicting them one by one.
             for &b in &out[start..] {
-                let s = self.key_slot[b as usize];
+                let s = self.meta[b as usize].key_slot;
                 if s != NO_KEY {
                     self.map.prefetch_slot(s);
                 }
             }
         }
-        if let Some(&b) = out[start..].iter().find(|&&b| self.ref_cnt[b as usize] != 0) {
+        if let Some(&b) = out[start..].iter().find(|&&b| self.meta[b as usize].ref_cnt != 0) {
             // a block in use was put in the queue by a raw free-queue call: handing it out
             // would give it two owners; put the popped blocks back where they were
             self.queue.restore_front(&out[start..]);
@@ -468,8 +479,8 @@ impl BlockPool {
             if self.enable_caching {
                 self.evict(b);
             }
-            self.ref_cnt[b as usize] = 1;
-            let g = &mut self.generation[b as usize];
+            self.meta[b as usize].ref_cnt = 1;
+            let g = &mut self.meta[b as usize].generation;
             *g = g.wrapping_add(1);
         }
         if let Some(r) = self.retention.as_deref_mut() {
@@ -488,7 +499,7 @@ impl BlockPool {
             if b == NULL_BLOCK && !skip_null {
                 return Err(Error::value("block_ids", "cannot touch the null block"));
             }
-            if b != NULL_BLOCK && self.ref_cnt[b as usize] == 0 && !self.queue.contains(b) {
+            if b != NULL_BLOCK && self.meta[b as usize].ref_cnt == 0 && !self.queue.contains(b) {
                 return Err(Error::State(format!("block {b} has ref_cnt 0 but is not in the free queue")));
             }
         }
@@ -496,13 +507,13 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            if self.ref_cnt[b as usize] == 0 {
+            if self.meta[b as usize].ref_cnt == 0 {
                 self.queue.remove(b)?;
                 if let Some(r) = self.retention.as_deref_mut() {
                     r.unlink_bucket(b);
                 }
             }
-            self.ref_cnt[b as usize] += 1;
+            self.meta[b as usize].ref_cnt += 1;
         }
         Ok(())
     }
@@ -511,7 +522,7 @@ impl BlockPool {
     fn undo_decrements(&mut self, ids: &[u32]) {
         for &r in ids {
             if r != NULL_BLOCK {
-                self.ref_cnt[r as usize] += 1;
+                self.meta[r as usize].ref_cnt += 1;
             }
         }
     }
@@ -535,7 +546,7 @@ impl BlockPool {
             if b == NULL_BLOCK {
                 continue;
             }
-            let rc = &mut self.ref_cnt[b as usize];
+            let rc = &mut self.meta[b as usize].ref_cnt;
             if *rc == 0 {
                 self.undo_decrements(&ids[..i]);
                 self.scratch = reached;
@@ -557,11 +568,11 @@ impl BlockPool {
         }
         // Unhashed blocks (all of them with caching off) go to the head, hashed ones to the
         // tail, each group in the given order.
-        if self.enable_caching && reached.iter().any(|&b| self.key_slot[b as usize] != NO_KEY) {
+        if self.enable_caching && reached.iter().any(|&b| self.meta[b as usize].key_slot != NO_KEY) {
             let mut unhashed = std::mem::take(&mut self.scratch2);
             unhashed.clear();
             for &b in &reached {
-                if self.key_slot[b as usize] != NO_KEY {
+                if self.meta[b as usize].key_slot != NO_KEY {
                     match self.retention.as_deref_mut() {
                         Some(r) => self.queue.append_at(b, r.release_level(b)),
                         None => self.queue.append(b),
@@ -593,15 +604,15 @@ impl BlockPool {
             *need.entry(b).or_default() += 1;
         }
         for (&b, &n) in &need {
-            if self.ref_cnt[b as usize] < n {
+            if self.meta[b as usize].ref_cnt < n {
                 return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
             }
         }
         let mut released = Vec::new();
         for &b in ids {
-            self.ref_cnt[b as usize] -= 1;
+            self.meta[b as usize].ref_cnt -= 1;
             self.watchers.insert(b, watcher);
-            if self.ref_cnt[b as usize] == 0 {
+            if self.meta[b as usize].ref_cnt == 0 {
                 released.push(b);
             }
         }
@@ -670,7 +681,7 @@ impl BlockPool {
             if i < num_full {
                 hashes.prefetch(i);
                 if let Some(&b) = table.get(i) {
-                    if let Some(k) = pool.key_slot.get(b as usize) {
+                    if let Some(k) = pool.meta.get(b as usize).map(|m| &m.key_slot) {
                         crate::prefetch::prefetch(k);
                     }
                 }
@@ -690,8 +701,8 @@ impl BlockPool {
                 continue;
             }
             let num_tokens = (i + 1) * block_size;
-            if self.key_slot[b as usize] != NO_KEY {
-                let t = self.key_tokens[b as usize];
+            if self.meta[b as usize].key_slot != NO_KEY {
+                let t = self.meta[b as usize].key_tokens;
                 // the only block that can already have a key is a partial entry being
                 // promoted to the full block
                 if t == NO_TOKENS || t as usize >= num_tokens {
@@ -707,7 +718,7 @@ impl BlockPool {
         let mut stored = Vec::new();
         let mut removed = Vec::new();
         for &(b, hash, num_tokens) in &keys {
-            if self.key_slot[b as usize] != NO_KEY {
+            if self.meta[b as usize].key_slot != NO_KEY {
                 removed.clear();
                 self.remove_cached_block_hashes(b, &mut removed);
                 self.emit_removed(&removed);
@@ -805,7 +816,7 @@ impl BlockPool {
             self.remove_cached_block_hashes(b, &mut removed);
             already = false;
         } else if !already && primary.is_some() {
-            let t = self.key_tokens[b as usize];
+            let t = self.meta[b as usize].key_tokens;
             if t != NO_TOKENS && (t as usize) < n_hash * h {
                 self.remove_cached_block_hashes(b, &mut removed);
             }
@@ -833,10 +844,10 @@ impl BlockPool {
     pub fn move_block_hashes(&mut self, src: u32, dst: u32) -> Result<()> {
         self.check_id(src)?;
         self.check_id(dst)?;
-        if self.key_slot[dst as usize] != NO_KEY || self.secondary.contains_key(&dst) {
+        if self.meta[dst as usize].key_slot != NO_KEY || self.secondary.contains_key(&dst) {
             return Err(Error::Assertion(format!("move_block_hashes: block {dst} already has a hash")));
         }
-        let t = self.key_tokens[src as usize];
+        let t = self.meta[src as usize].key_tokens;
         let mut removed = Vec::new();
         self.remove_cached_block_hashes(src, &mut removed);
         for key in removed {
@@ -849,7 +860,7 @@ impl BlockPool {
     /// `is_block_writable(block)`: not null, one reference, no hash.
     pub fn is_block_writable(&self, b: u32) -> Result<bool> {
         self.check_id(b)?;
-        Ok(b != NULL_BLOCK && self.ref_cnt[b as usize] == 1 && self.key_slot[b as usize] == NO_KEY)
+        Ok(b != NULL_BLOCK && self.meta[b as usize].ref_cnt == 1 && self.meta[b as usize].key_slot == NO_KEY)
     }
 
     /// `evict_blocks(ids)`: drop the cache keys of these blocks (ref counts and queue position
@@ -860,7 +871,7 @@ impl BlockPool {
         }
         for &b in ids {
             if self.evict(b) {
-                let g = &mut self.generation[b as usize];
+                let g = &mut self.meta[b as usize].generation;
                 *g = g.wrapping_add(1);
             }
         }
@@ -879,8 +890,10 @@ impl BlockPool {
         let mut w: Vec<(u32, u64)> = self.watchers.drain().collect();
         w.sort_unstable();
         self.fired.extend(w);
-        self.key_slot.iter_mut().for_each(|s| *s = NO_KEY);
-        self.key_tokens.iter_mut().for_each(|s| *s = NO_TOKENS);
+        self.meta.iter_mut().for_each(|m| {
+            m.key_slot = NO_KEY;
+            m.key_tokens = NO_TOKENS;
+        });
         if self.events_enabled {
             self.events.push(Event::AllBlocksCleared);
         }
@@ -893,22 +906,22 @@ impl BlockPool {
     /// not (yet) in the map.
     pub fn set_block_hash(&mut self, b: u32, key: Key, num_tokens: Option<usize>) -> Result<()> {
         self.check_id(b)?;
-        if self.key_slot[b as usize] != NO_KEY {
+        if self.meta[b as usize].key_slot != NO_KEY {
             return Err(Error::Assertion("The block already has a hash. This should not happen.".into()));
         }
         let slot = self.map.insert_detached(key, b);
-        self.key_slot[b as usize] = slot;
-        self.key_tokens[b as usize] = num_tokens.map_or(NO_TOKENS, |t| t as u32);
+        self.meta[b as usize].key_slot = slot;
+        self.meta[b as usize].key_tokens = num_tokens.map_or(NO_TOKENS, |t| t as u32);
         Ok(())
     }
 
     /// `block.reset_hash()`: the block forgets its primary key (and leaves the map under it).
     pub fn reset_hash(&mut self, b: u32) -> Result<()> {
         self.check_id(b)?;
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         if s != NO_KEY {
-            self.key_slot[b as usize] = NO_KEY;
-            self.key_tokens[b as usize] = NO_TOKENS;
+            self.meta[b as usize].key_slot = NO_KEY;
+            self.meta[b as usize].key_tokens = NO_TOKENS;
             self.map.remove(s, b);
         }
         Ok(())
@@ -918,13 +931,13 @@ impl BlockPool {
     /// if it has none, or the detached primary key it was given by hand; else a further key).
     pub fn map_insert(&mut self, key: Key, b: u32) -> Result<()> {
         self.check_id(b)?;
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         if s != NO_KEY && self.map.key_of(s) == key {
             if self.map.is_detached(s) {
                 if self.map.find(&key).is_some() {
                     // join the attached key's list
                     self.map.remove(s, b);
-                    self.key_slot[b as usize] = self.map.insert(key, b);
+                    self.meta[b as usize].key_slot = self.map.insert(key, b);
                 } else {
                     self.map.reattach(s)?;
                 }
@@ -942,10 +955,10 @@ impl BlockPool {
         if !self.map.contains(&key, b) {
             return Ok(false);
         }
-        let s = self.key_slot[b as usize];
+        let s = self.meta[b as usize].key_slot;
         if s != NO_KEY && self.map.key_of(s) == key && !self.map.is_detached(s) {
-            self.key_slot[b as usize] = NO_KEY;
-            self.key_tokens[b as usize] = NO_TOKENS;
+            self.meta[b as usize].key_slot = NO_KEY;
+            self.meta[b as usize].key_tokens = NO_TOKENS;
             self.map.remove(s, b);
             return Ok(true);
         }
@@ -1052,11 +1065,14 @@ impl BlockPool {
         let mut free = 0;
         for b in 1..self.num_blocks as u32 {
             let in_q = self.queue.contains(b);
-            if in_q != (self.ref_cnt[b as usize] == 0) {
-                return Err(Error::State(format!("block {b}: in queue {in_q}, ref_cnt {}", self.ref_cnt[b as usize])));
+            if in_q != (self.meta[b as usize].ref_cnt == 0) {
+                return Err(Error::State(format!(
+                    "block {b}: in queue {in_q}, ref_cnt {}",
+                    self.meta[b as usize].ref_cnt
+                )));
             }
             free += in_q as usize;
-            let s = self.key_slot[b as usize];
+            let s = self.meta[b as usize].key_slot;
             if s != NO_KEY && !self.map.is_detached(s) && !self.map.contains(&self.map.key_of(s), b) {
                 return Err(Error::State(format!("block {b} has a key the map does not hold")));
             }

@@ -93,6 +93,17 @@ struct Entry {
     multi: bool,
 }
 
+/// A node's neighbours under its key, kept side by side (one cache line holds both).
+#[derive(Clone, Copy, Debug)]
+struct NodeLink {
+    prev: u32,
+    next: u32,
+}
+
+impl NodeLink {
+    const NONE: NodeLink = NodeLink { prev: NONE, next: NONE };
+}
+
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
@@ -102,8 +113,7 @@ pub struct CacheMap {
     free_slots: Vec<u32>,
     /// Links between the nodes of one key (`NONE` at the ends); nodes `0..num_blocks` are the
     /// blocks' primary nodes, the rest overflow nodes.
-    node_prev: Vec<u32>,
-    node_next: Vec<u32>,
+    node_links: Vec<NodeLink>,
     /// Block of overflow node `num_blocks + i`, or `NONE` for a vacant one.
     overflow_block: Vec<u32>,
     free_overflow: Vec<u32>,
@@ -120,8 +130,7 @@ impl CacheMap {
             table: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            node_prev: Error::try_vec("the hash map", num_blocks, NONE)?,
-            node_next: Error::try_vec("the hash map", num_blocks, NONE)?,
+            node_links: Error::try_vec("the hash map", num_blocks, NodeLink::NONE)?,
             overflow_block: Vec::new(),
             free_overflow: Vec::new(),
             detached: HashMap::new(),
@@ -209,7 +218,7 @@ impl CacheMap {
         let mut n = head;
         while n != NONE {
             out.push(self.block_of(n));
-            n = self.node_next[n as usize];
+            n = self.node_links[n as usize].next;
         }
         out
     }
@@ -236,7 +245,7 @@ impl CacheMap {
                     if self.block_of(n) == block {
                         return true;
                     }
-                    n = self.node_next[n as usize];
+                    n = self.node_links[n as usize].next;
                 }
                 false
             }
@@ -253,8 +262,7 @@ impl CacheMap {
             }
             None => {
                 self.overflow_block.push(block);
-                self.node_prev.push(NONE);
-                self.node_next.push(NONE);
+                self.node_links.push(NodeLink::NONE);
                 self.num_blocks + (self.overflow_block.len() - 1) as u32
             }
         }
@@ -283,9 +291,9 @@ impl CacheMap {
     /// Cache `node` (linked nowhere) under `key`, after any nodes already there; returns the
     /// key's slot. O(1).
     pub fn insert_node(&mut self, key: Key, node: u32) -> u32 {
-        debug_assert!(self.node_prev[node as usize] == NONE && self.node_next[node as usize] == NONE);
+        debug_assert!(self.node_links[node as usize].prev == NONE && self.node_links[node as usize].next == NONE);
         let h = self.hash_of(&key);
-        let CacheMap { table, slots, free_slots, node_prev, node_next, seed, .. } = self;
+        let CacheMap { table, slots, free_slots, node_links, seed, .. } = self;
         // one probe finds the key or the bucket it goes in
         let entry =
             table.entry(h, |&s| slots[s as usize].key == key, |&s| Self::hash_with(seed, &slots[s as usize].key));
@@ -293,8 +301,8 @@ impl CacheMap {
             hashbrown::hash_table::Entry::Occupied(o) => {
                 let s = *o.get();
                 let e = &mut slots[s as usize];
-                node_next[e.tail as usize] = node;
-                node_prev[node as usize] = e.tail;
+                node_links[e.tail as usize].next = node;
+                node_links[node as usize].prev = e.tail;
                 e.tail = node;
                 e.multi = true;
                 s
@@ -361,20 +369,20 @@ impl CacheMap {
     /// block_id)` found the block: a `BlockRemoved`), or `None` if the node is not under that
     /// key. O(1).
     pub fn remove(&mut self, slot: u32, node: u32) -> Option<(Key, bool)> {
-        let (p, n) = (self.node_prev[node as usize], self.node_next[node as usize]);
+        let (p, n) = (self.node_links[node as usize].prev, self.node_links[node as usize].next);
         let e = &mut self.slots[slot as usize];
         if p == NONE && e.head != node {
             return None; // not under this key
         }
-        self.node_prev[node as usize] = NONE;
-        self.node_next[node as usize] = NONE;
+        self.node_links[node as usize].prev = NONE;
+        self.node_links[node as usize].next = NONE;
         if p != NONE {
-            self.node_next[p as usize] = n;
+            self.node_links[p as usize].next = n;
         } else {
             e.head = n;
         }
         if n != NONE {
-            self.node_prev[n as usize] = p;
+            self.node_links[n as usize].prev = p;
         } else {
             e.tail = p;
         }
@@ -454,10 +462,8 @@ impl CacheMap {
         self.slots.clear();
         self.free_slots.clear();
         self.detached.clear();
-        self.node_prev.truncate(self.num_blocks as usize);
-        self.node_next.truncate(self.num_blocks as usize);
-        self.node_prev.iter_mut().for_each(|x| *x = NONE);
-        self.node_next.iter_mut().for_each(|x| *x = NONE);
+        self.node_links.truncate(self.num_blocks as usize);
+        self.node_links.iter_mut().for_each(|x| *x = NodeLink::NONE);
         self.overflow_block.clear();
         self.free_overflow.clear();
     }

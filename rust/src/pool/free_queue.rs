@@ -15,13 +15,23 @@ use crate::error::{Error, Result};
 /// Marks a block that is not linked into the queue.
 pub const UNLINKED: u32 = u32::MAX;
 
+/// A block's neighbours in the queue, kept side by side (one cache line holds both).
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    prev: u32,
+    next: u32,
+}
+
+impl Link {
+    const UNLINKED: Link = Link { prev: UNLINKED, next: UNLINKED };
+}
+
 /// The free-block queue over block ids `0..num_blocks`.
 #[derive(Clone, Debug)]
 pub struct FreeQueue {
     /// `prev[b]` / `next[b]`: neighbours of block `b`; indices `n` and `n + 1` are the head and
     /// tail sentinels. `UNLINKED` for a block not in the queue.
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    links: Vec<Link>,
     len: usize,
     /// Number of blocks (sentinels start here).
     n: u32,
@@ -44,15 +54,14 @@ impl FreeQueue {
         }
         let n = num_blocks as u32;
         let (head, tail) = (n, n + 1);
-        let mut prev = Error::try_vec("the free queue", num_blocks + 2, UNLINKED)?;
-        let mut next = Error::try_vec("the free queue", num_blocks + 2, UNLINKED)?;
+        let mut links = Error::try_vec("the free queue", num_blocks + 2, Link::UNLINKED)?;
         for b in 0..n {
-            prev[b as usize] = if b == 0 { head } else { b - 1 };
-            next[b as usize] = if b + 1 == n { tail } else { b + 1 };
+            links[b as usize] =
+                Link { prev: if b == 0 { head } else { b - 1 }, next: if b + 1 == n { tail } else { b + 1 } };
         }
-        next[head as usize] = if n == 0 { tail } else { 0 }; // head sentinel
-        prev[tail as usize] = if n == 0 { head } else { n - 1 }; // tail sentinel
-        Ok(FreeQueue { prev, next, len: num_blocks, n, level: Vec::new(), occupied: [(n > 0) as u64, 0], levels: 1 })
+        links[head as usize].next = if n == 0 { tail } else { 0 }; // head sentinel
+        links[tail as usize].prev = if n == 0 { head } else { n - 1 }; // tail sentinel
+        Ok(FreeQueue { links, len: num_blocks, n, level: Vec::new(), occupied: [(n > 0) as u64, 0], levels: 1 })
     }
 
     /// Split the queue into `levels` lists (1 ..= [`MAX_LEVELS`]); every block now queued
@@ -68,15 +77,12 @@ impl FreeQueue {
             return Ok(());
         }
         let extra = 2 * (levels - 1);
-        self.prev.try_reserve_exact(extra).map_err(|_| Error::value("levels", "out of memory"))?;
-        self.next.try_reserve_exact(extra).map_err(|_| Error::value("levels", "out of memory"))?;
+        self.links.try_reserve_exact(extra).map_err(|_| Error::value("levels", "out of memory"))?;
         self.level = Error::try_vec("the free queue", self.n as usize, 0u8)?;
         for l in 1..levels as u32 {
             let (h, t) = (self.n + 2 * l, self.n + 2 * l + 1);
-            self.prev.push(UNLINKED); // h
-            self.next.push(t);
-            self.prev.push(h); // t
-            self.next.push(UNLINKED);
+            self.links.push(Link { prev: UNLINKED, next: t }); // h
+            self.links.push(Link { prev: h, next: UNLINKED }); // t
         }
         self.levels = levels;
         Ok(())
@@ -162,19 +168,19 @@ impl FreeQueue {
     /// True if block `b` is linked into the queue.
     #[inline(always)]
     pub fn contains(&self, b: u32) -> bool {
-        (b as usize) < self.capacity() && self.next[b as usize] != UNLINKED
+        (b as usize) < self.capacity() && self.links[b as usize].next != UNLINKED
     }
 
     /// The first free block, if any.
     #[inline]
     pub fn front(&self) -> Option<u32> {
-        self.lowest().map(|l| self.next[self.head_of(l) as usize])
+        self.lowest().map(|l| self.links[self.head_of(l) as usize].next)
     }
 
     /// The last free block, if any.
     #[inline]
     pub fn back(&self) -> Option<u32> {
-        self.highest().map(|l| self.prev[self.tail_of(l) as usize])
+        self.highest().map(|l| self.links[self.tail_of(l) as usize].prev)
     }
 
     /// Block `b`'s neighbours `(prev, next)`: block ids, or ids `>= capacity()` for the
@@ -184,16 +190,16 @@ impl FreeQueue {
         if (b as usize) >= self.capacity() {
             return (UNLINKED, UNLINKED);
         }
-        (self.prev[b as usize], self.next[b as usize])
+        (self.links[b as usize].prev, self.links[b as usize].next)
     }
 
     #[inline(always)]
     fn unlink(&mut self, b: u32) {
-        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
-        self.next[p as usize] = n;
-        self.prev[n as usize] = p;
-        self.prev[b as usize] = UNLINKED;
-        self.next[b as usize] = UNLINKED;
+        let (p, n) = (self.links[b as usize].prev, self.links[b as usize].next);
+        self.links[p as usize].next = n;
+        self.links[n as usize].prev = p;
+        self.links[b as usize].prev = UNLINKED;
+        self.links[b as usize].next = UNLINKED;
         self.len -= 1;
         if p >= self.n && n >= self.n {
             // the level's list is now empty
@@ -204,11 +210,11 @@ impl FreeQueue {
 
     #[inline(always)]
     fn link_after(&mut self, at: u32, b: u32, l: usize) {
-        let n = self.next[at as usize];
-        self.prev[b as usize] = at;
-        self.next[b as usize] = n;
-        self.next[at as usize] = b;
-        self.prev[n as usize] = b;
+        let n = self.links[at as usize].next;
+        self.links[b as usize].prev = at;
+        self.links[b as usize].next = n;
+        self.links[at as usize].next = b;
+        self.links[n as usize].prev = b;
         self.len += 1;
         if self.levels != 1 {
             self.level[b as usize] = l as u8;
@@ -233,7 +239,7 @@ impl FreeQueue {
         out.reserve(n);
         if self.levels == 1 {
             for _ in 0..n {
-                let b = self.next[self.head() as usize];
+                let b = self.links[self.head() as usize].next;
                 self.unlink(b);
                 out.push(b);
             }
@@ -270,7 +276,7 @@ impl FreeQueue {
     #[inline]
     pub fn append(&mut self, b: u32) {
         debug_assert!(!self.contains(b));
-        let last = self.prev[self.tail() as usize];
+        let last = self.links[self.tail() as usize].prev;
         self.link_after(last, b, 0);
     }
 
@@ -278,7 +284,7 @@ impl FreeQueue {
     #[inline]
     pub fn append_at(&mut self, b: u32, l: usize) {
         debug_assert!(!self.contains(b) && l < self.levels);
-        let last = self.prev[self.tail_of(l) as usize];
+        let last = self.links[self.tail_of(l) as usize].prev;
         self.link_after(last, b, l);
     }
 
@@ -302,11 +308,11 @@ impl FreeQueue {
     /// Free blocks from head to tail: level by level, the lowest first (eviction order).
     pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
         let mut l = 0;
-        let mut cur = self.next[self.head() as usize];
+        let mut cur = self.links[self.head() as usize].next;
         std::iter::from_fn(move || loop {
             if cur < self.n {
                 let b = cur;
-                cur = self.next[b as usize];
+                cur = self.links[b as usize].next;
                 return Some(b);
             }
             // a tail sentinel: on to the next level
@@ -314,7 +320,7 @@ impl FreeQueue {
             if l >= self.levels {
                 return None;
             }
-            cur = self.next[self.head_of(l) as usize];
+            cur = self.links[self.head_of(l) as usize].next;
         })
     }
 
