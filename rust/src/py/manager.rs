@@ -99,6 +99,15 @@ fn not_initialised() -> PyErr {
     )
 }
 
+/// The request fields one call has read before it reads the request's view (None: not read).
+#[derive(Default)]
+struct Prior<'py> {
+    id: Option<Bound<'py, PyString>>,
+    num_computed: Option<usize>,
+    /// `(num_tokens, num_in_flight_tokens)`.
+    counts: Option<(usize, usize)>,
+}
+
 /// What the manager reads from a request object.
 struct ReqView<'py> {
     id: Bound<'py, PyString>,
@@ -199,15 +208,38 @@ impl ManagerState {
     }
 
     fn view<'py>(&self, request: &Bound<'py, PyAny>, has_scheduled_reqs: bool) -> PyResult<ReqView<'py>> {
+        self.view_after(request, has_scheduled_reqs, Prior::default())
+    }
+
+    /// [`ManagerState::view`] of a request whose fields in `prior` were read already by this
+    /// call (its slot lookup and no-op check): each field is read once per call.
+    fn view_after<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        has_scheduled_reqs: bool,
+        prior: Prior<'py>,
+    ) -> PyResult<ReqView<'py>> {
         let f = &self.fields;
-        let id = self.id_of(request)?;
-        let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
-        let num_tokens = self.num_tokens(request)?;
+        let id = match prior.id {
+            Some(id) => id,
+            None => self.id_of(request)?,
+        };
+        let num_computed = match prior.num_computed {
+            Some(n) => n,
+            None => field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?,
+        };
+        let num_tokens = match prior.counts {
+            Some((n, _)) => n,
+            None => self.num_tokens(request)?,
+        };
         let num_prompt_tokens = match self.vllm_field(request, Field::NumPromptTokens)? {
             Some(v) => field_count(&v, "request.num_prompt_tokens")?,
             None => num_tokens,
         };
-        let num_in_flight_tokens = self.in_flight(request)?;
+        let num_in_flight_tokens = match prior.counts {
+            Some((_, n)) => n,
+            None => self.in_flight(request)?,
+        };
         let shared_prefix_boundary =
             opt_field_count(f, request, Field::SharedPrefixBoundary, "request.shared_prefix_boundary")?;
         let waiting = self.watermark_applies(request, has_scheduled_reqs)?;
@@ -303,15 +335,18 @@ impl ManagerState {
     ) -> PyResult<Bound<'py, PyAny>> {
         let me = self;
         let mut known = None;
+        let mut prior = Prior::default();
         if !adopts_hits {
-            known = me.known_slot(request)?;
+            let id;
+            (known, id) = me.known_slot(request)?;
+            prior.id = id;
             if let Some(slot) = known {
-                if me.noop_at(request, slot, args)? {
+                if me.noop_at(request, slot, args, &mut prior)? {
                     return me.empty(py);
                 }
             }
         }
-        let v = me.view(request, args.has_scheduled_reqs)?;
+        let v = me.view_after(request, args.has_scheduled_reqs, prior)?;
         // the slot found for the request object, if it is its id's slot (else looked up by id)
         let known = match known {
             Some(slot) if me.slots.slot_has_id(request, slot, &v.id) => Some(slot),
@@ -358,12 +393,13 @@ impl ManagerState {
             return Ok(());
         }
         // nothing newly full to cache: vLLM reads only the request id then
-        if let Some(slot) = me.known_slot(request)? {
+        let (known, id) = me.known_slot(request)?;
+        if let Some(slot) = known {
             if me.inner.cache_is_noop_at(slot, n) {
                 return Ok(());
             }
         }
-        let v = me.view(request, false)?;
+        let v = me.view_after(request, false, Prior { id, ..Prior::default() })?;
         let hashes = me.hashes(request)?;
         let content = {
             let mut rv = v.as_view(0)?;
@@ -386,13 +422,22 @@ impl ManagerState {
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
     /// the request in `slot` ([`KVCacheManager::allocate_is_noop_at`]): reads
     /// `request.num_computed_tokens`, and its token and in-flight counts only when needed
-    /// (at a block boundary); the slot cache has already checked its id.
-    fn noop_at(&self, request: &Bound<'_, PyAny>, slot: usize, args: &AllocArgs<'_>) -> PyResult<bool> {
+    /// (at a block boundary); the slot cache has already checked its id. What it read goes
+    /// into `prior`, for [`ManagerState::view_after`].
+    fn noop_at(
+        &self,
+        request: &Bound<'_, PyAny>,
+        slot: usize,
+        args: &AllocArgs<'_>,
+        prior: &mut Prior<'_>,
+    ) -> PyResult<bool> {
         let f = &self.fields;
         let num_computed = field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?;
+        prior.num_computed = Some(num_computed);
         let mut noop = self.inner.allocate_is_noop_at(slot, num_computed, None, None, args);
         if noop.is_none() {
             let (num_tokens, in_flight) = self.token_counts(request)?;
+            prior.counts = Some((num_tokens, in_flight));
             noop = self.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), args);
         }
         Ok(noop == Some(true))
@@ -400,21 +445,36 @@ impl ManagerState {
 
     /// The coordinator slot of a request this manager holds, found from the request object's
     /// address when it was seen before (see `slot_cache.rs`), else from its id's characters;
-    /// None for a request the manager does not hold.
-    fn known_slot(&mut self, request: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    /// None for a request the manager does not hold. Also returns the `request_id` it read, if
+    /// it read one (for [`ManagerState::view_after`]).
+    fn known_slot<'py>(
+        &mut self,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<(Option<usize>, Option<Bound<'py, PyString>>)> {
         let coord = &self.inner.coord;
-        if let Some(slot) = self.slots.get(
+        let mut read = None;
+        let hit = self.slots.get(
             request,
-            || self.id_of(request),
+            || {
+                let id = self.id_of(request)?;
+                read = Some(id.clone());
+                Ok(id)
+            },
             |s| coord.slot_generation(s),
             |s| coord.prefetch_request(s),
-        )? {
-            return Ok(Some(slot));
+        )?;
+        if hit.is_some() {
+            return Ok((hit, read));
         }
-        let id = self.id_of(request)?;
-        let Some((slot, generation)) = coord.slot_and_generation(request_id_str(&id)?) else { return Ok(None) };
+        let id = match read {
+            Some(id) => id,
+            None => self.id_of(request)?,
+        };
+        let Some((slot, generation)) = coord.slot_and_generation(request_id_str(&id)?) else {
+            return Ok((None, Some(id)));
+        };
         self.slots.insert(request, &id, slot, generation);
-        Ok(Some(slot))
+        Ok((Some(slot), Some(id)))
     }
 
     /// `request.request_id` (a `str`).
