@@ -55,18 +55,56 @@ pub struct Coordinator {
     reqs: RequestTable<()>,
 }
 
-/// `replay_boundaries`: the positions a later request replaying the prompt resumes at.
-pub fn replay_boundaries(num_prompt_tokens: usize, scheduler_block_size: usize, use_eagle: bool) -> Vec<usize> {
+/// A few token positions kept inline (no heap allocation on the per-step caching path): the
+/// replay boundaries (at most two) and a shared-prefix boundary with its EAGLE companion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Boundaries {
+    v: [usize; 4],
+    n: usize,
+}
+
+impl Boundaries {
+    /// The positions in `s` (at most four).
+    pub fn from_slice(s: &[usize]) -> Self {
+        let mut b = Boundaries::default();
+        for &x in s {
+            b.push(x);
+        }
+        b
+    }
+
+    /// Add a position (every caller adds at most four in all).
+    pub fn push(&mut self, x: usize) {
+        debug_assert!(self.n < self.v.len(), "more than four boundaries");
+        if let Some(slot) = self.v.get_mut(self.n) {
+            *slot = x;
+            self.n += 1;
+        }
+    }
+}
+
+impl std::ops::Deref for Boundaries {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.v[..self.n]
+    }
+}
+
+/// `replay_boundaries`: the positions a later request replaying the prompt resumes at
+/// (ascending, without repeats).
+pub fn replay_boundaries(num_prompt_tokens: usize, scheduler_block_size: usize, use_eagle: bool) -> Boundaries {
     if !use_eagle {
-        return vec![num_prompt_tokens.saturating_sub(1)];
+        return Boundaries::from_slice(&[num_prompt_tokens.saturating_sub(1)]);
     }
     let b = scheduler_block_size;
-    let resend = num_prompt_tokens.saturating_sub(1) / b * b;
-    let extension = num_prompt_tokens / b * b;
-    let mut v = vec![resend.saturating_sub(b), extension.saturating_sub(b)];
-    v.sort_unstable();
-    v.dedup();
-    v
+    let resend = (num_prompt_tokens.saturating_sub(1) / b * b).saturating_sub(b);
+    let extension = (num_prompt_tokens / b * b).saturating_sub(b);
+    let (lo, hi) = (resend.min(extension), resend.max(extension));
+    if lo == hi {
+        Boundaries::from_slice(&[lo])
+    } else {
+        Boundaries::from_slice(&[lo, hi])
+    }
 }
 
 /// `eagle_proof_margin`: tokens an EAGLE group matches past a hit before dropping them.

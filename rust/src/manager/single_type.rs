@@ -255,7 +255,7 @@ impl TypeConfig {
         if num_cached >= num_full {
             return Ok(());
         }
-        let mut boundaries: Vec<usize> = replay_boundaries.to_vec();
+        let mut boundaries = crate::manager::coordinator::Boundaries::from_slice(replay_boundaries);
         if req.shared_prefix_boundary > 0 {
             boundaries.push(req.shared_prefix_boundary);
             if self.use_eagle {

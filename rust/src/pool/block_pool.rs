@@ -61,6 +61,10 @@ pub struct BlockPool {
     events: Vec<Event>,
     scratch: Vec<u32>,
     scratch2: Vec<u32>,
+    /// Reused buffers of the per-block paths (no allocation per call): the keys one
+    /// `cache_full_blocks` call adds, the keys one eviction removes.
+    scratch_keys: Vec<(u32, Digest, usize)>,
+    scratch_removed: Vec<Key>,
     /// Priority retention (None: plain LRU, vLLM's order).
     retention: Option<Box<Retention>>,
 }
@@ -100,6 +104,8 @@ impl BlockPool {
             events: Vec::new(),
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            scratch_keys: Vec::new(),
+            scratch_removed: Vec::new(),
             retention: None,
         })
     }
@@ -414,10 +420,13 @@ impl BlockPool {
         if self.meta[b as usize].key_slot == NO_KEY && !self.secondary.contains_key(&b) {
             return false;
         }
-        let mut removed = Vec::new();
+        let mut removed = std::mem::take(&mut self.scratch_removed);
+        removed.clear();
         self.remove_cached_block_hashes(b, &mut removed);
         self.emit_removed(&removed);
-        !removed.is_empty()
+        let any = !removed.is_empty();
+        self.scratch_removed = removed;
+        any
     }
 
     /// `_insert_block_hash`: key `key` for block `b` (primary if it has none, else a further
@@ -427,18 +436,21 @@ impl BlockPool {
         if s != NO_KEY && self.map.key_of(s) == key {
             return;
         }
+        if s == NO_KEY {
+            // the block's primary key: one probe skips a key the block holds as a further
+            // key already, or finds where the key goes
+            if let Some(slot) = self.map.insert_unless_held(key, b) {
+                self.meta[b as usize].key_slot = slot;
+                self.meta[b as usize].key_tokens = num_tokens.map_or(NO_TOKENS, |t| t as u32);
+            }
+            return;
+        }
         if self.map.contains(&key, b) {
             return;
         }
-        if s == NO_KEY {
-            let slot = self.map.insert(key, b);
-            self.meta[b as usize].key_slot = slot;
-            self.meta[b as usize].key_tokens = num_tokens.map_or(NO_TOKENS, |t| t as u32);
-        } else {
-            let node = self.map.new_overflow_node(b);
-            let slot = self.map.insert_node(key, node);
-            self.secondary.entry(b).or_default().push((slot, node));
-        }
+        let node = self.map.new_overflow_node(b);
+        let slot = self.map.insert_node(key, node);
+        self.secondary.entry(b).or_default().push((slot, node));
     }
 
     /// `get_new_blocks(n)`: pop `n` blocks from the head, evicting cached ones, each with
@@ -673,7 +685,8 @@ impl BlockPool {
             }
         }
         let keep = |i: usize| mask.is_none_or(|m| m[i - num_cached]);
-        let mut keys = Vec::with_capacity(num_full - num_cached);
+        let mut keys = std::mem::take(&mut self.scratch_keys);
+        keys.clear();
         // a prefill caches tens of blocks whose hashes and key entries are rarely in cache:
         // start loading them a few blocks ahead, so that their misses overlap
         const AHEAD: usize = 4;
@@ -741,6 +754,7 @@ impl BlockPool {
                 tag,
             });
         }
+        self.scratch_keys = keys;
         Ok(())
     }
 

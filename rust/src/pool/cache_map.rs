@@ -291,9 +291,16 @@ impl CacheMap {
     /// Cache `node` (linked nowhere) under `key`, after any nodes already there; returns the
     /// key's slot. O(1).
     pub fn insert_node(&mut self, key: Key, node: u32) -> u32 {
+        self.insert_node_unless_held(key, node, None).unwrap_or(NONE)
+    }
+
+    /// [`CacheMap::insert_node`], unless block `held` is cached under `key` already (then
+    /// nothing changes and None is returned): one probe where `contains` then `insert_node`
+    /// would make two. O(1) plus the key's duplicates walked when it has some.
+    fn insert_node_unless_held(&mut self, key: Key, node: u32, held: Option<u32>) -> Option<u32> {
         debug_assert!(self.node_links[node as usize].prev == NONE && self.node_links[node as usize].next == NONE);
         let h = self.hash_of(&key);
-        let CacheMap { table, slots, free_slots, node_links, seed, .. } = self;
+        let CacheMap { table, slots, free_slots, node_links, seed, num_blocks, overflow_block, .. } = self;
         // one probe finds the key or the bucket it goes in
         let entry =
             table.entry(h, |&s| slots[s as usize].key == key, |&s| Self::hash_with(seed, &slots[s as usize].key));
@@ -301,11 +308,21 @@ impl CacheMap {
             hashbrown::hash_table::Entry::Occupied(o) => {
                 let s = *o.get();
                 let e = &mut slots[s as usize];
+                if let Some(block) = held {
+                    let mut n = e.head;
+                    while n != NONE {
+                        let b = if n < *num_blocks { n } else { overflow_block[(n - *num_blocks) as usize] };
+                        if b == block {
+                            return None;
+                        }
+                        n = node_links[n as usize].next;
+                    }
+                }
                 node_links[e.tail as usize].next = node;
                 node_links[node as usize].prev = e.tail;
                 e.tail = node;
                 e.multi = true;
-                s
+                Some(s)
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 let entry = Entry { key, head: node, tail: node, detached: false, multi: false };
@@ -320,9 +337,17 @@ impl CacheMap {
                     }
                 };
                 v.insert(slot);
-                slot
+                Some(slot)
             }
         }
+    }
+
+    /// Cache `block`'s primary node under `key` unless `block` is cached under `key` already
+    /// (`contains` then `insert` in one probe); returns the key's slot, or None when nothing
+    /// changed.
+    #[inline]
+    pub fn insert_unless_held(&mut self, key: Key, block: u32) -> Option<u32> {
+        self.insert_node_unless_held(key, block, Some(block))
     }
 
     /// Cache `block`'s primary node under `key`; returns the key's slot.
