@@ -1,10 +1,13 @@
-//! Fast reads of `kvblock.Request` fields from Rust.
+//! Fast reads of request fields from Rust.
 //!
 //! The scheduler-facing manager calls read a handful of request attributes per call. For the
-//! exact `kvblock.Request` type, whose fields are `__slots__`, each field lives at a fixed
-//! offset known from its member descriptor, so it is read directly; any other request type
-//! (a subclass, vLLM's own `Request`) goes through ordinary `getattr`.
+//! exact registered request type, a field that is an object `__slots__` member (as in
+//! `kvblock.Request`) lives at a fixed offset known from its member descriptor, so it is read
+//! directly; a plain instance attribute that nothing on the type overrides (as in vLLM's
+//! `Request`) is read from the instance dict (see `instance_dict.rs`). Anything else (a
+//! subclass, a property, a type changed since) goes through ordinary `getattr`.
 
+use super::instance_dict::DictFields;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyType};
@@ -64,6 +67,8 @@ pub struct RequestFields {
     ty: Option<Py<PyType>>,
     offsets: [isize; N],
     names: [Py<PyString>; N],
+    /// The fields read from the instance dict of the registered type.
+    dict: DictFields,
     /// A missing attribute stays the `AttributeError` reading it raised (vLLM's managers read
     /// request attributes plainly); otherwise it is a `TypeError` naming the field.
     missing_is_attribute_error: bool,
@@ -76,6 +81,7 @@ impl RequestFields {
             ty: None,
             offsets: [-1; N],
             names: NAMES.map(|n| PyString::intern(py, n).unbind()),
+            dict: DictFields::none(),
             missing_is_attribute_error: false,
         }
     }
@@ -93,8 +99,8 @@ impl RequestFields {
         self.ty.as_ref().is_some_and(|ty| request.get_type().is(ty.bind(request.py())))
     }
 
-    /// Learn the slot offsets of `request_type` (fields that are not plain slots keep using
-    /// `getattr`).
+    /// Learn the slot offsets of `request_type` and which of its other fields are plain
+    /// instance attributes (the rest keep using `getattr`).
     pub fn for_type(request_type: &Bound<'_, PyType>) -> PyResult<Self> {
         let py = request_type.py();
         let mut f = Self::generic(py);
@@ -103,6 +109,7 @@ impl RequestFields {
                 f.offsets[i] = offset;
             }
         }
+        f.dict = DictFields::for_type(request_type, &NAMES, |i| f.offsets[i] < 0)?;
         f.ty = Some(request_type.clone().unbind());
         Ok(f)
     }
@@ -140,27 +147,25 @@ impl RequestFields {
         }
     }
 
-    /// The field read from its object slot (a request of the registered type whose slot is
-    /// set), else None.
+    /// The field read from its object slot or instance dict (a request of exactly the
+    /// registered type whose slot is set, or whose dict holds the field), else None.
     #[inline(always)]
     fn get_fast<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> Option<Bound<'py, PyAny>> {
         let i = field as usize;
-        let off = self.offsets[i];
-        if off >= 0 {
-            if let Some(ty) = &self.ty {
-                // SAFETY: the object's type is exactly the type whose slot offsets we read, so
-                // a PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
-                unsafe {
-                    if ffi::Py_TYPE(request.as_ptr()) == ty.as_ptr() as *mut ffi::PyTypeObject {
-                        let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
-                        if !p.is_null() {
-                            return Some(Bound::from_borrowed_ptr(request.py(), p));
-                        }
-                    }
-                }
+        let ty = self.ty.as_ref()?;
+        // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
+        // PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
+        unsafe {
+            if ffi::Py_TYPE(request.as_ptr()) != ty.as_ptr() as *mut ffi::PyTypeObject {
+                return None;
+            }
+            let off = self.offsets[i];
+            if off >= 0 {
+                let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
+                return (!p.is_null()).then(|| Bound::from_borrowed_ptr(request.py(), p));
             }
         }
-        None
+        self.dict.get(request, i, self.names[i].bind(request.py()))
     }
 
     /// `getattr` for a field that is not a set slot of the exact request type.

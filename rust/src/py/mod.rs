@@ -14,6 +14,7 @@ pub mod hashes;
 pub mod hashing;
 pub mod hit_verify;
 pub mod index;
+pub mod instance_dict;
 pub mod manager;
 pub mod request_hasher;
 pub mod retention;
