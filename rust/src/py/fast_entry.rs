@@ -258,9 +258,11 @@ unsafe fn run(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // attached as PyO3's own entries are (the GIL is held: CPython calls a method so), so
-    // that references released during the call are released at once
-    Python::attach(|py| {
+    // SAFETY: CPython calls a method with the GIL held, so the thread is attached. The entry
+    // does not count itself in PyO3's attach count (PyO3's own entries do): a `Py` released
+    // during the call is released at the next PyO3 entry instead of at once.
+    let py = unsafe { Python::assume_attached() };
+    {
         let res = catch_unwind(AssertUnwindSafe(|| {
             let Some(e) = cell.get(py) else {
                 PySystemError::new_err("kvblock: a fast entry was called before it was made").restore(py);
@@ -282,7 +284,7 @@ unsafe fn run(
             pyo3::panic::PanicException::new_err("kvblock: panic in a KV cache manager call").restore(py);
             std::ptr::null_mut()
         })
-    })
+    }
 }
 
 unsafe extern "C" fn allocate_slots_entry(
