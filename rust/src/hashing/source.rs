@@ -98,4 +98,10 @@ impl HashSource for ScaledHashes<'_> {
     fn get(&self, i: usize) -> Result<&[u8]> {
         self.fine.get((i + 1) * self.scale - 1)
     }
+    #[inline(always)]
+    fn prefetch(&self, i: usize) {
+        if let Some(j) = i.checked_add(1).and_then(|k| k.checked_mul(self.scale)) {
+            self.fine.prefetch(j - 1);
+        }
+    }
 }

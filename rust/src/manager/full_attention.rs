@@ -33,7 +33,16 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, pool: &BlockPool, q: &HitQuery<'
     if q.verify.is_some() && (fine_grained || block_size != h) {
         return Err(Error::Value("verify_hits: only full-attention blocks of the hash block size are verified".into()));
     }
+    // a lookup reads each block's hash, rarely in cache (hashed when the request arrived):
+    // start loading those a few blocks ahead, so that their misses overlap the lookups
+    const AHEAD: usize = 8;
+    for i in 0..AHEAD.min(max_blocks) {
+        full.prefetch(i);
+    }
     for i in 0..max_blocks {
+        if i + AHEAD < max_blocks {
+            full.prefetch(i + AHEAD);
+        }
         if !pool.get_cached_block(full.get(i)?, q.group_ids, &mut hit) {
             break;
         }
