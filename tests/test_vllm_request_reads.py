@@ -51,6 +51,16 @@ def _answer(call):
     return ("returned", None if x is None else x.get_block_ids())
 
 
+def _decode_step_alike(v, rv, k, rk):
+    """One decode call (``allocate_slots(r, 1, num_lookahead_tokens=0)``) on each manager:
+    the same answer (or exception type) and the same state after it. Returns the answer."""
+    a_v = _answer(lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0))
+    a_k = _answer(lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
+    assert a_v == a_k
+    assert _state(v) == _state(k)
+    return a_v
+
+
 def test_a_property_added_to_the_class_afterwards_is_read_as_getattr_reads_it():
     """A ``num_computed_tokens`` property put on ``Request`` after both managers have read
     the field takes precedence over the instance attribute: both managers see 2 more
@@ -67,17 +77,12 @@ def test_a_property_added_to_the_class_afterwards_is_read_as_getattr_reads_it():
     Request.num_computed_tokens = property(get, put)
     try:
         assert rv.num_computed_tokens == rk.num_computed_tokens == 8
-        a_v = _answer(lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0))
-        a_k = _answer(lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
-        assert a_v == a_k and a_v[0] == "returned" and a_v[1] != ([],)
-        assert _state(v) == _state(k)
+        answer = _decode_step_alike(v, rv, k, rk)
+        assert answer[0] == "returned" and answer[1] != ([],)
     finally:
         del Request.num_computed_tokens
     assert rv.num_computed_tokens == rk.num_computed_tokens == 6
-    a_v = _answer(lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0))
-    a_k = _answer(lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
-    assert a_v == a_k
-    assert _state(v) == _state(k)
+    _decode_step_alike(v, rv, k, rk)
 
 
 def test_a_field_missing_from_the_instance_raises_attribute_error_and_changes_nothing():
@@ -87,10 +92,8 @@ def test_a_field_missing_from_the_instance_raises_attribute_error_and_changes_no
     before = _state(k)
     del rv.num_computed_tokens
     del rk.num_computed_tokens
-    a_v = _answer(lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0))
-    a_k = _answer(lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
-    assert a_v == a_k == ("raised", AttributeError)
-    assert _state(k) == before == _state(v)
+    assert _decode_step_alike(v, rv, k, rk) == ("raised", AttributeError)
+    assert _state(k) == before
 
 
 def test_a_class_attribute_stands_in_for_a_missing_instance_field():
@@ -102,10 +105,8 @@ def test_a_class_attribute_stands_in_for_a_missing_instance_field():
     del rk.num_computed_tokens
     Request.num_computed_tokens = 8
     try:
-        a_v = _answer(lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=0))
-        a_k = _answer(lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=0))
-        assert a_v == a_k and a_v[0] == "returned" and a_v[1] != ([],)
-        assert _state(v) == _state(k)
+        answer = _decode_step_alike(v, rv, k, rk)
+        assert answer[0] == "returned" and answer[1] != ([],)
     finally:
         del Request.num_computed_tokens
 
