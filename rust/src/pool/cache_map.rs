@@ -16,6 +16,7 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::Digest;
+use crate::pool::link::{Link, NO_LINK};
 use hashbrown::{HashMap, HashTable};
 use std::hash::{BuildHasher, Hasher};
 
@@ -78,7 +79,7 @@ impl Key {
 }
 
 /// No node / no slot.
-pub const NONE: u32 = u32::MAX;
+pub const NONE: u32 = NO_LINK;
 
 /// A key's nodes: a doubly linked list through per-node links, in insertion order.
 #[derive(Clone, Copy, Debug)]
@@ -93,17 +94,6 @@ struct Entry {
     multi: bool,
 }
 
-/// A node's neighbours under its key, kept side by side (one cache line holds both).
-#[derive(Clone, Copy, Debug)]
-struct NodeLink {
-    prev: u32,
-    next: u32,
-}
-
-impl NodeLink {
-    const NONE: NodeLink = NodeLink { prev: NONE, next: NONE };
-}
-
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
@@ -113,7 +103,7 @@ pub struct CacheMap {
     free_slots: Vec<u32>,
     /// Links between the nodes of one key (`NONE` at the ends); nodes `0..num_blocks` are the
     /// blocks' primary nodes, the rest overflow nodes.
-    node_links: Vec<NodeLink>,
+    node_links: Vec<Link>,
     /// Block of overflow node `num_blocks + i`, or `NONE` for a vacant one.
     overflow_block: Vec<u32>,
     free_overflow: Vec<u32>,
@@ -130,7 +120,7 @@ impl CacheMap {
             table: HashTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            node_links: Error::try_vec("the hash map", num_blocks, NodeLink::NONE)?,
+            node_links: Error::try_vec("the hash map", num_blocks, Link::NONE)?,
             overflow_block: Vec::new(),
             free_overflow: Vec::new(),
             detached: HashMap::new(),
@@ -169,10 +159,17 @@ impl CacheMap {
     /// The block a node stands for.
     #[inline(always)]
     pub fn block_of(&self, node: u32) -> u32 {
-        if node < self.num_blocks {
+        Self::node_block(self.num_blocks, &self.overflow_block, node)
+    }
+
+    /// [`CacheMap::block_of`] from the fields it reads (for a caller holding other fields
+    /// mutably).
+    #[inline(always)]
+    fn node_block(num_blocks: u32, overflow_block: &[u32], node: u32) -> u32 {
+        if node < num_blocks {
             node
         } else {
-            self.overflow_block[(node - self.num_blocks) as usize]
+            overflow_block[(node - num_blocks) as usize]
         }
     }
 
@@ -262,7 +259,7 @@ impl CacheMap {
             }
             None => {
                 self.overflow_block.push(block);
-                self.node_links.push(NodeLink::NONE);
+                self.node_links.push(Link::NONE);
                 self.num_blocks + (self.overflow_block.len() - 1) as u32
             }
         }
@@ -311,8 +308,7 @@ impl CacheMap {
                 if let Some(block) = held {
                     let mut n = e.head;
                     while n != NONE {
-                        let b = if n < *num_blocks { n } else { overflow_block[(n - *num_blocks) as usize] };
-                        if b == block {
+                        if Self::node_block(*num_blocks, overflow_block, n) == block {
                             return None;
                         }
                         n = node_links[n as usize].next;
@@ -488,7 +484,7 @@ impl CacheMap {
         self.free_slots.clear();
         self.detached.clear();
         self.node_links.truncate(self.num_blocks as usize);
-        self.node_links.iter_mut().for_each(|x| *x = NodeLink::NONE);
+        self.node_links.iter_mut().for_each(|x| *x = Link::NONE);
         self.overflow_block.clear();
         self.free_overflow.clear();
     }

@@ -12,25 +12,16 @@
 
 use crate::error::{Error, Result};
 
+use crate::pool::link::{Link, NO_LINK};
+
 /// Marks a block that is not linked into the queue.
-pub const UNLINKED: u32 = u32::MAX;
-
-/// A block's neighbours in the queue, kept side by side (one cache line holds both).
-#[derive(Clone, Copy, Debug)]
-struct Link {
-    prev: u32,
-    next: u32,
-}
-
-impl Link {
-    const UNLINKED: Link = Link { prev: UNLINKED, next: UNLINKED };
-}
+pub const UNLINKED: u32 = NO_LINK;
 
 /// The free-block queue over block ids `0..num_blocks`.
 #[derive(Clone, Debug)]
 pub struct FreeQueue {
-    /// `prev[b]` / `next[b]`: neighbours of block `b`; indices `n` and `n + 1` are the head and
-    /// tail sentinels. `UNLINKED` for a block not in the queue.
+    /// `links[b]`: the neighbours of block `b`; indices `n` and `n + 1` are the head and tail
+    /// sentinels. `UNLINKED` for a block not in the queue.
     links: Vec<Link>,
     len: usize,
     /// Number of blocks (sentinels start here).
@@ -54,7 +45,7 @@ impl FreeQueue {
         }
         let n = num_blocks as u32;
         let (head, tail) = (n, n + 1);
-        let mut links = Error::try_vec("the free queue", num_blocks + 2, Link::UNLINKED)?;
+        let mut links = Error::try_vec("the free queue", num_blocks + 2, Link::NONE)?;
         for b in 0..n {
             links[b as usize] =
                 Link { prev: if b == 0 { head } else { b - 1 }, next: if b + 1 == n { tail } else { b + 1 } };

@@ -5,4 +5,5 @@ pub mod block_pool;
 pub mod cache_map;
 pub mod events;
 pub mod free_queue;
+pub mod link;
 pub mod retention;
