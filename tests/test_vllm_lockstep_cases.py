@@ -180,6 +180,48 @@ def test_running_request_with_mamba_hits_gets_vllms_capacity_answer_first():
     assert res is None
 
 
+def test_hits_for_a_group_that_does_not_track_the_request_get_vllms_capacity_answer():
+    """Found by a random lockstep run (full attention and Mamba "align", 2-token blocks,
+    1-token hashes). A first 1-token chunk makes the Mamba group cache a partial checkpoint
+    and track the request as running; the full-attention group has no full block to cache and
+    does not track it. vLLM's block count asserts only in a group that tracks the request, so
+    hits handed to the full-attention group get vLLM's capacity answer (None); kvblock took
+    the request as running in every group and asserted."""
+    v, k = _both([FullAttentionSpec(block_size=2, **A), _mamba(2)], 3, 2, 1, enable_kv_cache_events=True)
+    for m in (v, k):
+        a = _request("a", [0, 0], 1)
+        assert m.allocate_slots(a, 2) is not None
+        a.num_computed_tokens = 2
+        m.free(a)
+    rv, rk = (_request("b", [0, 0], 1) for _ in range(2))
+    _same(v, k, lambda: v.allocate_slots(rv, 1), lambda: k.allocate_slots(rk, 1))
+    tracked = [[("b" in stm.num_cached_block) for stm in m.coordinator.single_type_managers] for m in (v, k)]
+    assert tracked == [[False, True]] * 2
+    hv, hk = v.get_computed_blocks(rv), k.get_computed_blocks(rk)
+    assert hv[1] == hk[1] == 1 and all(hv[0].blocks)
+    res = _same(v, k, lambda: v.allocate_slots(rv, 0, hv[1] + 1, hv[0]),
+                lambda: k.allocate_slots(rk, 0, hk[1] + 1, hk[0]))
+    assert res is None
+
+
+def test_caching_stops_at_a_cross_attention_group_with_vllms_value_error():
+    """Found by a random lockstep run (Mamba "align" then cross attention, caching and KV
+    events on): vLLM caches group by group and its cross-attention group raises ValueError
+    when reached. kvblock checked every group's table for the events' IndexError first,
+    the cross-attention group's too, and raised IndexError instead."""
+    specs = [_mamba(1), CrossAttentionSpec(block_size=1, **A)]
+    v, k = _both(specs, 2, 1, 1, enable_kv_cache_events=True)
+    rv, rk = (_request("r0", list(range(1, 13)), 1) for _ in range(2))
+    errors = []
+    for m, r in ((v, rv), (k, rk)):
+        with pytest.raises(ValueError, match="prefix caching is disabled") as info:
+            m.allocate_slots(r, 7)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    # kvblock changed what vLLM changed before raising: the Mamba group's blocks and cache
+    assert _state(v) == _state(k)
+
+
 def test_refused_external_tokens_leave_no_table():
     """External tokens that need more blocks than are free: vLLM takes a block and leaves it
     in the request's table before raising ValueError; kvblock raises the same error and

@@ -647,7 +647,10 @@ impl Coordinator {
     /// newly full block when it builds the `BlockStored` event, and so raises `IndexError` for
     /// a count past the blocks the request holds (with events off it slices the table and
     /// raises nothing). Checked before anything changes: the `IndexError` leaves the cache
-    /// as it was (vLLM has by then cached the held blocks, and emits no event).
+    /// as it was (vLLM has by then cached the held blocks, and emits no event). vLLM caches
+    /// group by group and a cross-attention group with caching on raises `ValueError` as soon
+    /// as it is reached, so the groups after one are never checked: the caching loop raises
+    /// that `ValueError` where vLLM does, after the groups before it.
     fn check_cache_within_table(
         &self,
         pool: &BlockPool,
@@ -657,7 +660,13 @@ impl Coordinator {
     ) -> Result<()> {
         let hashed = hashes.len() * pool.hash_block_size();
         for (gid, m) in self.managers.iter().enumerate() {
-            if !m.cfg.enable_caching || !m.cfg.spec.prefix_cacheable {
+            if !m.cfg.enable_caching {
+                continue;
+            }
+            if m.cfg.spec.kind == Kind::CrossAttention {
+                break;
+            }
+            if !m.cfg.spec.prefix_cacheable {
                 continue;
             }
             let Some(r) = m.reqs.get(slot) else { continue };

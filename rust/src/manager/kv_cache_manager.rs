@@ -328,13 +328,18 @@ impl KVCacheManager {
             })
         });
         let has_hits = a.new_computed.is_some_and(|nc| nc.iter().any(|g| !g.is_empty()));
-        // vLLM's block count asserts it in the groups counting with the base rule (not
-        // Mamba "align", not circular buffers); hits only in those groups meet the
-        // coordinator's assertion after the capacity check
-        let counted_hits = a.new_computed.is_some_and(|nc| {
-            nc.iter().zip(&self.coord.managers).any(|(g, m)| {
-                !g.is_empty()
-                    && !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::Mamba { mode: MambaMode::Align, .. })
+        // vLLM's block count asserts it group by group, in a group counting with the base
+        // rule (not Mamba "align", not circular buffers) that tracks the request as running
+        // (its own `num_cached_block`: a Mamba group tracks a request from its first
+        // allocation, a full-attention group only once it cached or adopted blocks); other
+        // hits meet the coordinator's assertion after the capacity check
+        let counted_hits = slot.is_some_and(|s| {
+            a.new_computed.is_some_and(|nc| {
+                nc.iter().zip(&self.coord.managers).any(|(g, m)| {
+                    !g.is_empty()
+                        && !matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::Mamba { mode: MambaMode::Align, .. })
+                        && m.req(s).is_some_and(|r| r.num_cached.is_some())
+                })
             })
         });
         // built only when raised or deferred (a decode step's call never needs it)
@@ -344,7 +349,7 @@ impl KVCacheManager {
                 req.request_id
             ))
         };
-        if has_hits && ((running && counted_hits) || (self.strict_inputs && (running || holds))) {
+        if has_hits && (counted_hits || (self.strict_inputs && (running || holds))) {
             return Err(running_hits());
         }
         if self.strict_inputs {
