@@ -39,9 +39,17 @@ pub fn find_longest_cache_hit(cfg: &TypeConfig, pool: &BlockPool, q: &HitQuery<'
     for i in 0..AHEAD.min(max_blocks) {
         full.prefetch(i);
     }
+    // and each block's table buckets half as far ahead, its hash having arrived by then
+    const BUCKET_AHEAD: usize = AHEAD / 2;
+    for i in 0..BUCKET_AHEAD.min(max_blocks) {
+        pool.prefetch_lookup(full.get(i)?, q.group_ids);
+    }
     for i in 0..max_blocks {
         if i + AHEAD < max_blocks {
             full.prefetch(i + AHEAD);
+        }
+        if i + BUCKET_AHEAD < max_blocks {
+            pool.prefetch_lookup(full.get(i + BUCKET_AHEAD)?, q.group_ids);
         }
         if !pool.get_cached_block(full.get(i)?, q.group_ids, &mut hit) {
             break;

@@ -63,7 +63,7 @@ pub struct BlockPool {
     scratch2: Vec<u32>,
     /// Reused buffers of the per-block paths (no allocation per call): the keys one
     /// `cache_full_blocks` call adds, the keys one eviction removes.
-    scratch_keys: Vec<(u32, Digest, usize)>,
+    scratch_keys: Vec<(u32, Digest, usize, u32)>,
     scratch_removed: Vec<Key>,
     /// Priority retention (None: plain LRU, vLLM's order).
     retention: Option<Box<Retention>>,
@@ -366,6 +366,15 @@ impl BlockPool {
         self.map.get_one_bytes(hash, group)
     }
 
+    /// Start loading the table buckets [`BlockPool::get_cached_block`] reads for `hash` in
+    /// `groups` (a hint: see [`crate::prefetch`]).
+    #[inline]
+    pub fn prefetch_lookup(&self, hash: &[u8], groups: &[u32]) {
+        for &g in groups {
+            self.map.prefetch_bytes(hash, g);
+        }
+    }
+
     /// `get_cached_block`: one block per group, or `None` if any group misses.
     #[inline]
     pub fn get_cached_block(&self, hash: &[u8], groups: &[u32], out: &mut Vec<u32>) -> bool {
@@ -391,7 +400,8 @@ impl BlockPool {
                 removed.push(key);
             }
         }
-        if let Some(more) = self.secondary.remove(&b) {
+        // further keys are rare (partial-prefix entries): most pools never hash a lookup here
+        if let Some(more) = if self.secondary.is_empty() { None } else { self.secondary.remove(&b) } {
             for (slot, node) in more {
                 if let Some((key, true)) = self.map.remove(slot, node) {
                     removed.push(key);
@@ -417,7 +427,7 @@ impl BlockPool {
 
     #[inline]
     fn evict(&mut self, b: u32) -> bool {
-        if self.meta[b as usize].key_slot == NO_KEY && !self.secondary.contains_key(&b) {
+        if self.meta[b as usize].key_slot == NO_KEY && (self.secondary.is_empty() || !self.secondary.contains_key(&b)) {
             return false;
         }
         let mut removed = std::mem::take(&mut self.scratch_removed);
@@ -430,8 +440,8 @@ impl BlockPool {
     }
 
     /// `_insert_block_hash`: key `key` for block `b` (primary if it has none, else a further
-    /// key), unless it already holds it.
-    fn insert_block_hash(&mut self, key: Key, b: u32, num_tokens: Option<usize>) {
+    /// key), unless it already holds it. `tag`: the key's table tag, when the caller has it.
+    fn insert_block_hash(&mut self, key: Key, tag: Option<u32>, b: u32, num_tokens: Option<usize>) {
         let s = self.meta[b as usize].key_slot;
         if s != NO_KEY && self.map.key_of(s) == key {
             return;
@@ -439,7 +449,7 @@ impl BlockPool {
         if s == NO_KEY {
             // the block's primary key: one probe skips a key the block holds as a further
             // key already, or finds where the key goes
-            if let Some(slot) = self.map.insert_unless_held(key, b) {
+            if let Some(slot) = self.map.insert_unless_held(key, tag, b) {
                 self.meta[b as usize].key_slot = slot;
                 self.meta[b as usize].key_tokens = num_tokens.map_or(NO_TOKENS, |t| t as u32);
             }
@@ -487,8 +497,22 @@ impl BlockPool {
                 }
             }
         }
-        for &b in &out[start..] {
+        // the table buckets of the evicted keys: started a few blocks ahead, once the entries
+        // holding their tags have had time to arrive
+        const AHEAD: usize = 4;
+        let bucket_ahead = |pool: &Self, i: usize| {
+            if let Some(&b) = out.get(i) {
+                let s = pool.meta[b as usize].key_slot;
+                if s != NO_KEY {
+                    pool.map.prefetch_slot_bucket(s);
+                }
+            }
+        };
+        for (i, &b) in out.iter().enumerate().skip(start) {
             if self.enable_caching {
+                if n > 1 {
+                    bucket_ahead(self, i + AHEAD);
+                }
                 self.evict(b);
             }
             self.meta[b as usize].ref_cnt = 1;
@@ -725,24 +749,27 @@ impl BlockPool {
                     )));
                 }
             }
-            keys.push((b, hashes.digest(i)?, num_tokens));
+            let key = Key { hash: hashes.digest(i)?, group };
+            // its table bucket, loading while the other keys are gathered
+            let tag = self.map.prefetch_key(&key);
+            keys.push((b, key.hash, num_tokens, tag));
         }
         let parent = if self.events_enabled && num_cached > 0 { Some(hashes.digest(num_cached - 1)?) } else { None };
         let mut stored = Vec::new();
         let mut removed = Vec::new();
-        for &(b, hash, num_tokens) in &keys {
+        for &(b, hash, num_tokens, tag) in &keys {
             if self.meta[b as usize].key_slot != NO_KEY {
                 removed.clear();
                 self.remove_cached_block_hashes(b, &mut removed);
                 self.emit_removed(&removed);
             }
-            self.insert_block_hash(Key { hash, group }, b, Some(num_tokens));
+            self.insert_block_hash(Key { hash, group }, Some(tag), b, Some(num_tokens));
             if self.events_enabled {
                 stored.push(hash);
             }
         }
         if self.events_enabled {
-            let key_ranges = keys.iter().map(|&(_, _, t)| (t - block_size, t)).collect();
+            let key_ranges = keys.iter().map(|&(_, _, t, _)| (t - block_size, t)).collect();
             self.events.push(Event::BlockStored {
                 block_hashes: stored,
                 parent_block_hash: parent,
@@ -836,7 +863,7 @@ impl BlockPool {
             }
         }
         self.emit_removed(&removed);
-        self.insert_block_hash(key, b, Some(n_hash * h));
+        self.insert_block_hash(key, None, b, Some(n_hash * h));
         if self.events_enabled && !already {
             let start = (n_hash - 1) * h;
             self.events.push(Event::BlockStored {
@@ -866,7 +893,7 @@ impl BlockPool {
         self.remove_cached_block_hashes(src, &mut removed);
         for key in removed {
             // the token count applies to the first (primary) insertion only
-            self.insert_block_hash(key, dst, (t != NO_TOKENS).then_some(t as usize));
+            self.insert_block_hash(key, None, dst, (t != NO_TOKENS).then_some(t as usize));
         }
         Ok(())
     }
@@ -958,7 +985,7 @@ impl BlockPool {
             }
             return Ok(());
         }
-        self.insert_block_hash(key, b, None);
+        self.insert_block_hash(key, None, b, None);
         Ok(())
     }
 

@@ -5,9 +5,12 @@
 //! key with the ends of its list of *nodes*, linked through per-node arrays. Node `b` (below
 //! the number of blocks) is block `b`'s entry under its primary key; the rare further keys of
 //! a block (vLLM's partial-prefix entries, `cached_block_hashes_by_block`) get overflow nodes
-//! numbered from the block count up. The lookup table holds only slot numbers (4 bytes a
-//! bucket, so it stays in cache at a million keys' worth of blocks) and compares keys in the
-//! slab. Insert, lookup and remove are O(1) however many duplicates a key has.
+//! numbered from the block count up. The lookup table is a [`SlotTable`]: 8 bytes a bucket
+//! (a key's 32-bit tag and its slot number; keys are compared in the slab), so a lookup reads
+//! one bucket line and one slab entry, and a caller that knows its keys ahead of time can
+//! start loading their buckets ([`CacheMap::prefetch_key`], [`CacheMap::prefetch_slot_bucket`])
+//! so that the misses of many lookups overlap. Insert, lookup and remove are O(1) however many
+//! duplicates a key has.
 //!
 //! A key can also be *detached*: taken out of the lookup table while its blocks keep it (what
 //! vLLM code sees when a key is popped from the map's inner dict without resetting the blocks,
@@ -17,7 +20,8 @@
 use crate::error::{Error, Result};
 use crate::hashing::Digest;
 use crate::pool::link::{Link, NO_LINK};
-use hashbrown::{HashMap, HashTable};
+use crate::pool::slot_table::SlotTable;
+use hashbrown::HashMap;
 use std::hash::{BuildHasher, Hasher};
 
 /// Four secret 64-bit seeds, different in every map (from the standard library's randomly
@@ -85,6 +89,8 @@ pub const NONE: u32 = NO_LINK;
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     key: Key,
+    /// The key's table tag ([`CacheMap::tag_of`]), kept so that removal need not rehash it.
+    tag: u32,
     head: u32,
     tail: u32,
     /// Out of the lookup table (see the module doc).
@@ -97,8 +103,8 @@ struct Entry {
 /// The hash -> block map over blocks `0..num_blocks`.
 #[derive(Clone)]
 pub struct CacheMap {
-    /// Slot numbers of the attached keys, hashed by their entry's key.
-    table: HashTable<u32>,
+    /// Slot numbers of the attached keys, under their keys' tags.
+    table: SlotTable,
     slots: Vec<Entry>,
     free_slots: Vec<u32>,
     /// Links between the nodes of one key (`NONE` at the ends); nodes `0..num_blocks` are the
@@ -117,7 +123,7 @@ impl CacheMap {
     /// An empty map for block ids below `num_blocks`.
     pub fn new(num_blocks: usize) -> Result<Self> {
         Ok(CacheMap {
-            table: HashTable::new(),
+            table: SlotTable::new(),
             slots: Vec::new(),
             free_slots: Vec::new(),
             node_links: Error::try_vec("the hash map", num_blocks, Link::NONE)?,
@@ -146,14 +152,34 @@ impl CacheMap {
         folded_multiply(a ^ seed[2] ^ ((group as u64) << 32), b ^ seed[1])
     }
 
+    /// A key's table tag: the high half of its table hash (its low bits pick the home
+    /// bucket, see [`SlotTable`]).
     #[inline(always)]
-    fn hash_with(seed: &[u64; 4], key: &Key) -> u64 {
-        Self::mix(seed, key.hash.padded(), key.hash.as_bytes().len(), key.group)
+    fn tag_from(seed: &[u64; 4], padded: &[u8; 32], len: usize, group: u32) -> u32 {
+        (Self::mix(seed, padded, len, group) >> 32) as u32
     }
 
     #[inline(always)]
-    fn hash_of(&self, key: &Key) -> u64 {
-        Self::hash_with(&self.seed, key)
+    fn tag_of(&self, key: &Key) -> u32 {
+        Self::tag_from(&self.seed, key.hash.padded(), key.hash.as_bytes().len(), key.group)
+    }
+
+    /// Start loading the table bucket a lookup or insert of `key` reads first (a hint: see
+    /// [`crate::prefetch`]), so that the misses of a run of keys overlap. Returns the key's
+    /// tag, for [`CacheMap::insert_unless_held`] (which then need not compute it again).
+    #[inline(always)]
+    pub fn prefetch_key(&self, key: &Key) -> u32 {
+        let tag = self.tag_of(key);
+        self.table.prefetch(tag);
+        tag
+    }
+
+    /// [`CacheMap::prefetch_key`] for raw digest bytes.
+    #[inline(always)]
+    pub fn prefetch_bytes(&self, hash: &[u8], group: u32) {
+        if let Some(d) = Digest::from_slice(hash) {
+            self.table.prefetch(Self::tag_from(&self.seed, d.padded(), hash.len(), group));
+        }
     }
 
     /// The block a node stands for.
@@ -187,7 +213,7 @@ impl CacheMap {
     #[inline]
     pub fn find(&self, key: &Key) -> Option<u32> {
         let slots = &self.slots;
-        self.table.find(self.hash_of(key), |&s| slots[s as usize].key == *key).copied()
+        self.table.find(self.tag_of(key), |s| slots[s as usize].key == *key)
     }
 
     /// The first block cached under `key` (`get_one_block`).
@@ -200,14 +226,14 @@ impl CacheMap {
     #[inline]
     pub fn get_one_bytes(&self, hash: &[u8], group: u32) -> Option<u32> {
         let d = Digest::from_slice(hash)?; // no key has another length
-        let h = Self::mix(&self.seed, d.padded(), hash.len(), group);
+        let tag = Self::tag_from(&self.seed, d.padded(), hash.len(), group);
         let slots = &self.slots;
         self.table
-            .find(h, |&s| {
+            .find(tag, |s| {
                 let k = &slots[s as usize].key;
                 k.group == group && k.hash.eq_bytes(hash)
             })
-            .map(|&s| self.block_of(slots[s as usize].head))
+            .map(|s| self.block_of(slots[s as usize].head))
     }
 
     fn blocks_from(&self, head: u32) -> Vec<u32> {
@@ -288,22 +314,19 @@ impl CacheMap {
     /// Cache `node` (linked nowhere) under `key`, after any nodes already there; returns the
     /// key's slot. O(1).
     pub fn insert_node(&mut self, key: Key, node: u32) -> u32 {
-        self.insert_node_unless_held(key, node, None).unwrap_or(NONE)
+        self.insert_node_unless_held(key, None, node, None).unwrap_or(NONE)
     }
 
     /// [`CacheMap::insert_node`], unless block `held` is cached under `key` already (then
     /// nothing changes and None is returned): one probe where `contains` then `insert_node`
     /// would make two. O(1) plus the key's duplicates walked when it has some.
-    fn insert_node_unless_held(&mut self, key: Key, node: u32, held: Option<u32>) -> Option<u32> {
+    fn insert_node_unless_held(&mut self, key: Key, tag: Option<u32>, node: u32, held: Option<u32>) -> Option<u32> {
         debug_assert!(self.node_links[node as usize].prev == NONE && self.node_links[node as usize].next == NONE);
-        let h = self.hash_of(&key);
-        let CacheMap { table, slots, free_slots, node_links, seed, num_blocks, overflow_block, .. } = self;
+        let tag = tag.unwrap_or_else(|| self.tag_of(&key));
+        let CacheMap { table, slots, free_slots, node_links, num_blocks, overflow_block, .. } = self;
         // one probe finds the key or the bucket it goes in
-        let entry =
-            table.entry(h, |&s| slots[s as usize].key == key, |&s| Self::hash_with(seed, &slots[s as usize].key));
-        match entry {
-            hashbrown::hash_table::Entry::Occupied(o) => {
-                let s = *o.get();
+        match table.find_or_vacant(tag, |s| slots[s as usize].key == key) {
+            Ok(s) => {
                 let e = &mut slots[s as usize];
                 if let Some(block) = held {
                     let mut n = e.head;
@@ -320,8 +343,8 @@ impl CacheMap {
                 e.multi = true;
                 Some(s)
             }
-            hashbrown::hash_table::Entry::Vacant(v) => {
-                let entry = Entry { key, head: node, tail: node, detached: false, multi: false };
+            Err(v) => {
+                let entry = Entry { key, tag, head: node, tail: node, detached: false, multi: false };
                 let slot = match free_slots.pop() {
                     Some(s) => {
                         slots[s as usize] = entry;
@@ -332,7 +355,7 @@ impl CacheMap {
                         (slots.len() - 1) as u32
                     }
                 };
-                v.insert(slot);
+                table.fill(v, slot);
                 Some(slot)
             }
         }
@@ -340,10 +363,11 @@ impl CacheMap {
 
     /// Cache `block`'s primary node under `key` unless `block` is cached under `key` already
     /// (`contains` then `insert` in one probe); returns the key's slot, or None when nothing
-    /// changed.
+    /// changed. `tag`: the key's tag when the caller has it ([`CacheMap::prefetch_key`]).
     #[inline]
-    pub fn insert_unless_held(&mut self, key: Key, block: u32) -> Option<u32> {
-        self.insert_node_unless_held(key, block, Some(block))
+    pub fn insert_unless_held(&mut self, key: Key, tag: Option<u32>, block: u32) -> Option<u32> {
+        debug_assert!(tag.is_none_or(|t| t == self.tag_of(&key)));
+        self.insert_node_unless_held(key, tag, block, Some(block))
     }
 
     /// Cache `block`'s primary node under `key`; returns the key's slot.
@@ -354,7 +378,8 @@ impl CacheMap {
 
     /// A detached key holding only `node` (a hash set on a block without inserting it).
     pub fn insert_detached(&mut self, key: Key, node: u32) -> u32 {
-        let slot = self.new_slot(Entry { key, head: node, tail: node, detached: true, multi: false });
+        let tag = self.tag_of(&key);
+        let slot = self.new_slot(Entry { key, tag, head: node, tail: node, detached: true, multi: false });
         self.detached.insert(key, slot);
         slot
     }
@@ -385,6 +410,18 @@ impl CacheMap {
         }
     }
 
+    /// Start loading the table bucket that removing `slot`'s key reads first. It reads the
+    /// slot's tag, so call it once the entry is loaded ([`CacheMap::prefetch_slot`] a few
+    /// blocks earlier).
+    #[inline(always)]
+    pub fn prefetch_slot_bucket(&self, slot: u32) {
+        if let Some(e) = self.slots.get(slot as usize) {
+            if !e.detached {
+                self.table.prefetch(e.tag);
+            }
+        }
+    }
+
     /// Unlink `node` from `slot`'s key; the key goes when its last node does (an overflow
     /// node is released). Returns the key and whether it was attached (vLLM's `pop(key,
     /// block_id)` found the block: a `BlockRemoved`), or `None` if the node is not under that
@@ -407,7 +444,7 @@ impl CacheMap {
         } else {
             e.tail = p;
         }
-        let (key, head, detached) = (e.key, e.head, e.detached);
+        let (key, tag, head, detached) = (e.key, e.tag, e.head, e.detached);
         if head == NONE {
             // the key's last node went: drop the key
             if detached {
@@ -415,10 +452,7 @@ impl CacheMap {
                     self.detached.remove(&key);
                 }
             } else {
-                let h = self.hash_of(&key);
-                if let Ok(occ) = self.table.find_entry(h, |&s| s == slot) {
-                    occ.remove();
-                }
+                self.table.remove(tag, |s| s == slot);
             }
             self.free_slots.push(slot);
         }
@@ -429,12 +463,8 @@ impl CacheMap {
     /// Take attached `key` out of the lookup table, its blocks keeping it (vLLM code popping
     /// the key from the map's dict). Returns its slot.
     pub fn detach(&mut self, key: &Key) -> Option<u32> {
-        let h = self.hash_of(key);
         let slots = &self.slots;
-        let slot = match self.table.find_entry(h, |&s| slots[s as usize].key == *key) {
-            Ok(occ) => occ.remove().0,
-            Err(_) => return None,
-        };
+        let slot = self.table.remove(self.tag_of(key), |s| slots[s as usize].key == *key)?;
         self.slots[slot as usize].detached = true;
         // a key detached twice (detach, re-cache, detach) keeps the later slot findable
         self.detached.insert(*key, slot);
@@ -443,7 +473,7 @@ impl CacheMap {
 
     /// Detach every attached key.
     pub fn detach_all(&mut self) {
-        let slots: Vec<u32> = self.table.iter().copied().collect();
+        let slots: Vec<u32> = self.table.iter().collect();
         self.table.clear();
         for s in slots {
             let e = &mut self.slots[s as usize];
@@ -471,9 +501,8 @@ impl CacheMap {
             self.detached.remove(&key);
         }
         self.slots[slot as usize].detached = false;
-        let h = self.hash_of(&key);
-        let CacheMap { table, slots, seed, .. } = self;
-        table.insert_unique(h, slot, |&s| Self::hash_with(seed, &slots[s as usize].key));
+        let tag = self.slots[slot as usize].tag;
+        self.table.insert_unique(tag, slot);
         Ok(())
     }
 
@@ -491,7 +520,7 @@ impl CacheMap {
 
     /// Every attached `(key, blocks, multi)` (unordered).
     pub fn entries(&self) -> impl Iterator<Item = (Key, Vec<u32>, bool)> + '_ {
-        self.table.iter().map(move |&s| {
+        self.table.iter().map(move |s| {
             let e = &self.slots[s as usize];
             (e.key, self.blocks_from(e.head), e.multi)
         })
@@ -499,7 +528,7 @@ impl CacheMap {
 
     /// Every attached `(key, blocks)` pair (unordered).
     pub fn iter(&self) -> impl Iterator<Item = (Key, Vec<u32>)> + '_ {
-        self.table.iter().map(move |&s| {
+        self.table.iter().map(move |s| {
             let e = &self.slots[s as usize];
             (e.key, self.blocks_from(e.head))
         })

@@ -7,3 +7,4 @@ pub mod events;
 pub mod free_queue;
 pub mod link;
 pub mod retention;
+pub mod slot_table;
