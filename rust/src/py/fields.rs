@@ -168,6 +168,28 @@ impl RequestFields {
         self.dict.get(request, i, self.names[i].bind(request.py()))
     }
 
+    /// The object [`RequestFields::get`] would return, as a borrowed pointer, when it is read
+    /// straight from a slot or the instance dict (else None: the caller uses `get`). No new
+    /// reference is taken, so the object itself is not touched: for an identity check, valid
+    /// only until Python code runs.
+    #[inline(always)]
+    pub fn get_borrowed(&self, request: &Bound<'_, PyAny>, field: Field) -> Option<*mut ffi::PyObject> {
+        let i = field as usize;
+        let ty = self.ty.as_ref()?;
+        // SAFETY: as in `get_fast`.
+        unsafe {
+            if ffi::Py_TYPE(request.as_ptr()) != ty.as_ptr() as *mut ffi::PyTypeObject {
+                return None;
+            }
+            let off = self.offsets[i];
+            if off >= 0 {
+                let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
+                return (!p.is_null()).then_some(p);
+            }
+        }
+        self.dict.get_borrowed(request, i, self.names[i].bind(request.py()))
+    }
+
     /// `getattr` for a field that is not a set slot of the exact request type.
     #[cold]
     #[inline(never)]

@@ -109,14 +109,28 @@ impl DictFields {
         i: usize,
         name: &Bound<'py, PyString>,
     ) -> Option<Bound<'py, PyAny>> {
+        // SAFETY: the item is owned by the dict and taken as a new reference before any
+        // Python code can run.
+        self.get_borrowed(obj, i, name).map(|v| unsafe { Bound::from_borrowed_ptr(obj.py(), v) })
+    }
+
+    /// [`DictFields::get`] as the borrowed pointer the dict holds: no new reference is
+    /// taken, so the value's object is not touched (for an identity check). It stays valid
+    /// only until Python code runs.
+    #[inline(always)]
+    pub fn get_borrowed(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        i: usize,
+        name: &Bound<'_, PyString>,
+    ) -> Option<*mut ffi::PyObject> {
         if self.fields & (1 << i) == 0 {
             return None;
         }
         let p = obj.as_ptr();
         // SAFETY: `obj` is live and the GIL is held; `_PyObject_GetDictPtr` returns the
         // address of its dict slot or NULL (it clears any error it meets); the item is a
-        // borrowed reference owned by the dict, taken as a new reference before any Python
-        // code can run.
+        // borrowed reference owned by the dict.
         unsafe {
             if !self.tag_holds(ffi::Py_TYPE(p)) {
                 return None;
@@ -132,7 +146,7 @@ impl DictFields {
                 }
                 return None;
             }
-            Some(Bound::from_borrowed_ptr(obj.py(), v))
+            Some(v)
         }
     }
 }

@@ -455,6 +455,7 @@ impl ManagerState {
         let mut read = None;
         let hit = self.slots.get(
             request,
+            || self.fields.get_borrowed(request, Field::RequestId),
             || {
                 let id = self.id_of(request)?;
                 read = Some(id.clone());

@@ -51,11 +51,14 @@ impl SlotCache {
     /// is the coordinator's current generation of a slot) and `request_id()` (the request's
     /// id, read only when an entry is at its address) is the id object the entry was made
     /// with. `prefetch(slot)` is called as soon as the entry's slot is known, before the id is
-    /// read, so that the request's state loads meanwhile.
+    /// read, so that the request's state loads meanwhile. `borrowed_id()` is the id as a
+    /// borrowed pointer when it can be read without running Python code (then the id object
+    /// itself, rarely in cache, is not touched), else None and `request_id()` reads it.
     #[inline]
     pub fn get<'py>(
         &self,
         request: &Bound<'py, PyAny>,
+        borrowed_id: impl FnOnce() -> Option<*mut pyo3::ffi::PyObject>,
         request_id: impl FnOnce() -> PyResult<Bound<'py, PyString>>,
         generation_at: impl Fn(usize) -> u64,
         prefetch: impl Fn(usize),
@@ -66,7 +69,11 @@ impl SlotCache {
             return Ok(None);
         }
         prefetch(e.slot);
-        let same = e.id.as_ptr() == request_id()?.as_ptr();
+        // identity only: the entry's strong reference keeps any other object off its address
+        let same = match borrowed_id() {
+            Some(p) => e.id.as_ptr() == p,
+            None => e.id.as_ptr() == request_id()?.as_ptr(),
+        };
         Ok((same && generation_at(e.slot) == e.generation).then_some(e.slot))
     }
 
