@@ -151,21 +151,9 @@ impl RequestFields {
     /// registered type whose slot is set, or whose dict holds the field), else None.
     #[inline(always)]
     fn get_fast<'py>(&self, request: &Bound<'py, PyAny>, field: Field) -> Option<Bound<'py, PyAny>> {
-        let i = field as usize;
-        let ty = self.ty.as_ref()?;
-        // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
-        // PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
-        unsafe {
-            if ffi::Py_TYPE(request.as_ptr()) != ty.as_ptr() as *mut ffi::PyTypeObject {
-                return None;
-            }
-            let off = self.offsets[i];
-            if off >= 0 {
-                let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
-                return (!p.is_null()).then(|| Bound::from_borrowed_ptr(request.py(), p));
-            }
-        }
-        self.dict.get(request, i, self.names[i].bind(request.py()))
+        // SAFETY: the pointer is owned by the request's slot or dict, and taken as a new
+        // reference before any Python code can run.
+        self.get_borrowed(request, field).map(|p| unsafe { Bound::from_borrowed_ptr(request.py(), p) })
     }
 
     /// The object [`RequestFields::get`] would return, as a borrowed pointer, when it is read
@@ -176,7 +164,8 @@ impl RequestFields {
     pub fn get_borrowed(&self, request: &Bound<'_, PyAny>, field: Field) -> Option<*mut ffi::PyObject> {
         let i = field as usize;
         let ty = self.ty.as_ref()?;
-        // SAFETY: as in `get_fast`.
+        // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
+        // PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
         unsafe {
             if ffi::Py_TYPE(request.as_ptr()) != ty.as_ptr() as *mut ffi::PyTypeObject {
                 return None;

@@ -100,23 +100,10 @@ impl DictFields {
     }
 
     /// Field `i` (named `name`) of `obj`, an instance of exactly the checked type, read from its
-    /// `__dict__`; None when the field is not read so, the type changed since, or the dict
-    /// lacks it (the caller then uses `getattr`).
-    #[inline(always)]
-    pub fn get<'py>(
-        &self,
-        obj: &Bound<'py, PyAny>,
-        i: usize,
-        name: &Bound<'py, PyString>,
-    ) -> Option<Bound<'py, PyAny>> {
-        // SAFETY: the item is owned by the dict and taken as a new reference before any
-        // Python code can run.
-        self.get_borrowed(obj, i, name).map(|v| unsafe { Bound::from_borrowed_ptr(obj.py(), v) })
-    }
-
-    /// [`DictFields::get`] as the borrowed pointer the dict holds: no new reference is
-    /// taken, so the value's object is not touched (for an identity check). It stays valid
-    /// only until Python code runs.
+    /// `__dict__`, as the borrowed pointer the dict holds (no new reference is taken, so the
+    /// value's object is not touched; it stays valid only until Python code runs); None when
+    /// the field is not read so, the type changed since, or the dict lacks it (the caller then
+    /// uses `getattr`).
     #[inline(always)]
     pub fn get_borrowed(
         &self,
