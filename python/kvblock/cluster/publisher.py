@@ -22,6 +22,7 @@ import time
 from collections import deque
 from typing import Any, Sequence
 
+from .._optional import require
 from ..events import KVCacheEvent, KVEventBatch, encode_batch
 
 __all__ = ["END_SEQ", "KVEventPublisher"]
@@ -62,7 +63,7 @@ class KVEventPublisher:
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None, *,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
                  data_parallel_rank: int = 0, connect: bool = False, context: Any = None) -> None:
-        import zmq
+        zmq = require("zmq", package="pyzmq", extra="cluster", what="kvblock.cluster.KVEventPublisher")
 
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")

@@ -34,6 +34,7 @@ import logging
 import time
 from typing import Any, Iterable, Sequence
 
+from .._optional import require
 from .errors import IndexUnavailable
 from .index import PrefixIndex
 
@@ -194,7 +195,7 @@ class RedisPrefixIndex:
     def __init__(self, client: Any, namespace: str = "kvblock", *, ttl_s: float | None = 300.0,
                  block_size: int | None = None, group_idx: int = 0, retry_interval_s: float = 0.5,
                  timeout_s: float = 0.5) -> None:
-        import redis
+        redis = require("redis", package="redis", extra="cluster", what="kvblock.cluster.RedisPrefixIndex")
 
         if not namespace or any(c in namespace for c in "{}\n"):
             raise ValueError(f"namespace must be non-empty without braces or newlines, got {namespace!r}")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .._optional import require
 from .publisher import END_SEQ
 from .stream import EventSink, EventStream
 
@@ -57,7 +58,7 @@ class KVEventSubscriber:
 
     def __init__(self, sink: EventSink, *, replay_timeout_s: float = 1.0, idle_sync_s: float | None = 1.0,
                  context: Any = None) -> None:
-        import zmq
+        zmq = require("zmq", package="pyzmq", extra="cluster", what="kvblock.cluster.KVEventSubscriber")
 
         self._zmq = zmq
         self._ctx = context or zmq.Context.instance()

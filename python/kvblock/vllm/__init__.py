@@ -16,11 +16,15 @@ Importing this package imports vLLM; ``import kvblock`` never does.
 
 from __future__ import annotations
 
-from .block_pool import BlockPool
-from .config import Path, describe
-from .manager import KVCacheManager, UnsupportedConfiguration
-from .plugin import is_patched, patch, register, unpatch
-from .scheduler import Scheduler, SyncScheduler
+from .._optional import require
+
+require("vllm", package="vLLM 0.33.0", extra="vllm", what="kvblock.vllm")
+
+from .block_pool import BlockPool  # noqa: E402
+from .config import Path, describe  # noqa: E402
+from .manager import KVCacheManager, UnsupportedConfiguration  # noqa: E402
+from .plugin import is_patched, patch, register, unpatch  # noqa: E402
+from .scheduler import Scheduler, SyncScheduler  # noqa: E402
 
 __all__ = [
     "BlockPool",
