@@ -401,7 +401,8 @@ impl BlockPool {
             }
         }
         // further keys are rare (partial-prefix entries): most pools never hash a lookup here
-        if let Some(more) = if self.secondary.is_empty() { None } else { self.secondary.remove(&b) } {
+        let more = if self.secondary.is_empty() { None } else { self.secondary.remove(&b) };
+        if let Some(more) = more {
             for (slot, node) in more {
                 if let Some((key, true)) = self.map.remove(slot, node) {
                     removed.push(key);
