@@ -74,15 +74,22 @@ def test_a_property_added_to_the_class_afterwards_is_read_as_getattr_reads_it():
     def put(self, value):
         self.__dict__["num_computed_tokens"] = value
 
+    assert {"request_id", "num_computed_tokens"} <= set(k._dict_read_fields(rk))
     Request.num_computed_tokens = property(get, put)
     try:
         assert rv.num_computed_tokens == rk.num_computed_tokens == 8
         answer = _decode_step_alike(v, rv, k, rk)
         assert answer[0] == "returned" and answer[1] != ([],)
+        # the changed class was checked again: the property's field goes through getattr,
+        # the others are read from the dict again
+        fields = set(k._dict_read_fields(rk))
+        assert "num_computed_tokens" not in fields and "request_id" in fields
     finally:
         del Request.num_computed_tokens
     assert rv.num_computed_tokens == rk.num_computed_tokens == 6
     _decode_step_alike(v, rv, k, rk)
+    # and once the property is gone, the field is read from the dict again
+    assert {"request_id", "num_computed_tokens"} <= set(k._dict_read_fields(rk))
 
 
 def test_a_field_missing_from_the_instance_raises_attribute_error_and_changes_nothing():
@@ -127,3 +134,36 @@ def test_reading_fields_leaves_the_request_as_it_was():
                 got, value = list(got), list(value)
             assert got == value, name
     assert rk.block_hashes == untouched.block_hashes
+
+
+def test_a_manager_built_before_any_request_reads_fields_from_the_dict():
+    """vLLM's engine builds its scheduler, and so the manager, before the first ``Request``
+    exists; until an attribute lookup goes through it, the ``Request`` type has no version
+    tag to pin the manager's check to. The manager gives it one, so that the requests made
+    afterwards are read from their ``__dict__`` (in a fresh interpreter, where nothing has
+    looked ``Request`` up yet)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from vllm.v1.kv_cache_interface import FullAttentionSpec\n"
+        "from vllm_oracle import A, both, request\n"
+        "v, k = both([FullAttentionSpec(block_size=4, **A)], 32, 4, 4)\n"
+        "r = request('r', list(range(1, 7)), 4)\n"
+        "print(sorted(k._dict_read_fields(r)))\n"
+        "blocks, hit, _ = k.get_computed_blocks(r)\n"
+        "assert k.allocate_slots(r, r.num_tokens - hit, hit, blocks) is not None\n"
+        "print(sorted(k._dict_read_fields(r)))\n"
+    )
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # before the manager's first read of the request (the type was tagged when the manager
+    # was built) and after its calls
+    for line in out.stdout.strip().splitlines()[-2:]:
+        fields = eval(line)  # noqa: S307 - our own printed list
+        assert {"request_id", "num_computed_tokens", "block_hashes", "status"} <= set(fields), fields

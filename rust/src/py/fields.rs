@@ -140,6 +140,7 @@ impl RequestFields {
         if let Some(v) = self.get_fast(request, field) {
             return Ok(Some(v));
         }
+        self.dict.relearn(request);
         match request.getattr(self.names[field as usize].bind(request.py())) {
             Ok(v) => Ok(Some(v)),
             Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(request.py()) => Ok(None),
@@ -179,10 +180,17 @@ impl RequestFields {
         self.dict.get_borrowed(request, i, self.names[i].bind(request.py()))
     }
 
+    /// The names of the fields read from `request`'s `__dict__` now, without `getattr`.
+    pub fn dict_read_fields(&self, request: &Bound<'_, PyAny>) -> Vec<&'static str> {
+        let mask = self.dict.active(request);
+        NAMES.iter().enumerate().filter(|&(i, _)| mask & (1 << i) != 0).map(|(_, n)| *n).collect()
+    }
+
     /// `getattr` for a field that is not a set slot of the exact request type.
     #[cold]
     #[inline(never)]
     fn get_slow<'py>(&self, request: &Bound<'py, PyAny>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        self.dict.relearn(request);
         request
             .getattr(self.names[i].bind(request.py()))
             .map_err(|e| not_a_request(request, NAMES[i], e, self.missing_is_attribute_error))

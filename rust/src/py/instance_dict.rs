@@ -11,7 +11,10 @@
 //!
 //! The check stays true while the type is unchanged: its version tag is recorded, and any
 //! change to the type or its bases (a property added to `Request`, a `__getattr__` assigned)
-//! invalidates the tag, after which every read goes through `getattr` again. A read finds
+//! invalidates the tag, after which reads go through `getattr` until the type is checked
+//! again (the next `getattr` read of an instance of the type does that, a bounded number of
+//! times). A type no lookup has gone through yet has no tag at all (vLLM's `Request` while
+//! the engine builds its scheduler, before the first request): it is given one when checked. A read finds
 //! the instance's dict through `_PyObject_GetDictPtr` (exported by CPython 3.10 to 3.13 alike;
 //! for an object keeping its attributes inline it creates the dict, as reading `vars(request)`
 //! would: the attributes, their values and vLLM's own reads of them are unchanged). An
@@ -21,7 +24,7 @@
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyType};
-use std::os::raw::c_uint;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 extern "C" {
     /// CPython: the address of the object's `__dict__` slot (NULL if it has none), the dict
@@ -30,40 +33,94 @@ extern "C" {
 }
 
 /// Which fields of one type are read from the instance dict, and the type version that holds
-/// for.
+/// for. Learnt again when the type changes (see [`DictFields::relearn`]); the atomics are
+/// only ever written with the GIL held, so readers see one learning or the next.
 pub struct DictFields {
     /// Bit `i`: field `i` is read from the instance dict.
-    fields: u64,
+    fields: AtomicU64,
     /// The type's `tp_version_tag` when it was checked (0: no field is).
-    version_tag: c_uint,
+    version_tag: AtomicU32,
     /// CPython before 3.12 also marks a valid tag with `Py_TPFLAGS_VALID_VERSION_TAG`.
     check_flag: bool,
+    /// What [`DictFields::relearn`] checks again: the type, the field names, the eligible ones.
+    ty: Option<Py<PyType>>,
+    names: Vec<&'static str>,
+    eligible: u64,
+    /// Learnings left before a type that keeps changing is left to `getattr` for good.
+    relearns_left: AtomicU32,
 }
+
+/// Most times one type is learnt again after changes (a class modified every step would
+/// otherwise pay the MRO walk every step).
+const MAX_RELEARNS: u32 = 64;
+
+/// An attribute name no class defines: looking it up on a type gives the type a version tag
+/// (CPython assigns tags lazily, on the first cacheable lookup through the type).
+const PROBE: &str = "__kvblock_version_tag_probe__";
 
 impl DictFields {
     /// None of the fields: every read goes through `getattr`.
     pub fn none() -> Self {
-        DictFields { fields: 0, version_tag: 0, check_flag: false }
+        DictFields {
+            fields: AtomicU64::new(0),
+            version_tag: AtomicU32::new(0),
+            check_flag: false,
+            ty: None,
+            names: Vec::new(),
+            eligible: 0,
+            relearns_left: AtomicU32::new(0),
+        }
     }
 
     /// The fields `names[i]` (those with `eligible(i)`) that instances of `ty` keep in their
     /// `__dict__` with nothing on the type taking precedence: `ty` reads attributes with the
     /// generic `getattr` (no `__getattribute__` or `__getattr__` of its own) and no class of
     /// its MRO defines the name as a data descriptor.
-    pub fn for_type(ty: &Bound<'_, PyType>, names: &[&str], eligible: impl Fn(usize) -> bool) -> PyResult<Self> {
+    ///
+    /// A type that no attribute lookup has gone through yet has no version tag (vLLM's
+    /// `Request` when the engine builds its scheduler, before any request exists): the type
+    /// is given one first, so that the check can be pinned to it.
+    pub fn for_type(
+        ty: &Bound<'_, PyType>,
+        names: &[&'static str],
+        eligible: impl Fn(usize) -> bool,
+    ) -> PyResult<Self> {
         let py = ty.py();
+        if names.len() > 64 {
+            return Ok(Self::none());
+        }
+        let eligible = (0..names.len()).filter(|&i| eligible(i)).fold(0u64, |m, i| m | 1 << i);
+        let f = DictFields {
+            fields: AtomicU64::new(0),
+            version_tag: AtomicU32::new(0),
+            check_flag: py.version_info() < (3, 12),
+            ty: Some(ty.clone().unbind()),
+            names: names.to_vec(),
+            eligible,
+            relearns_left: AtomicU32::new(MAX_RELEARNS),
+        };
+        f.learn(ty)?;
+        Ok(f)
+    }
+
+    /// Check the type (see [`DictFields::for_type`]) and record the fields and the tag.
+    fn learn(&self, ty: &Bound<'_, PyType>) -> PyResult<()> {
+        let py = ty.py();
+        // nothing holds while learning
+        self.version_tag.store(0, Ordering::Relaxed);
         let tp = ty.as_ptr() as *mut ffi::PyTypeObject;
         // SAFETY: `ty` is a live type object; only its slot pointer is read.
         // (CPython's exported function: one address, compared as such)
         let getattro = unsafe { (*tp).tp_getattro }.map(|f| f as usize);
-        let generic = getattro == Some(ffi::PyObject_GenericGetAttr as *const () as usize);
-        if !generic || names.len() > 64 {
-            return Ok(Self::none());
+        if getattro != Some(ffi::PyObject_GenericGetAttr as *const () as usize) {
+            return Ok(());
         }
+        // give the type a version tag if it has none (a lookup that finds nothing)
+        ty.hasattr(pyo3::intern!(py, PROBE))?;
         let mro = ty.getattr("__mro__")?;
         let mut fields = 0u64;
-        for (i, name) in names.iter().enumerate() {
-            if !eligible(i) {
+        for (i, name) in self.names.iter().enumerate() {
+            if self.eligible & (1 << i) == 0 {
                 continue;
             }
             let mut data_descriptor = false;
@@ -79,22 +136,58 @@ impl DictFields {
                 fields |= 1 << i;
             }
         }
-        // reading `__mro__` above looked the type up, which gives it a version tag if it can
-        // have one; read the tag last, so that a change made while checking invalidates it
+        // read the tag last, so that a change made while checking invalidates it
         // SAFETY: as above; a plain field read.
         let version_tag = unsafe { (*tp).tp_version_tag };
-        let check_flag = py.version_info() < (3, 12);
-        let f = DictFields { fields, version_tag, check_flag };
-        Ok(if f.tag_holds(tp) { f } else { Self::none() })
+        self.fields.store(fields, Ordering::Relaxed);
+        self.version_tag.store(version_tag, Ordering::Relaxed);
+        if !self.tag_holds(tp) {
+            self.version_tag.store(0, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// For a read that found the type's tag no longer the one checked: if `obj` is of exactly
+    /// the learnt type and that type changed since (a class attribute set or deleted, which
+    /// gives it a new tag), check it again, so that later reads take the dict again where
+    /// that still gives `getattr`'s answer. At most [`MAX_RELEARNS`] times per type; an error
+    /// while checking leaves every read to `getattr`.
+    #[cold]
+    pub fn relearn(&self, obj: &Bound<'_, PyAny>) {
+        let Some(ty) = &self.ty else { return };
+        let ty = ty.bind(obj.py());
+        if !obj.get_type().is(ty) || self.eligible == 0 {
+            return;
+        }
+        let tp = ty.as_ptr() as *mut ffi::PyTypeObject;
+        if self.tag_holds(tp) || self.relearns_left.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.relearns_left.fetch_sub(1, Ordering::Relaxed);
+        if self.learn(ty).is_err() {
+            self.version_tag.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The fields read from `obj`'s dict now (bit `i`: field `i`): those checked, while
+    /// `obj`'s type is as it was when checked; 0 otherwise.
+    pub fn active(&self, obj: &Bound<'_, PyAny>) -> u64 {
+        // SAFETY: `obj` is live, so its type is.
+        if self.tag_holds(unsafe { ffi::Py_TYPE(obj.as_ptr()) }) {
+            self.fields.load(Ordering::Relaxed)
+        } else {
+            0
+        }
     }
 
     /// True if the type is as it was when checked.
     #[inline(always)]
     fn tag_holds(&self, tp: *mut ffi::PyTypeObject) -> bool {
+        let tag = self.version_tag.load(Ordering::Relaxed);
         // SAFETY: `tp` is the live type of an object the caller holds; plain field reads.
         unsafe {
-            self.version_tag != 0
-                && (*tp).tp_version_tag == self.version_tag
+            tag != 0
+                && (*tp).tp_version_tag == tag
                 && (!self.check_flag || (*tp).tp_flags & ffi::Py_TPFLAGS_VALID_VERSION_TAG != 0)
         }
     }
@@ -111,7 +204,7 @@ impl DictFields {
         i: usize,
         name: &Bound<'_, PyString>,
     ) -> Option<*mut ffi::PyObject> {
-        if self.fields & (1 << i) == 0 {
+        if self.fields.load(Ordering::Relaxed) & (1 << i) == 0 {
             return None;
         }
         let p = obj.as_ptr();

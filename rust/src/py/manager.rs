@@ -2049,6 +2049,12 @@ impl PyManager {
         me.inner.record_blocks_for_zeroing(request_id, start_token).py_err()
     }
 
+    /// The request fields this manager reads from `request`'s `__dict__` now, skipping
+    /// `getattr` (see `instance_dict.rs`); the rest it reads with `getattr`. For tests.
+    fn _dict_read_fields(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+        Ok(self.state.borrow(py)?.fields.dict_read_fields(request))
+    }
+
     /// The coordinator's configuration, for its Python view.
     fn _coordinator_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let me = self.state.borrow(py)?;
