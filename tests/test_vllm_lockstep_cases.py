@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -235,6 +236,66 @@ def test_refused_external_tokens_leave_no_table():
         k.allocate_slots(rk, 1, num_external_computed_tokens=1)
     assert _state(k) == before
     assert k.block_pool.get_num_free_blocks() == 2
+
+
+def _window_and_two_mambas(num_blocks: int):
+    """vLLM's manager and kvblock's over a 1-token sliding-window MLA group and two Mamba
+    "align" groups (the first with a block-aligned prefill checkpoint block), 1-token blocks
+    and hashes, KV events on, max_model_len 8 (the lockstep's configuration)."""
+    groups = [
+        SlidingWindowMLASpec(block_size=1, sliding_window=1, **A),
+        MambaSpec(block_size=1, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                  num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1),
+        _mamba(1),
+    ]
+    init_none_hash(sha256)
+    out = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], g) for i, g in enumerate(groups)],
+            prefix_cache_retention_interval=0,
+        )
+        out.append(cls(cfg, 8, 1, 1, enable_caching=True, enable_kv_cache_events=True))
+    assert type(out[1]) is kv.KVCacheManager
+    return out
+
+
+def test_refused_external_tokens_leave_the_mamba_checkpoint_as_it_was():
+    """Found by a random lockstep run. External tokens that need more blocks than are free:
+    vLLM's count (which sets the Mamba group's prefill checkpoint) passes, then it raises
+    ValueError half way through taking blocks. kvblock refuses before taking any, with the
+    same error, but had set the checkpoint while counting: a refusal that changed state. Now
+    the checkpoint is put back and the refusal changes nothing."""
+    v, k = _window_and_two_mambas(4)
+    rv, rk = (_request("r0", list(range(1, 13)), 1) for _ in range(2))
+    # a first call that does not fit (None) leaves the request known to the groups, with
+    # empty tables
+    for m, r in ((v, rv), (k, rk)):
+        assert m.allocate_slots(r, 4, num_external_computed_tokens=1, reserved_blocks=100) is None
+    before = (_state(k), [k._group_mamba_state(g, "r0") for g in range(3)])
+    with pytest.raises(ValueError, match="free blocks"):
+        v.allocate_slots(rv, 8, num_external_computed_tokens=8)
+    with pytest.raises(ValueError, match="free blocks"):
+        k.allocate_slots(rk, 8, num_external_computed_tokens=8)
+    assert (_state(k), [k._group_mamba_state(g, "r0") for g in range(3)]) == before
+    assert k.block_pool.get_num_free_blocks() == 3
+
+
+def test_caching_past_the_table_with_a_block_mask_is_vllms_assertion():
+    """Found with the case above. Computed tokens past the request's table (external tokens
+    beyond what it holds) in a sliding-window group that caches with a block mask: vLLM
+    asserts that the mask covers the sliced table, before the KV events' indexing that would
+    raise IndexError. kvblock checked for the IndexError first and raised it."""
+    v, k = _window_and_two_mambas(6)
+    rv, rk = (_request("r0", list(range(1, 13)), 1) for _ in range(2))
+    errors = []
+    for m, r in ((v, rv), (k, rk)):
+        try:
+            m.allocate_slots(r, 4, num_external_computed_tokens=8)
+        except Exception as e:  # noqa: BLE001 - the type is what is compared
+            errors.append(type(e))
+    assert errors == [AssertionError, AssertionError]
 
 
 @pytest.mark.parametrize("lookahead", [2, 3])

@@ -424,6 +424,21 @@ impl Coordinator {
         Ok(total)
     }
 
+    /// Each group's prefill checkpoint for the request in `slot` (Mamba "align" groups set it
+    /// while counting blocks), to put back with [`Coordinator::restore_checkpoints`].
+    pub fn checkpoints(&self, slot: usize) -> Vec<Option<(usize, usize)>> {
+        self.managers.iter().map(|m| m.req(slot).and_then(|r| r.checkpoint)).collect()
+    }
+
+    /// Put back the checkpoints [`Coordinator::checkpoints`] read.
+    pub fn restore_checkpoints(&mut self, slot: usize, saved: &[Option<(usize, usize)>]) {
+        for (m, &c) in self.managers.iter_mut().zip(saved) {
+            if let Some(r) = m.reqs.get_mut(slot) {
+                r.checkpoint = c;
+            }
+        }
+    }
+
     /// True if some group tracks the request as running (`num_cached_block`).
     pub fn is_running(&self, slot: usize) -> bool {
         self.managers.iter().any(|m| m.req(slot).is_some_and(|r| r.num_cached.is_some()))
@@ -630,7 +645,7 @@ impl Coordinator {
             self.drop_eagle_groups.iter().any(|&d| d),
         );
         if pool.events_enabled() {
-            self.check_cache_within_table(pool, slot, hashes, num_computed_tokens)?;
+            self.check_cache_within_table(pool, slot, req, hashes, num_computed_tokens, &boundaries)?;
         }
         for gid in 0..self.managers.len() {
             if !self.managers[gid].cfg.enable_caching {
@@ -650,13 +665,18 @@ impl Coordinator {
     /// as it was (vLLM has by then cached the held blocks, and emits no event). vLLM caches
     /// group by group and a cross-attention group with caching on raises `ValueError` as soon
     /// as it is reached, so the groups after one are never checked: the caching loop raises
-    /// that `ValueError` where vLLM does, after the groups before it.
+    /// that `ValueError` where vLLM does, after the groups before it. A group whose caching
+    /// passes a `block_mask` (a sliding window or Mamba group at an alignment) meets vLLM's
+    /// assertion that the mask covers the sliced table first: `AssertionError`, as with
+    /// events off.
     fn check_cache_within_table(
         &self,
         pool: &BlockPool,
         slot: usize,
+        req: &ReqInfo<'_>,
         hashes: &dyn HashSource,
         num_computed_tokens: usize,
+        replay_boundaries: &[usize],
     ) -> Result<()> {
         let hashed = hashes.len() * pool.hash_block_size();
         for (gid, m) in self.managers.iter().enumerate() {
@@ -672,7 +692,16 @@ impl Coordinator {
             let Some(r) = m.reqs.get(slot) else { continue };
             let n = self.num_cacheable_tokens(num_computed_tokens, gid);
             let num_full = n.min(hashed) / m.cfg.block_size;
-            if num_full > r.num_cached.unwrap_or(0) && num_full > r.blocks.len() {
+            let num_cached = r.num_cached.unwrap_or(0);
+            if num_full > num_cached && num_full > r.blocks.len() {
+                let retention = self.retention_interval;
+                if m.cfg.cache_mask(req, num_cached, num_full, retention, replay_boundaries).is_some() {
+                    return Err(Error::Assertion(format!(
+                        "block_mask has {} entries for the {} blocks held past {num_cached} (group {gid})",
+                        num_full - num_cached,
+                        r.blocks.len().saturating_sub(num_cached)
+                    )));
+                }
                 let msg = format!(
                     "list index out of range: caching {num_full} full blocks of a request holding {} (group {gid})",
                     r.blocks.len()

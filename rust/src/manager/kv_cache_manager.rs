@@ -267,8 +267,15 @@ impl KVCacheManager {
     /// Check an `allocate_slots` call's inputs against the pool, changing nothing. `Err`: an
     /// error raised at once. `Ok(Some(e))`: an assertion vLLM makes only once its capacity
     /// check has passed (adopting computed tokens into a request that holds blocks), raised
-    /// by the caller at that point, so that a call vLLM answers with None gets None.
-    fn check_alloc(&self, pool: &BlockPool, req: &RequestView<'_>, a: &AllocArgs<'_>) -> Result<Option<Error>> {
+    /// by the caller at that point, so that a call vLLM answers with None gets None. `known`:
+    /// the request's slot, as for [`KVCacheManager::allocate_slots_in`].
+    fn check_alloc(
+        &self,
+        pool: &BlockPool,
+        known: Option<usize>,
+        req: &RequestView<'_>,
+        a: &AllocArgs<'_>,
+    ) -> Result<Option<Error>> {
         if self.verify.is_some() && req.content.is_none() && !a.delay_cache_blocks {
             return Err(Error::Value("verify_hits: allocate_slots needs the request's tokens".into()));
         }
@@ -319,7 +326,7 @@ impl KVCacheManager {
         // (before its capacity checks), and, once they passed, that only a request holding
         // no blocks adopts computed tokens and that a partial hit's tail sits where it looks
         // for it: all checked here, before anything changes
-        let slot = self.coord.slot(req.request_id);
+        let slot = known;
         let running = slot.is_some_and(|s| self.coord.is_running(s));
         let holds = slot.is_some_and(|s| {
             self.coord.managers.iter().any(|m| {
@@ -463,7 +470,7 @@ impl KVCacheManager {
         a: &AllocArgs<'_>,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         debug_assert_eq!(known, self.coord.slot(req.request_id));
-        let deferred = self.check_alloc(pool, req, a)?;
+        let deferred = self.check_alloc(pool, known, req, a)?;
         let existed = known.is_some();
         let slot = match known {
             Some(s) => s,
@@ -536,6 +543,11 @@ impl KVCacheManager {
             total_computed.saturating_sub(req.num_in_flight_tokens),
             Some(req.num_prompt_tokens),
         )?;
+        let has_mamba = self.coord.managers.iter().any(|m| matches!(m.cfg.spec.kind, Kind::Mamba { .. }));
+        // counting blocks sets Mamba prefill checkpoints (as vLLM's count does, kept when the
+        // call then returns None); a refusal below that vLLM would only meet half way through
+        // taking blocks puts them back, so that kvblock's refusal changes nothing
+        let saved_checkpoints = if has_mamba { self.coord.checkpoints(slot) } else { Vec::new() };
         let need = self.coord.get_num_blocks_to_allocate(
             pool,
             slot,
@@ -557,8 +569,7 @@ impl KVCacheManager {
             return Err(e);
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
-        let check_taken = (adopts && a.num_external_computed_tokens > 0)
-            || self.coord.managers.iter().any(|m| matches!(m.cfg.spec.kind, Kind::Mamba { .. }));
+        let check_taken = (adopts && a.num_external_computed_tokens > 0) || has_mamba;
         if check_taken {
             let taken = self.coord.blocks_taken(
                 pool,
@@ -572,6 +583,9 @@ impl KVCacheManager {
                 a.num_encoder_tokens,
             );
             if taken > pool.num_free_blocks() {
+                if has_mamba {
+                    self.coord.restore_checkpoints(slot, &saved_checkpoints);
+                }
                 return Err(Error::NotEnoughFreeBlocks { requested: taken, free: pool.num_free_blocks() });
             }
         }

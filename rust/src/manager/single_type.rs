@@ -255,22 +255,7 @@ impl TypeConfig {
         if num_cached >= num_full {
             return Ok(());
         }
-        let mut boundaries = crate::manager::coordinator::Boundaries::from_slice(replay_boundaries);
-        if req.shared_prefix_boundary > 0 {
-            boundaries.push(req.shared_prefix_boundary);
-            if self.use_eagle {
-                boundaries.push(req.shared_prefix_boundary.saturating_sub(self.block_size));
-            }
-        }
-        let mask = self.reachable_block_mask(
-            num_cached,
-            num_full,
-            Some(self.cache_hit_alignment_tokens),
-            self.use_eagle,
-            retention_interval,
-            &boundaries,
-            None,
-        );
+        let mask = self.cache_mask(req, num_cached, num_full, retention_interval, replay_boundaries);
         let view = ScaledHashes::new(hashes, pool.hash_block_size(), self.block_size)?;
         let table = st.table();
         // vLLM slices the table, so a range past its end caches the blocks there are
@@ -287,6 +272,36 @@ impl TypeConfig {
         )?;
         st.num_cached = Some(num_full);
         Ok(())
+    }
+
+    /// The `block_mask` the base `cache_blocks` passes `cache_full_blocks` for caching blocks
+    /// `[num_cached, num_full)` of `req` (None: every block): the kind's
+    /// `reachable_block_mask` at the group's alignment, with the request's shared-prefix
+    /// junction among the replay boundaries.
+    pub fn cache_mask(
+        &self,
+        req: &ReqInfo<'_>,
+        num_cached: usize,
+        num_full: usize,
+        retention_interval: Option<usize>,
+        replay_boundaries: &[usize],
+    ) -> Option<Vec<bool>> {
+        let mut boundaries = crate::manager::coordinator::Boundaries::from_slice(replay_boundaries);
+        if req.shared_prefix_boundary > 0 {
+            boundaries.push(req.shared_prefix_boundary);
+            if self.use_eagle {
+                boundaries.push(req.shared_prefix_boundary.saturating_sub(self.block_size));
+            }
+        }
+        self.reachable_block_mask(
+            num_cached,
+            num_full,
+            Some(self.cache_hit_alignment_tokens),
+            self.use_eagle,
+            retention_interval,
+            &boundaries,
+            None,
+        )
     }
 
     /// `reachable_block_mask` (None: every block).
