@@ -321,7 +321,7 @@ impl Coordinator {
         self.reqs.prefetch_gen(slot as u32);
         for m in &self.managers {
             if let Some(r) = m.req(slot) {
-                crate::prefetch::prefetch(r);
+                crate::prefetch::prefetch_bytes(r as *const ReqState as *const u8, ReqState::HOT_BYTES);
             }
         }
     }

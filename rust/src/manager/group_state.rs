@@ -12,24 +12,30 @@ use crate::pool::cache_map::Key;
 use hashbrown::HashSet;
 
 /// One request's state in one group.
+///
+/// Laid out for the calls vLLM's scheduler makes for every running request every step: what
+/// their no-op checks read (`present`, `num_cached`, `blocks`, whether `partial_hit` is set)
+/// comes first, and the state starts on a cache-line boundary, so those checks read one line
+/// (see [`ReqState::HOT_BYTES`]); the Mamba bookkeeping follows.
 #[derive(Clone, Debug, Default)]
+#[repr(C, align(64))]
 pub struct ReqState {
     /// The request has an entry in `req_to_blocks` (possibly empty).
     pub present: bool,
-    /// `req_to_blocks[request_id]`: the block table, null blocks where positions were skipped.
-    pub blocks: Vec<u32>,
-    /// `num_cached_block[request_id]` (present for running requests only).
-    pub num_cached: Option<usize>,
+    /// Member of `_allocated_block_reqs` (Mamba "align").
+    pub allocated: bool,
     /// `_partial_hit_reqs[request_id]`: (block index, source block) of a partial hit's tail,
     /// to be replaced by a private copy.
-    pub partial_hit: Option<(usize, u32)>,
+    pub partial_hit: Option<(u32, u32)>,
+    /// `num_cached_block[request_id]` (present for running requests only).
+    pub num_cached: Option<usize>,
+    /// `req_to_blocks[request_id]`: the block table, null blocks where positions were skipped.
+    pub blocks: Vec<u32>,
     // Mamba "align" bookkeeping.
     /// `last_state_block_idx`.
     pub last_state_block_idx: Option<i64>,
     /// `_num_retired_blocks`.
     pub num_retired: Option<usize>,
-    /// Member of `_allocated_block_reqs`.
-    pub allocated: bool,
     /// `_checkpoints`: (checkpoint position, reserved block index).
     pub checkpoint: Option<(usize, usize)>,
     /// `_producer_partial_tail_reqs`: (source block, boundary tokens).
@@ -37,6 +43,9 @@ pub struct ReqState {
 }
 
 impl ReqState {
+    /// The leading bytes that hold what a no-op check reads (one cache line).
+    pub const HOT_BYTES: usize = 64;
+
     /// True when nothing of the request is left in this group.
     pub fn is_vacant(&self) -> bool {
         !self.present
@@ -176,7 +185,35 @@ pub fn resolve_block_hashes<'a>(
     ScaledHashes::new(hashes, hash_block_size, block_size)
 }
 
+/// A position in a block table, as [`ReqState::partial_hit`] keeps it. A table's positions
+/// are bounded by the blocks and null padding it holds, far below `u32::MAX`; a larger index
+/// saturates (it then names no position, and the checks that read it refuse it).
+#[inline(always)]
+pub(crate) fn table_index(i: usize) -> u32 {
+    u32::try_from(i).unwrap_or(u32::MAX)
+}
+
 #[inline(always)]
 pub(crate) fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReqState;
+    use std::mem::{align_of, offset_of, size_of};
+
+    #[test]
+    fn a_no_op_check_reads_one_cache_line() {
+        assert_eq!(align_of::<ReqState>(), ReqState::HOT_BYTES);
+        assert_eq!(size_of::<ReqState>() % ReqState::HOT_BYTES, 0);
+        for end in [
+            offset_of!(ReqState, present) + 1,
+            offset_of!(ReqState, num_cached) + size_of::<Option<usize>>(),
+            offset_of!(ReqState, blocks) + size_of::<Vec<u32>>(),
+            offset_of!(ReqState, partial_hit) + size_of::<Option<(u32, u32)>>(),
+        ] {
+            assert!(end <= ReqState::HOT_BYTES, "{end}");
+        }
+    }
 }

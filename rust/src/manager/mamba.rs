@@ -7,7 +7,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::group_state::{
-    cdiv, resolve_block_hashes, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeState,
+    cdiv, resolve_block_hashes, table_index, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeState,
 };
 use crate::manager::spec::{Kind, MambaMode};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
@@ -417,6 +417,7 @@ pub fn allocate_new_blocks(
     pool.get_new_blocks(num_new, &mut new_blocks)?;
     let mut returned: Vec<u32> = st.blocks[prev..].to_vec();
     if let Some((block_idx, source)) = partial_hit {
+        let block_idx = block_idx as usize;
         let cow = new_blocks.remove(0);
         if blocks_allocated {
             // a running request's worker table is append-only: it stays on `source`, and the
@@ -584,7 +585,7 @@ fn cache_partial_tail_block(
     let key =
         pool.cache_partial_block(source, hashes, num_tokens, cfg.group_id, cfg.block_size, false, req.event_tag)?;
     if key.is_some() && !num_tokens.is_multiple_of(cfg.block_size) {
-        st.partial_hit = Some((block_idx, source));
+        st.partial_hit = Some((table_index(block_idx), source));
         st.num_cached = Some(block_idx);
         st.producer_tail = Some((source, num_tokens));
     }

@@ -9,7 +9,9 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::source::{HashSource, ScaledHashes};
-use crate::manager::group_state::{cdiv, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager, TypeState};
+use crate::manager::group_state::{
+    cdiv, table_index, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager, TypeState,
+};
 use crate::manager::spec::{GroupSpec, Kind, MambaMode};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
@@ -134,7 +136,7 @@ impl TypeConfig {
         st.num_cached = Some(st.blocks.len());
         if self.has_partial_local_hit(kept, num_local_computed) {
             let block_idx = num_local_computed / self.block_size;
-            st.partial_hit = kept.last().map(|&b| (block_idx, b));
+            st.partial_hit = kept.last().map(|&b| (table_index(block_idx), b));
             st.num_cached = Some(block_idx);
         }
         Ok(())
@@ -216,7 +218,7 @@ impl TypeConfig {
         if let Some((block_idx, source)) = st.partial_hit.take() {
             let mut cow = Vec::with_capacity(1);
             pool.get_new_blocks(1, &mut cow)?;
-            self.apply_cow(pool, ts, st, block_idx, source, cow[0])?;
+            self.apply_cow(pool, ts, st, block_idx as usize, source, cow[0])?;
             ts.new_block_ids.push(cow[0]);
             out.push(cow[0]);
         }

@@ -1926,7 +1926,7 @@ impl PyManager {
         py: Python<'_>,
         group: usize,
         request_id: &str,
-    ) -> PyResult<Option<(Option<i64>, Option<usize>, bool, Option<(usize, usize)>, Option<(usize, u32)>)>> {
+    ) -> PyResult<Option<(Option<i64>, Option<usize>, bool, Option<(usize, usize)>, Option<(u32, u32)>)>> {
         self.state.with(py, |me| {
             let slot = me.inner.coord.slot(request_id)?;
             let r = me.inner.coord.managers.get(group)?.req(slot)?;
