@@ -123,7 +123,9 @@ impl CacheMap {
     /// An empty map for block ids below `num_blocks`.
     pub fn new(num_blocks: usize) -> Result<Self> {
         Ok(CacheMap {
-            table: SlotTable::new(),
+            // a key a block at most: sized for all of them now, so that a filling cache does
+            // not stop to grow its table (the size a full cache would reach anyway)
+            table: SlotTable::with_capacity(num_blocks)?,
             slots: Vec::new(),
             free_slots: Vec::new(),
             node_links: Error::try_vec("the hash map", num_blocks, Link::NONE)?,

@@ -54,6 +54,19 @@ impl SlotTable {
         SlotTable::default()
     }
 
+    /// An empty table with room for `n` slots before it first grows (its buckets allocated
+    /// now, at most three quarters of them to be filled). Fails with
+    /// [`crate::error::Error::Memory`] when they cannot be allocated.
+    pub fn with_capacity(n: usize) -> crate::error::Result<Self> {
+        if n == 0 {
+            return Ok(SlotTable::new());
+        }
+        let buckets =
+            n.saturating_mul(4).div_ceil(3).checked_next_power_of_two().unwrap_or(usize::MAX).max(MIN_BUCKETS);
+        let buckets = crate::error::Error::try_vec("the hash map's lookup table", buckets, EMPTY)?;
+        Ok(SlotTable { mask: buckets.len() - 1, buckets, len: 0 })
+    }
+
     /// Number of slots held.
     #[inline]
     pub fn len(&self) -> usize {
@@ -215,6 +228,23 @@ impl SlotTable {
 mod tests {
     use super::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn a_presized_table_takes_its_capacity_without_growing() {
+        for n in [1usize, 12, 13, 1000, 16384] {
+            let mut t = SlotTable::with_capacity(n).unwrap();
+            let buckets = t.buckets.len();
+            assert!(buckets.is_power_of_two() && n * 4 <= buckets * 3, "{n}: {buckets}");
+            for s in 0..n as u32 {
+                t.insert_unique(s.wrapping_mul(0x9E37_79B9), s);
+            }
+            assert_eq!((t.len(), t.buckets.len()), (n, buckets), "{n}");
+            for s in 0..n as u32 {
+                assert_eq!(t.find(s.wrapping_mul(0x9E37_79B9), |x| x == s), Some(s));
+            }
+        }
+        assert_eq!(SlotTable::with_capacity(0).unwrap().buckets.len(), 0);
+    }
 
     /// A small xorshift generator (deterministic).
     struct Rng(u64);
