@@ -99,7 +99,7 @@ impl BlockPool {
             watchers: HashMap::new(),
             fired: Vec::new(),
             queue,
-            map: CacheMap::new(num_blocks)?,
+            map: CacheMap::new(num_blocks, if enable_caching { num_blocks } else { 0 })?,
             events_enabled: enable_kv_cache_events,
             events: Vec::new(),
             scratch: Vec::new(),

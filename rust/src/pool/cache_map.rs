@@ -120,12 +120,13 @@ pub struct CacheMap {
 }
 
 impl CacheMap {
-    /// An empty map for block ids below `num_blocks`.
-    pub fn new(num_blocks: usize) -> Result<Self> {
+    /// An empty map for block ids below `num_blocks`, its lookup table sized for `keys` keys
+    /// now (it grows past them as needed). A caching pool holds a key a block at most: sized
+    /// for all of them, a filling cache never stops to re-home its table (the size a full
+    /// cache reaches anyway).
+    pub fn new(num_blocks: usize, keys: usize) -> Result<Self> {
         Ok(CacheMap {
-            // a key a block at most: sized for all of them now, so that a filling cache does
-            // not stop to grow its table (the size a full cache would reach anyway)
-            table: SlotTable::with_capacity(num_blocks)?,
+            table: SlotTable::with_capacity(keys)?,
             slots: Vec::new(),
             free_slots: Vec::new(),
             node_links: Error::try_vec("the hash map", num_blocks, Link::NONE)?,
