@@ -42,3 +42,18 @@ def test_an_import_error_inside_an_installed_dependency_passes_through(tmp_path,
     assert "pip install" not in str(info.value)
     with pytest.raises(ModuleNotFoundError, match=r"needs x, which is not installed: pip install 'kvblock\[x\]'"):
         require("kvblock_test_absent_dep", package="x", extra="x", what="x")
+
+
+@pytest.mark.parametrize("module, option", [("zmq", ["--transport", "zmq"]), ("redis", ["--index", "redis://127.0.0.1:1"])])
+def test_the_cli_names_the_extra_in_one_line_and_exits_2(module, option):
+    """A fleet replay with an option whose dependency is missing: one ``kvblock: error:`` line
+    naming the extra, exit status 2, no traceback (a fresh user's find)."""
+    script = (
+        f"import sys\nsys.modules[{module!r}] = None\nfrom kvblock.cli import main\n"
+        f"sys.exit(main(['replay', '--instances', '2', '--limit', '4', '--no-progress', *{option!r}]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvblock: error: "), r.stderr
+    assert "pip install 'kvblock[cluster]'" in lines[0], lines[0]

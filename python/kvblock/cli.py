@@ -546,6 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReplayError as e:
         print(f"kvblock: error: {e}", file=sys.stderr)
         return e.exit_code
+    except ModuleNotFoundError as e:
+        # an option whose optional dependency is not installed (--transport zmq without pyzmq,
+        # a redis:// index without redis): the message names the pip extra to install
+        print(f"kvblock: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, OverflowError, MemoryError, RecursionError, OSError) as e:
         # settings the core refuses (e.g. a pool beyond the int32 block-id range)
         print(f"kvblock: error: {type(e).__name__}: {e}", file=sys.stderr)
