@@ -289,6 +289,10 @@ def test_engine_args_scheduler_cls_runs_on_kvblock():
     sched = scheduler_cls(vllm_config=cfg, kv_cache_config=kv_cache_config, block_size=16, log_stats=True,
                           structured_output_manager=StructuredOutputManager(cfg))
     assert type(sched.kv_cache_manager) is kv.KVCacheManager
+    # the scheduler vLLM itself picks for the configuration: on CPU vLLM turns async
+    # scheduling off, and its default is then the synchronous Scheduler
+    assert cfg.scheduler_config.async_scheduling is False
+    assert type(sched) is kv.SyncScheduler
 
     init_none_hash(sha256)
     hasher = get_request_block_hasher(16, sha256)
@@ -313,6 +317,39 @@ def test_engine_args_scheduler_cls_runs_on_kvblock():
     assert finished == ["r0", "r1"]
     stats = sched.kv_cache_manager.block_pool
     assert stats.get_num_free_blocks() == 199  # everything back in the free queue, cached
+
+
+def test_scheduler_is_the_one_vllm_picks_for_async_scheduling():
+    """kvblock.vllm.Scheduler builds vLLM's AsyncScheduler with async scheduling on and vLLM's
+    synchronous Scheduler with it off (vLLM's own choice, SchedulerConfig.get_scheduler_cls with
+    no scheduler_cls), each on kvblock's manager; a subclass is built as itself."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    cfg = EngineArgs(model="facebook/opt-125m", enable_prefix_caching=True, block_size=16, max_model_len=1024,
+                     skip_tokenizer_init=True).create_engine_config()
+    register_all_kvcache_specs(cfg)
+    cfg.cache_config.num_gpu_blocks = 64
+
+    class Mine(kv.Scheduler):
+        pass
+
+    for async_on, vllm_base, ours in ((True, AsyncScheduler, kv.Scheduler), (False, VllmScheduler, kv.SyncScheduler)):
+        cfg.scheduler_config.async_scheduling = async_on
+        cfg.scheduler_config.scheduler_cls = None
+        assert cfg.scheduler_config.get_scheduler_cls() is vllm_base
+        for how in ("keyword", "positional"):
+            kw = dict(kv_cache_config=_config([_full(16)], 64), block_size=16,
+                      structured_output_manager=StructuredOutputManager(cfg))
+            sched = kv.Scheduler(vllm_config=cfg, **kw) if how == "keyword" else kv.Scheduler(cfg, **kw)
+            assert type(sched) is ours and isinstance(sched, vllm_base), (async_on, how)
+            assert type(sched.kv_cache_manager) is kv.KVCacheManager
+        mine = Mine(vllm_config=cfg, kv_cache_config=_config([_full(16)], 64), block_size=16,
+                    structured_output_manager=StructuredOutputManager(cfg))
+        assert type(mine) is Mine and type(mine.kv_cache_manager) is kv.KVCacheManager
 
 
 def test_readme_scheduler_demo_runs_on_kvblock():
