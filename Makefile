@@ -39,7 +39,7 @@ rust-test:
 	cargo test --release
 
 py-test: install
-	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 7 minutes on 2 cores)"
+	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 3 minutes on 2 cores)"
 	$(BIN)/python -m pytest -q
 
 # mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
