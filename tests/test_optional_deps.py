@@ -9,7 +9,7 @@ import sys
 import pytest
 
 CASES = {
-    "vllm": ("import kvblock.vllm", "kvblock.vllm needs vLLM 0.33.0", "kvblock[vllm]"),
+    "vllm": ("import kvblock.vllm", "kvblock.vllm needs vLLM (0.32.x-0.34.x)", "kvblock[vllm]"),
     "zmq": ("from kvblock.cluster import KVEventSubscriber\nKVEventSubscriber(None)",
             "KVEventSubscriber needs pyzmq", "kvblock[cluster]"),
     "redis": ("from kvblock.cluster import RedisPrefixIndex\nRedisPrefixIndex('redis://127.0.0.1:1')",

@@ -207,12 +207,67 @@ def test_fallback_warns_once_and_strict_raises(monkeypatch):
     assert isinstance(kv.KVCacheManager(_config([_full()], 64), 256, 16, 16), kv.KVCacheManager)
 
 
-def test_vllm_version_is_checked(monkeypatch):
-    from kvblock.vllm import plugin
+def test_release_window():
+    from kvblock.vllm import releases
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.1")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.33\.x; the installed vLLM is 0\.34\.1"):
-        plugin._check_version()
+    assert releases.WINDOW == ("0.32", "0.33", "0.34")
+    assert releases.release_of("0.32.0+cpu").series == "0.32"
+    assert releases.release_of("0.34.2").hit_limit_field == "prefix_cache_hit_limit"
+    assert releases.release_of("0.33.1").hit_limit_field == "skip_reading_prefix_cache"
+    for outside in ("0.31.9", "0.35.0", "1.0.0", "unknown"):
+        with pytest.raises(releases.UnsupportedVllmRelease, match=r"supports vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x; the installed vLLM is "):
+            releases.release_of(outside)
+    assert issubclass(releases.UnsupportedVllmRelease, RuntimeError)
+    assert releases.current().series == vllm.__version__.rsplit(".", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "route",
+    [
+        "import kvblock.vllm",
+        "from kvblock.vllm import Scheduler",
+        "from kvblock.vllm import patch; patch()",
+        "import kvblock.vllm.testing",
+    ],
+)
+def test_release_outside_window_is_refused_before_engine_state(route):
+    # every route into kvblock.vllm imports the package first, which checks the release
+    out = _run(f"""
+        import vllm
+        vllm.__version__ = "0.35.0"
+        try:
+            {route}
+        except RuntimeError as e:
+            print(type(e).__name__, e)
+        else:
+            print("accepted")
+        """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("UnsupportedVllmRelease kvblock "), out.stdout
+    assert "supports vLLM 0.32.x, 0.33.x and 0.34.x; the installed vLLM is 0.35.0" in out.stdout
+
+
+def test_plugin_entry_point_is_silent_when_off_outside_window():
+    # vLLM loads the entry point in every process: with kvblock off it imports nothing of
+    # kvblock.vllm, so a vLLM outside the window is not refused (nor noisy) there
+    out = _run("""
+        import sys, vllm
+        vllm.__version__ = "0.35.0"
+        from kvblock.vllm_plugin import register
+        register()
+        print("kvblock.vllm" in sys.modules)
+        """)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+    on = _run("""
+        import vllm
+        vllm.__version__ = "0.35.0"
+        from kvblock.vllm_plugin import register
+        try:
+            register()
+        except RuntimeError as e:
+            print(type(e).__name__)
+        """, KVBLOCK_VLLM="1")
+    assert on.stdout.strip() == "UnsupportedVllmRelease", on.stderr
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -240,7 +295,7 @@ def test_entry_point_is_loaded_by_vllm_and_gated_on_env():
     from importlib.metadata import entry_points
 
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "kvblock"]
-    assert [ep.value for ep in eps] == ["kvblock.vllm:register"]
+    assert [ep.value for ep in eps] == ["kvblock.vllm_plugin:register"]
     code = """
         from vllm.plugins import load_general_plugins
         load_general_plugins()

@@ -484,6 +484,14 @@ class BlockPool(_core.BlockPoolCore):
         (unhashed to the head, hashed to the tail). The null block is skipped; blocks of
         another pool are freed into theirs, as vLLM forwards them. Raises ValueError,
         changing nothing, if a block holds fewer references than dropped."""
+        own, others = self._split_own(ordered_blocks)
+        self.free_ids(own, skip_null=True)
+        for pool, blocks in others:
+            pool.free_blocks(blocks)
+
+    def _split_own(self, ordered_blocks: Iterable[Any]) -> tuple[list[int], list[tuple[Any, list[Any]]]]:
+        """The ids of this pool's blocks in ``ordered_blocks``, and the blocks of each other
+        pool (vLLM forwards those to their pool). Raises TypeError for anything else."""
         own: list[int] = []
         others: dict[int, tuple[Any, list[Any]]] = {}
         for b in ordered_blocks:
@@ -497,9 +505,7 @@ class BlockPool(_core.BlockPoolCore):
                     f"ordered_blocks: {b!r} is not a block of this pool (kvblock's blocks are views of "
                     "their pool's state)"
                 )
-        self.free_ids(own, skip_null=True)
-        for pool, blocks in others.values():
-            pool.free_blocks(blocks)
+        return own, list(others.values())
 
     def cache_full_blocks(
         self,

@@ -183,6 +183,10 @@ def block_stored_for_request(
             to_event_extra_keys(generate_block_hash_extra_keys(request, s, e + lookahead, 0)[0]) for s, e in key_ranges
         ]
     lora = request.lora_request
+    # vLLM 0.32's BlockStored has no lookahead_token_ids field (a hash lookahead is 0.33+)
+    ahead: dict[str, Any] = (
+        {"lookahead_token_ids": [span(e, e + lookahead) for _, e in key_ranges]} if lookahead else {}
+    )
     return cls(
         block_hashes=hashes,
         parent_block_hash=parent,
@@ -194,7 +198,7 @@ def block_stored_for_request(
         extra_keys=extra or None,
         group_idx=group_idx,
         session_id=getattr(request, "session_id", None),
-        lookahead_token_ids=[span(e, e + lookahead) for _, e in key_ranges] if lookahead else None,
+        **ahead,
     )
 
 

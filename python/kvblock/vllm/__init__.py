@@ -1,4 +1,4 @@
-"""kvblock inside vLLM 0.33.0.
+"""kvblock inside vLLM: one wheel for vLLM 0.32.x, 0.33.x and 0.34.x (:mod:`kvblock.vllm.releases`).
 
 * :class:`KVCacheManager`: vLLM's ``KVCacheManager`` (same constructor, methods and result
   types) on kvblock's Rust core; :class:`BlockPool` is kvblock's vLLM-compatible pool.
@@ -18,12 +18,19 @@ from __future__ import annotations
 
 from .._optional import require
 
-require("vllm", package="vLLM 0.33.0", extra="vllm", what="kvblock.vllm")
+require("vllm", package="vLLM (0.32.x-0.34.x)", extra="vllm", what="kvblock.vllm")
+
+from . import releases  # noqa: E402
+
+# both routes (the scheduler classes, the plugin / patch()) import this package first: a vLLM
+# outside the window is refused here, before any engine state exists
+releases.check()
 
 from .block_pool import BlockPool  # noqa: E402
 from .config import Path, describe  # noqa: E402
 from .manager import KVCacheManager, UnsupportedConfiguration  # noqa: E402
 from .plugin import is_patched, patch, register, unpatch  # noqa: E402
+from .releases import WINDOW, UnsupportedVllmRelease  # noqa: E402
 from .scheduler import Scheduler, SyncScheduler  # noqa: E402
 
 __all__ = [
@@ -33,6 +40,8 @@ __all__ = [
     "Scheduler",
     "SyncScheduler",
     "UnsupportedConfiguration",
+    "UnsupportedVllmRelease",
+    "WINDOW",
     "describe",
     "is_patched",
     "patch",

@@ -1,16 +1,121 @@
 """kvblock's :class:`~kvblock.block_pool.BlockPool` for vLLM: the same Rust pool and object
-API, building vLLM's own KV event classes (``vllm.distributed.kv_events``)."""
+API, building vLLM's own KV event classes (``vllm.distributed.kv_events``), with the installed
+release's surface (:mod:`kvblock.vllm.releases`): 0.34's ``free_blocks(evict_first=)``, public
+event helpers and block-id ``BlockHashToBlockMap``."""
 
 from __future__ import annotations
 
 import operator
+import weakref
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Iterable
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
+from ..block_pool import KVCacheBlock
+from .releases import current as _current_release
 
-__all__ = ["BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool"]
+
+RELEASE = _current_release()
+
+
+def _untracked(obj: Any) -> Any:
+    """vLLM 0.34 keeps its map's dict out of the cyclic GC (``gc_untrack``); the views that
+    stand in for it hold no reference that could form a cycle (only a weak one to the pool)."""
+    from vllm.utils.gc_utils import gc_untrack
+
+    return gc_untrack(obj)
+
+
+class _IdsCache(MutableMapping):  # type: ignore[type-arg]
+    """vLLM 0.34's ``cached_block_hash_to_block._cache``: ``{BlockHashWithGroupId: block_id}``,
+    one id per key (the earliest cached block of the key), a view of the Rust map. Popping a
+    key takes it out of the map while its blocks keep their hash (as popping vLLM's dict
+    does); assigning the popped id back restores every block the key held."""
+
+    __slots__ = ("_pool_ref", "_detached")
+
+    def __init__(self, pool: "BlockPool") -> None:
+        self._pool_ref = weakref.ref(pool)
+        self._detached: dict[bytes, list[int]] = {}
+
+    @property
+    def _pool(self) -> "BlockPool":
+        pool = self._pool_ref()
+        if pool is None:
+            raise ReferenceError("the block pool of this map is gone")
+        return pool
+
+    def __getitem__(self, key: bytes) -> int:
+        entry = self._pool.lookup_key_entry(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry[0][0]
+
+    def __setitem__(self, key: bytes, block_id: int) -> None:
+        block_id = operator.index(block_id)
+        held = self._detached.get(key)
+        ids = held if held and held[0] == block_id else [block_id]
+        self._pool.map_reattach(key, ids)
+        self._detached.pop(key, None)
+
+    def __delitem__(self, key: bytes) -> None:
+        ids = self._pool.map_detach(key)
+        if not ids:
+            raise KeyError(key)
+        self._detached[key] = list(ids)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._pool.cached_items()))
+
+    def __len__(self) -> int:
+        return self._pool.num_cached_keys()
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self._pool.lookup_key_all(key))
+
+    def clear(self) -> None:
+        self._pool.map_detach_all()
+        self._detached.clear()
+
+    def __copy__(self) -> dict[bytes, int]:
+        return {k: ids[0] for k, (ids, _multi) in self._pool.cached_entries().items()}
+
+    copy = __copy__
+
+    def __repr__(self) -> str:
+        return repr(self.copy())
+
+
+class BlockHashToBlockMap(_BlockHashToBlockMap):
+    """vLLM 0.34's ``BlockHashToBlockMap`` face of the pool's hash -> block map: ``_cache``
+    holds one block id per key, ``_dup_ids`` the ids of keys cached by several blocks
+    (``{key: {block_id: None}}``, in caching order), ``clear()`` empties the map in place."""
+
+    def __init__(self, pool: "BlockPool") -> None:
+        self._pool_ref = weakref.ref(pool)
+        self._cache = _untracked(_IdsCache(pool))  # type: ignore[assignment]
+
+    @property  # type: ignore[override]
+    def _pool(self) -> "BlockPool":
+        pool = self._pool_ref()
+        if pool is None:
+            raise ReferenceError("the block pool of this map is gone")
+        return pool
+
+    @_pool.setter
+    def _pool(self, value: Any) -> None:
+        self._pool_ref = weakref.ref(value)
+
+    @property
+    def _dup_ids(self) -> dict[bytes, dict[int, None]]:
+        return {k: dict.fromkeys(ids) for k, (ids, _multi) in self._pool.cached_entries().items() if len(ids) > 1}
+
+    def clear(self) -> None:
+        self._cache.clear()
 
 
 class BlockPool(_BlockPool):
@@ -18,6 +123,52 @@ class BlockPool(_BlockPool):
     its KV events are vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
 
     event_classes = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+    if RELEASE.block_hash_map_ids:
+
+        @property  # type: ignore[override]
+        def cached_block_hash_to_block(self) -> BlockHashToBlockMap:
+            """The pool's one ``BlockHashToBlockMap`` (0.34: the same object for the pool's
+            life, cleared in place by ``reset_prefix_cache``)."""
+            m = self.__dict__.get("_kvblock_hash_map")
+            if m is None:
+                m = self.__dict__["_kvblock_hash_map"] = BlockHashToBlockMap(self)
+            return m
+
+    if RELEASE.free_evict_first:
+
+        def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], evict_first: bool = False) -> None:
+            """vLLM 0.34's ``free_blocks``: drop one reference per block in the given order;
+            blocks reaching 0 are queued, unhashed ones (and, with ``evict_first``, hashed
+            ones too: blocks another tier already holds) to the head, the other hashed ones to
+            the tail. The null block is skipped; blocks of another pool are freed into theirs
+            with the same ``evict_first``. Raises ValueError, changing nothing, if a block
+            holds fewer references than dropped."""
+            own, others = self._split_own(ordered_blocks)
+            self.free_ids(own, skip_null=True, evict_first=bool(evict_first))
+            for pool, blocks in others:
+                pool.free_blocks(blocks, evict_first=evict_first)
+
+    if RELEASE.public_pool_helpers:
+
+        def generate_event_extra_keys(self, request: Any, start: int, end: int, start_mm_idx: int) -> Any:
+            """vLLM 0.34's public helper: the extra keys a ``BlockStored`` reports for tokens
+            ``[start, end)`` (the hash's lookahead window included), and the next multimodal
+            index."""
+            from vllm.v1.core.kv_cache_utils import (
+                generate_block_hash_extra_keys,
+                generate_lookahead_block_hash_extra_keys,
+            )
+
+            ahead = self.num_hash_lookahead_tokens
+            if ahead:
+                return generate_lookahead_block_hash_extra_keys(request, start, end, end + ahead, start_mm_idx)
+            return generate_block_hash_extra_keys(request, start, end, start_mm_idx)
+
+        def get_lookahead_token_ids(self, request: Any, block_end: int) -> list[int]:
+            """vLLM 0.34's public helper: the ``num_hash_lookahead_tokens`` token ids after
+            ``block_end`` that the block's hash covers."""
+            return request.all_token_ids[block_end : block_end + self.num_hash_lookahead_tokens]  # type: ignore[no-any-return]
 
     def __new__(cls, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> "BlockPool":
         # vLLM 0.33.0 asserts a positive int count; its callers get its AssertionError

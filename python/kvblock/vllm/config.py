@@ -8,12 +8,12 @@ vLLM's own manager, with the reason: :func:`describe` names it.
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Path", "describe", "translate"]
+from .._env import env_flag
+
+__all__ = ["Path", "describe", "env_flag", "translate"]
 
 
 @dataclass(frozen=True)
@@ -48,24 +48,16 @@ def _kinds() -> dict[type, str]:
     }
 
 
-def env_flag(name: str) -> bool:
-    """Whether the environment variable ``name`` turns a switch on: unset, empty, ``0``,
-    ``false``, ``no`` and ``off`` (any case) are off; ``1``, ``true``, ``yes`` and ``on`` are on.
-
-    Raises:
-        ValueError: any other value (naming the variable), rather than guessing.
-    """
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/true/yes/on or 0/false/no/off")
-
-
-def translate(kv_cache_config: Any, dcp_world_size: int = 1, pcp_world_size: int = 1, metrics_collector: Any = None) -> Path:
+def translate(
+    kv_cache_config: Any,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    metrics_collector: Any = None,
+    enable_caching: bool = True,
+) -> Path:
     """The kvblock groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or the reason
     kvblock does not manage it."""
+    from .releases import current
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheGroupRole, MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -110,6 +102,12 @@ def translate(kv_cache_config: Any, dcp_world_size: int = 1, pcp_world_size: int
             assert isinstance(spec, MambaSpec)
             if spec.mamba_cache_mode not in ("none", "align"):
                 return Path("vllm", f"kv_cache_groups[{i}]: mamba_cache_mode {spec.mamba_cache_mode!r}")
+            if spec.mamba_cache_mode == "none" and enable_caching and current().mamba_none_prefix_caching:
+                return Path(
+                    "vllm",
+                    f"kv_cache_groups[{i}]: prefix caching with mamba_cache_mode 'none' (vLLM "
+                    f"{current().series} caches such groups; kvblock implements 0.33's 'align'-only Mamba caching)",
+                )
             g.update(
                 mamba_cache_mode=spec.mamba_cache_mode,
                 num_speculative_blocks=spec.num_speculative_blocks,
@@ -120,7 +118,13 @@ def translate(kv_cache_config: Any, dcp_world_size: int = 1, pcp_world_size: int
     return Path("kvblock", "", groups)
 
 
-def describe(kv_cache_config: Any, dcp_world_size: int = 1, pcp_world_size: int = 1, metrics_collector: Any = None) -> Path:
+def describe(
+    kv_cache_config: Any,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    metrics_collector: Any = None,
+    enable_caching: bool = True,
+) -> Path:
     """Which manager ``kv_cache_config`` gets with kvblock swapped in, and why: a
     :class:`Path` whose ``str()`` is ``"kvblock"`` or ``"vLLM's own manager: <reason>"``."""
-    return translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector)
+    return translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, enable_caching)

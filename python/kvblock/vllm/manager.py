@@ -10,6 +10,7 @@ manager instead, with one warning naming the reason (``KVBLOCK_VLLM_STRICT=1``: 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from typing import Any, Sequence
@@ -35,6 +36,10 @@ from .block_pool import BlockPool
 from .blocks import KVCacheBlocks
 from .config import env_flag, translate
 from .coordinator import HybridCoordinatorView, make_coordinator
+from .releases import current as _current_release
+
+#: The installed vLLM release (kvblock.vllm.releases): what differs between releases.
+RELEASE = _current_release()
 
 __all__ = ["KVCacheManager", "UnsupportedConfiguration"]
 
@@ -105,53 +110,26 @@ class KVCacheManager(_core.KVCacheManagerCore):
     allocate_slots = _core._fast_entry("allocate_slots")
     cache_blocks = _core._fast_entry("cache_blocks")
 
-    def __new__(
-        cls,
-        kv_cache_config: Any,
-        max_model_len: int,
-        scheduler_block_size: int,
-        hash_block_size: int,
-        max_in_flight_tokens: int | None = None,
-        enable_caching: bool = True,
-        use_eagle: bool = False,
-        num_hash_lookahead_tokens: int = 0,
-        num_prefill_lookahead: int = 0,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-        metrics_collector: Any = None,
-        watermark: float = 0.0,
-        enable_mamba_shared_prefix_checkpoint: bool = False,
-    ) -> Any:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # the installed release's own constructor signature (its positions shift between
+        # releases: 0.32 has no num_hash_lookahead_tokens), with its defaults
+        a = _vllm_arguments(args, kwargs)
+        kv_cache_config, metrics_collector = a["kv_cache_config"], a["metrics_collector"]
+        max_in_flight_tokens, enable_caching, use_eagle = a["max_in_flight_tokens"], a["enable_caching"], a["use_eagle"]
+        log_stats, enable_kv_cache_events, watermark = a["log_stats"], a["enable_kv_cache_events"], a["watermark"]
+        enable_mamba_shared_prefix_checkpoint = a["enable_mamba_shared_prefix_checkpoint"]
         # vLLM takes bools and numpy ints where it takes ints
         max_model_len, scheduler_block_size, hash_block_size = (
-            operator.index(max_model_len), operator.index(scheduler_block_size), operator.index(hash_block_size)
+            operator.index(a["max_model_len"]), operator.index(a["scheduler_block_size"]), operator.index(a["hash_block_size"])
         )
-        num_hash_lookahead_tokens = operator.index(num_hash_lookahead_tokens)
-        num_prefill_lookahead = operator.index(num_prefill_lookahead)
-        dcp_world_size, pcp_world_size = operator.index(dcp_world_size), operator.index(pcp_world_size)
-        path = translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector)
+        num_hash_lookahead_tokens = operator.index(a.get("num_hash_lookahead_tokens", 0))
+        num_prefill_lookahead = operator.index(a["num_prefill_lookahead"])
+        dcp_world_size, pcp_world_size = operator.index(a["dcp_world_size"]), operator.index(a["pcp_world_size"])
+        path = translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, bool(enable_caching))
         if not path.on_kvblock:
             _fallback(path.reason)
-            return VllmKVCacheManager(
-                kv_cache_config,
-                max_model_len,
-                scheduler_block_size,
-                hash_block_size,
-                max_in_flight_tokens,
-                enable_caching,
-                use_eagle,
-                num_hash_lookahead_tokens,
-                num_prefill_lookahead,
-                log_stats,
-                enable_kv_cache_events,
-                dcp_world_size,
-                pcp_world_size,
-                metrics_collector,
-                watermark,
-                enable_mamba_shared_prefix_checkpoint,
-            )
+            # by keyword, as the installed release names them
+            return VllmKVCacheManager(**a)
         assert watermark >= 0.0, "watermark must be non-negative"
         pool = BlockPool(
             kv_cache_config.num_blocks,
@@ -202,10 +180,25 @@ class KVCacheManager(_core.KVCacheManagerCore):
         # for most decode steps, takes the ids path; its blocks are vLLM's empty tuples
         self.empty_kv_cache_blocks = KVCacheBlocks._from_ids(pool, tuple(() for _ in kv_cache_config.kv_cache_groups))
         self.empty_kv_cache_blocks._blocks = tuple(() for _ in kv_cache_config.kv_cache_groups)
-        self._init_python(self.empty_kv_cache_blocks, KVCacheBlocks, RequestStatus.WAITING, RequestStatus.PREEMPTED, Request)
+        self._init_python(
+            self.empty_kv_cache_blocks,
+            KVCacheBlocks,
+            RequestStatus.WAITING,
+            RequestStatus.PREEMPTED,
+            Request,
+            hit_limit_field=RELEASE.hit_limit_field,
+        )
         self.coordinator = make_coordinator(self, kv_cache_config)
         self.mamba_shared_prefix_checkpoint = self._coordinator_info()["mamba_shared_prefix_checkpoint"]
         kvblock_counter[0] += 1
+        if kvblock_counter[0] == 1:
+            # one line per process, so an operator can tell kvblock is in use
+            from .. import __version__
+
+            logger.info(
+                "kvblock %s manages the KV cache (vLLM %s; %d KV cache group(s), %d blocks)",
+                __version__, RELEASE.series, len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
+            )
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -224,7 +217,24 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return stats
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """vLLM's: caching on, and the request reads the cache (0.32 / 0.33:
+        ``not request.skip_reading_prefix_cache``; 0.34: ``request.prefix_cache_hit_limit != 0``)."""
+        if RELEASE.hit_limit_field == "prefix_cache_hit_limit":
+            return self.enable_caching and request.prefix_cache_hit_limit != 0
         return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM 0.34's probe for cache-aware admission: how many of the request's tokens the
+        prefix cache holds (the hit ``get_computed_blocks`` would find, bounded by
+        ``request.num_tokens - 1`` but not by the request's hit limit, as in vLLM), touching
+        nothing: no reference count, LRU position, stats or event changes. 0 when the request
+        does not read the cache. Raises ``AttributeError`` on vLLM releases before 0.34 (they
+        have no such method)."""
+        if not RELEASE.num_cached_tokens_probe:
+            raise AttributeError(f"'KVCacheManager' object has no attribute 'get_num_cached_tokens' (vLLM {RELEASE.series})")
+        if not self.prefix_cache_lookup_enabled(request):
+            return 0
+        return self.probe(request, request.num_tokens - 1)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
@@ -247,7 +257,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
             return *self.get_computed_blocks(request, max_cache_hit_length), False
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0, False
-        if max_cache_hit_length is None:
+        if RELEASE.hit_limit_field == "prefix_cache_hit_limit":
+            max_cache_hit_length = request.get_max_cache_hit_length(max_cache_hit_length)
+        elif max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
         fa = coordinator.full_attention_group_id
         groups, per_group = self._find_longest_cache_hit_per_group(request.block_hashes, max_cache_hit_length)
@@ -340,6 +352,25 @@ class KVCacheManager(_core.KVCacheManagerCore):
         )
 
 
+_SIGNATURE: list[inspect.Signature] = []
+
+
+def _vllm_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a ``KVCacheManager(...)`` call bound to the installed vLLM's own
+    constructor, defaults applied, by name (``self`` left out).
+
+    Raises:
+        TypeError: as vLLM's constructor would (a missing, unknown or repeated argument).
+    """
+    if not _SIGNATURE:
+        _SIGNATURE.append(inspect.signature(VllmKVCacheManager.__init__))
+    bound = _SIGNATURE[0].bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    del out[next(iter(out))]
+    return out
+
+
 def _vllm_signature_methods() -> Sequence[str]:
     """The vLLM ``KVCacheManager`` methods kvblock implements (the drift test checks their
     signatures against the installed vLLM's)."""
@@ -348,3 +379,7 @@ def _vllm_signature_methods() -> Sequence[str]:
         for name in dir(VllmKVCacheManager)
         if not name.startswith("_") and callable(getattr(VllmKVCacheManager, name, None))
     ]
+
+
+# introspection (inspect.signature, IDEs) sees the installed release's own constructor
+KVCacheManager.__signature__ = inspect.signature(VllmKVCacheManager)  # type: ignore[attr-defined]

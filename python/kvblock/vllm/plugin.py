@@ -1,4 +1,4 @@
-"""Swapping kvblock into vLLM 0.33.0: :func:`patch` and the ``vllm.general_plugins`` entry
+"""Swapping kvblock into vLLM (0.32.x-0.34.x, :mod:`kvblock.vllm.releases`): :func:`patch` and the ``vllm.general_plugins`` entry
 point :func:`register`.
 
 :func:`patch` replaces, in vLLM's own modules, the names vLLM code builds its KV cache
@@ -23,31 +23,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import releases
 from .config import env_flag
 
 __all__ = ["is_patched", "patch", "register", "unpatch"]
 
-SUPPORTED_VLLM = "0.33"
-
 _PATCHED: list[tuple[Any, str, Any]] = []
-
-
-def _check_version() -> str:
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_VLLM + "."):
-        raise RuntimeError(
-            f"kvblock {_kvblock_version()} supports vLLM {SUPPORTED_VLLM}.x; the installed vLLM is {version}. "
-            f"Install vllm=={SUPPORTED_VLLM}.0 or turn kvblock off (unset KVBLOCK_VLLM)."
-        )
-    return version
-
-
-def _kvblock_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _set(module: Any, name: str, value: Any) -> None:
@@ -100,10 +81,10 @@ def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Any, num_has
 
 
 def patch() -> None:
-    """Swap kvblock into vLLM (idempotent). Raises RuntimeError for a vLLM other than 0.33.x."""
+    """Swap kvblock into vLLM (idempotent). Raises :class:`~kvblock.vllm.releases.UnsupportedVllmRelease` (a RuntimeError) for a vLLM outside the window."""
     if _PATCHED:
         return
-    _check_version()
+    releases.check()
     vkm = importlib.import_module("vllm.v1.core.kv_cache_manager")
     vbp = importlib.import_module("vllm.v1.core.block_pool")
     vku = importlib.import_module("vllm.v1.core.kv_cache_utils")
@@ -166,13 +147,13 @@ def unpatch() -> None:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point (``kvblock = "kvblock.vllm:register"``): swaps
-    kvblock in when ``KVBLOCK_VLLM`` is on (``1``, ``true``, ``yes``, ``on``), in every vLLM
+    """What the ``vllm.general_plugins`` entry point (:func:`kvblock.vllm_plugin.register`,
+    which imports nothing of vLLM while kvblock is off) does: swaps kvblock in when ``KVBLOCK_VLLM`` is on (``1``, ``true``, ``yes``, ``on``), in every vLLM
     process that loads plugins; unset or off (``0``, ``false``, ``no``, ``off``) it does
     nothing. Idempotent.
 
     Raises:
-        RuntimeError: a vLLM other than 0.33.x.
+        UnsupportedVllmRelease: a vLLM outside the window (a RuntimeError).
         ValueError: a ``KVBLOCK_VLLM`` value that is neither on nor off.
     """
     if not env_flag("KVBLOCK_VLLM"):

@@ -569,6 +569,14 @@ impl BlockPool {
     /// prepended to the head in the given order, hashed ones appended to the tail in the given
     /// order. Dropping more references than a block holds fails and changes nothing.
     pub fn free_blocks(&mut self, ids: &[u32], skip_null: bool) -> Result<()> {
+        self.free_blocks_ordered(ids, skip_null, false)
+    }
+
+    /// [`BlockPool::free_blocks`], and with `evict_first` (vLLM 0.34's
+    /// `free_blocks(..., evict_first=True)`, for blocks another tier already holds) hashed
+    /// blocks reaching 0 go to the head with the unhashed ones, in the given order: they are
+    /// evicted before every other cached block, and keep their keys until then.
+    pub fn free_blocks_ordered(&mut self, ids: &[u32], skip_null: bool, evict_first: bool) -> Result<()> {
         for &b in ids {
             self.check_id(b)?;
             if b == NULL_BLOCK && !skip_null {
@@ -605,7 +613,7 @@ impl BlockPool {
         }
         // Unhashed blocks (all of them with caching off) go to the head, hashed ones to the
         // tail, each group in the given order.
-        if self.enable_caching && reached.iter().any(|&b| self.meta[b as usize].key_slot != NO_KEY) {
+        if self.enable_caching && !evict_first && reached.iter().any(|&b| self.meta[b as usize].key_slot != NO_KEY) {
             let mut unhashed = std::mem::take(&mut self.scratch2);
             unhashed.clear();
             for &b in &reached {

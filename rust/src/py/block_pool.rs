@@ -304,16 +304,24 @@ impl PyBlockPool {
     /// Raises ValueError, changing nothing, for an id out of range, the null block, or more
     /// references dropped than a block holds.
     /// With `reverse=True` the ids are freed last to first (pass a request's table as is).
-    #[pyo3(signature = (ids, reverse=false, skip_null=false))]
-    fn free_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, reverse: bool, skip_null: bool) -> PyResult<()> {
+    /// With `evict_first=True` (vLLM 0.34) hashed blocks reaching 0 go to the head too.
+    #[pyo3(signature = (ids, reverse=false, skip_null=false, evict_first=false))]
+    fn free_ids(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        reverse: bool,
+        skip_null: bool,
+        evict_first: bool,
+    ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         let inner = &mut me.inner;
         with_block_ids(ids, "block_ids", |s| {
             if reverse {
                 let r: Vec<u32> = s.iter().rev().copied().collect();
-                inner.free_blocks(&r, skip_null).py_err()
+                inner.free_blocks_ordered(&r, skip_null, evict_first).py_err()
             } else {
-                inner.free_blocks(s, skip_null).py_err()
+                inner.free_blocks_ordered(s, skip_null, evict_first).py_err()
             }
         })
     }

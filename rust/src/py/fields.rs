@@ -35,9 +35,10 @@ pub enum Field {
     SharedPrefixBoundary,
     SessionId,
     PromptIsTokenIds,
+    PrefixCacheHitLimit,
 }
 
-const N: usize = 20;
+const N: usize = 21;
 
 const NAMES: [&str; N] = [
     "request_id",
@@ -60,6 +61,7 @@ const NAMES: [&str; N] = [
     "shared_prefix_boundary",
     "session_id",
     "prompt_is_token_ids",
+    "prefix_cache_hit_limit",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.

@@ -141,6 +141,24 @@ pub struct PyManager {
     state: GilCell<ManagerState>,
 }
 
+/// The request field that bounds a prefix-cache hit, as the caller's vLLM release names it
+/// (`kvblock.vllm.releases.Release.hit_limit_field`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum HitLimit {
+    /// `skip_reading_prefix_cache`: a bool, true reads nothing (vLLM 0.32, 0.33, kvblock's
+    /// own `Request`).
+    SkipFlag,
+    /// `prefix_cache_hit_limit`: 0 reads nothing, N at most N tokens, None unbounded (0.34).
+    TokenLimit,
+}
+
+/// How much of its prefix a request may read from the cache.
+enum CacheRead {
+    Off,
+    Unbounded,
+    AtMost(usize),
+}
+
 /// The mutable state behind a `KVCacheManagerCore`.
 struct ManagerState {
     pool: Py<PyBlockPool>,
@@ -154,6 +172,8 @@ struct ManagerState {
     /// `RequestStatus.WAITING` and `.PREEMPTED` (the watermark applies to these).
     waiting_states: Option<(Py<PyAny>, Py<PyAny>)>,
     fields: RequestFields,
+    /// Which request field bounds a hit.
+    hit_limit: HitLimit,
     /// The clock retention and TTL pins read (seconds); None: wall time.
     clock: Option<Py<PyAny>>,
     /// Request object → slot, for the no-op calls of running requests.
@@ -587,10 +607,36 @@ impl ManagerState {
         EventInputs::read(&self.fields, request, tokens.as_ref()).map(Some)
     }
 
-    /// True if the request reads the prefix cache (caching on, `skip_reading_prefix_cache`
-    /// false).
+    /// How much of its prefix the request may read from the cache: nothing with caching off;
+    /// otherwise as its hit-limit field says (`HitLimit`, chosen by the caller's vLLM release).
+    fn cache_read(&self, request: &Bound<'_, PyAny>) -> PyResult<CacheRead> {
+        if !self.inner.enable_caching {
+            return Ok(CacheRead::Off);
+        }
+        match self.hit_limit {
+            HitLimit::SkipFlag => {
+                let skip = self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()?;
+                Ok(if skip { CacheRead::Off } else { CacheRead::Unbounded })
+            }
+            HitLimit::TokenLimit => {
+                let limit = self.fields.get(request, Field::PrefixCacheHitLimit)?;
+                if limit.is_none() {
+                    return Ok(CacheRead::Unbounded);
+                }
+                // vLLM compares it with `!= 0` and takes it as a `min` bound: an int; a bool
+                // counts as 0 or 1, as in vLLM
+                let n = match super::args::bool_count(&limit) {
+                    Some(n) => n,
+                    None => super::args::count(&limit, "request.prefix_cache_hit_limit")?,
+                };
+                Ok(if n == 0 { CacheRead::Off } else { CacheRead::AtMost(n) })
+            }
+        }
+    }
+
+    /// True if the request reads the prefix cache (`cache_read` is not `Off`).
     fn reads_cache(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.enable_caching && !self.fields.get(request, Field::SkipReadingPrefixCache)?.is_truthy()?)
+        Ok(!matches!(self.cache_read(request)?, CacheRead::Off))
     }
 
     /// `max_cache_hit_length` as vLLM's `get_computed_blocks` takes it: a bool as 0 or 1. A
@@ -668,9 +714,19 @@ impl ManagerState {
         max_cache_hit_length: Option<usize>,
     ) -> PyResult<(Vec<Vec<u32>>, usize, usize)> {
         let py = request.py();
-        if !self.reads_cache(request)? {
-            return Ok((vec![Vec::new(); self.inner.coord.num_groups()], 0, 0));
-        }
+        let max_cache_hit_length = match self.cache_read(request)? {
+            CacheRead::Off => return Ok((vec![Vec::new(); self.inner.coord.num_groups()], 0, 0)),
+            CacheRead::Unbounded => max_cache_hit_length,
+            // vLLM 0.34's `request.get_max_cache_hit_length(bound)`: the least of
+            // `num_tokens - 1`, the request's limit and the bound
+            CacheRead::AtMost(limit) => {
+                let num_tokens = match max_cache_hit_length {
+                    Some(_) => self.num_tokens(request)?,
+                    None => num_tokens,
+                };
+                Some(max_cache_hit_length.unwrap_or(usize::MAX).min(limit).min(num_tokens.saturating_sub(1)))
+            }
+        };
         let hashes = self.hashes(request)?;
         let pool = self.pool.get();
         let events_enabled = pool.state.borrow(py)?.inner.events_enabled();
@@ -1018,6 +1074,7 @@ impl PyManager {
             make_blocks: None,
             waiting_states: None,
             fields: RequestFields::generic(py),
+            hit_limit: HitLimit::SkipFlag,
             clock,
             slots: SlotCache::default(),
             reader,
@@ -1027,6 +1084,8 @@ impl PyManager {
 
     /// Install the Python helpers: the shared empty `KVCacheBlocks`, the result type, the
     /// request states the watermark applies to, and the request type read fast.
+    #[pyo3(signature = (empty, blocks_type, waiting, preempted, request_type, hit_limit_field="skip_reading_prefix_cache"))]
+    #[allow(clippy::too_many_arguments)]
     fn _init_python(
         &self,
         py: Python<'_>,
@@ -1035,8 +1094,20 @@ impl PyManager {
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
         request_type: &Bound<'_, PyType>,
+        hit_limit_field: &str,
     ) -> PyResult<()> {
+        let hit_limit = match hit_limit_field {
+            "skip_reading_prefix_cache" => HitLimit::SkipFlag,
+            "prefix_cache_hit_limit" => HitLimit::TokenLimit,
+            other => {
+                return Err(value_err(
+                    "hit_limit_field",
+                    format!("expected 'skip_reading_prefix_cache' or 'prefix_cache_hit_limit', got {other:?}"),
+                ))
+            }
+        };
         let mut me = self.state.borrow_mut(py)?;
+        me.hit_limit = hit_limit;
         me.empty_blocks = Some(empty.bind(py).getattr("blocks")?.unbind());
         me.empty = Some(empty);
         me.make_blocks = Some(SlotFactory::new(blocks_type, &["_ids", "_pool", "_blocks"])?);

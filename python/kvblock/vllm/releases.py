@@ -1,0 +1,174 @@
+"""The vLLM releases kvblock runs inside, and everything that differs between them.
+
+kvblock.vllm supports a window of vLLM releases (:data:`WINDOW`). What changed between them in
+the surface kvblock stands in for lives here, as one :class:`Release` record per series, and
+nowhere else: the rest of ``kvblock.vllm`` asks :func:`current` (the installed release) and
+never compares version strings itself.
+
+:func:`check` is called when ``kvblock.vllm`` is imported, so both ways of turning kvblock on
+(``--scheduler-cls kvblock.vllm.Scheduler`` and the plugin / :func:`kvblock.vllm.patch`)
+refuse a release outside the window before any engine state exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Release", "UnsupportedVllmRelease", "WINDOW", "check", "current", "window_text"]
+
+
+@dataclass(frozen=True)
+class Release:
+    """What one vLLM release series looks like to kvblock.
+
+    Attributes:
+        series: ``"0.34"``.
+        hit_limit_field: the ``Request`` attribute that bounds a prefix-cache hit:
+            ``"skip_reading_prefix_cache"`` (a bool: True reads nothing; 0.32, 0.33) or
+            ``"prefix_cache_hit_limit"`` (``0`` reads nothing, ``N`` at most N tokens, ``None``
+            unbounded; 0.34).
+        hash_lookahead: ``KVCacheManager`` / ``BlockPool`` take ``num_hash_lookahead_tokens``
+            (0.33+). On 0.32 kvblock runs with no lookahead, as 0.32 does.
+        lookup_bound: ``get_computed_blocks`` takes ``max_cache_hit_length`` (0.33+).
+        num_cached_tokens_probe: ``KVCacheManager.get_num_cached_tokens`` exists (0.34: the
+            scheduler's cache-aware admission calls it).
+        free_evict_first: ``BlockPool.free_blocks(ordered_blocks, evict_first=False)`` (0.34).
+        public_pool_helpers: ``BlockPool.generate_event_extra_keys`` and
+            ``get_lookahead_token_ids`` are public (0.34; 0.33 has them with a leading ``_``,
+            0.32 has neither).
+        block_hash_map_ids: ``BlockHashToBlockMap`` is built on the pool's blocks and stores
+            block ids (``_cache``: one id per key, ``_dup_ids``: the duplicates), with
+            ``clear()`` (0.34); before, it stored blocks.
+        weak_block_pool: ``KVCacheBlock.pool`` is a ``weakref.ref`` to the pool (0.34).
+        token_buffer: request token ids are a ``vllm.v1.token_buffer.TokenBuffer`` (an
+            ``array('i')`` subclass) rather than a list (0.34).
+        frontend_block_hashes: ``Request(block_hashes=...)`` takes prompt block hashes the
+            frontend computed (0.34).
+        common_prefix_blocks: ``KVCacheManager.get_num_common_prefix_blocks`` exists
+            (deprecated in 0.33, removed in 0.34).
+        mamba_none_prefix_caching: a Mamba group in ``mamba_cache_mode="none"`` takes part in
+            prefix caching (0.32). From 0.33 vLLM asserts that Mamba prefix caching uses
+            "align"; kvblock implements those semantics, so on 0.32 such a configuration
+            (caching on, a "none" Mamba group) is one kvblock does not manage.
+    """
+
+    series: str
+    hit_limit_field: str
+    hash_lookahead: bool
+    lookup_bound: bool
+    num_cached_tokens_probe: bool
+    free_evict_first: bool
+    public_pool_helpers: bool
+    block_hash_map_ids: bool
+    weak_block_pool: bool
+    token_buffer: bool
+    frontend_block_hashes: bool
+    common_prefix_blocks: bool
+    mamba_none_prefix_caching: bool
+
+
+_RELEASES = {
+    "0.32": Release(
+        series="0.32",
+        hit_limit_field="skip_reading_prefix_cache",
+        hash_lookahead=False,
+        lookup_bound=False,
+        num_cached_tokens_probe=False,
+        free_evict_first=False,
+        public_pool_helpers=False,
+        block_hash_map_ids=False,
+        weak_block_pool=False,
+        token_buffer=False,
+        frontend_block_hashes=False,
+        common_prefix_blocks=True,
+        mamba_none_prefix_caching=True,
+    ),
+    "0.33": Release(
+        series="0.33",
+        hit_limit_field="skip_reading_prefix_cache",
+        hash_lookahead=True,
+        lookup_bound=True,
+        num_cached_tokens_probe=False,
+        free_evict_first=False,
+        public_pool_helpers=False,
+        block_hash_map_ids=False,
+        weak_block_pool=False,
+        token_buffer=False,
+        frontend_block_hashes=False,
+        common_prefix_blocks=True,
+        mamba_none_prefix_caching=False,
+    ),
+    "0.34": Release(
+        series="0.34",
+        hit_limit_field="prefix_cache_hit_limit",
+        hash_lookahead=True,
+        lookup_bound=True,
+        num_cached_tokens_probe=True,
+        free_evict_first=True,
+        public_pool_helpers=True,
+        block_hash_map_ids=True,
+        weak_block_pool=True,
+        token_buffer=True,
+        frontend_block_hashes=True,
+        common_prefix_blocks=False,
+        mamba_none_prefix_caching=False,
+    ),
+}
+
+#: The vLLM release series kvblock supports, oldest first.
+WINDOW: tuple[str, ...] = tuple(_RELEASES)
+
+
+class UnsupportedVllmRelease(RuntimeError):
+    """The installed vLLM is outside :data:`WINDOW`."""
+
+
+def window_text() -> str:
+    """``"0.32.x, 0.33.x and 0.34.x"``."""
+    names = [f"{s}.x" for s in WINDOW]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _series(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def release_of(version: str) -> Release:
+    """The :class:`Release` of a vLLM version string (``"0.34.0"``, ``"0.32.0+cpu"``).
+
+    Raises:
+        UnsupportedVllmRelease: a version outside :data:`WINDOW`, naming the window.
+    """
+    from .. import __version__
+
+    release = _RELEASES.get(_series(version))
+    if release is None:
+        raise UnsupportedVllmRelease(
+            f"kvblock {__version__} supports vLLM {window_text()}; the installed vLLM is {version}. "
+            f"Install a vLLM in that window, or turn kvblock off (unset KVBLOCK_VLLM, drop "
+            f"--scheduler-cls kvblock.vllm.Scheduler)."
+        )
+    return release
+
+
+_current: Release | None = None
+
+
+def current() -> Release:
+    """The installed vLLM's :class:`Release` (read once per process).
+
+    Raises:
+        UnsupportedVllmRelease: the installed vLLM is outside :data:`WINDOW`.
+    """
+    global _current
+    if _current is None:
+        import vllm
+
+        _current = release_of(getattr(vllm, "__version__", "unknown"))
+    return _current
+
+
+def check() -> Release:
+    """:func:`current`, for the import of ``kvblock.vllm``: raises
+    :class:`UnsupportedVllmRelease` outside the window."""
+    return current()
