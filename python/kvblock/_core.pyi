@@ -82,9 +82,14 @@ class RequestBlockHasher:
         hash_fn: HashFunction,
         num_hash_lookahead_tokens: int,
         extra_keys: Callable[[Any, int, int, int, int], list[Any]],
-        root: Callable[[], bytes],
+        root: bytes | Callable[[], bytes],
         digest_memo_blocks: int = 0,
-    ) -> RequestBlockHasher: ...
+    ) -> RequestBlockHasher:
+        """``root``: the hasher's own root (bytes), or a callable returning the process-wide
+        ``NONE_HASH`` at each call (vLLM's behaviour)."""
+    @property
+    def none_hash(self) -> bytes | None:
+        """The hasher's own root; None when it reads the process-wide ``NONE_HASH``."""
     @property
     def block_size(self) -> int: ...
     @property
