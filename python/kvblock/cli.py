@@ -530,10 +530,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["demo"]:
+            from .demo_args import build_parser as demo_parser
+
+            demo_parser().parse_args(argv[1:])  # --help and usage errors need no torch
             try:
                 from .demo import main as demo_main  # imports torch: only this command needs it
             except ImportError as e:
-                print(f"kvblock: error: the demo needs torch (pip install 'kvblock[torch]'): {e}", file=sys.stderr)
+                print(f"kvblock: error: {e}", file=sys.stderr)
                 return 2
             try:
                 return demo_main(argv[1:])

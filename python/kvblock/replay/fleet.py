@@ -197,7 +197,9 @@ def _make_index(spec: str, block_size: int, namespace: str) -> Any:
     try:
         from ..cluster.redis_index import RedisPrefixIndex
     except ImportError:
-        raise ReplayError("--index redis://... needs redis-py: pip install 'kvblock[cluster]'") from None
+        from .._optional import install_hint
+
+        raise ReplayError(f"--index redis://... needs redis-py: {install_hint('redis', 'cluster')}") from None
     ix = RedisPrefixIndex(spec, namespace, block_size=block_size)
     return ix
 
@@ -473,7 +475,9 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
         matplotlib.use("Agg")
         from matplotlib.figure import Figure
     except ImportError:
-        raise ReplayError("--plot needs matplotlib: pip install 'kvblock[plot]'") from None
+        from .plot import PLOT_HINT
+
+        raise ReplayError(PLOT_HINT) from None
     fig = Figure(figsize=(9.0, 3.8), dpi=110)
     ax1, ax2 = fig.subplots(1, 2)
     markers = {"round-robin": "s", "least-loaded": "^", "cache-aware": "o"}

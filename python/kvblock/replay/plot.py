@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .._optional import install_hint
 from .errors import ReplayError
 from .sweep import SweepSeries
 
 __all__ = ["check_plot_target", "plot_sweep"]
 
-#: What to install for ``--plot`` (the README's command, from the checkout).
-PLOT_HINT = "--plot needs matplotlib: pip install '.[plot]' from the kvblock checkout (or pip install matplotlib)"
+#: What to install for ``--plot`` (matplotlib alone: ``pip install '.[plot]'`` would rebuild the
+#: Rust core for minutes to add it).
+PLOT_HINT = f"--plot needs matplotlib: {install_hint('matplotlib', 'plot')}"
 
 
 def _matplotlib():
