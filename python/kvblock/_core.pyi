@@ -24,6 +24,7 @@ __all__ = [
     "hash_requests",
     "hashing_threads",
     "check_token_ids",
+    "check_retention",
     "token_encoder",
     "PrefixIndexCore",
     "parent_tag",
@@ -133,6 +134,10 @@ def hashing_threads() -> int:
 def token_encoder() -> str:
     """``"avx512vbmi2"`` or ``"portable"``: the token-id encoder chosen at run time
     (``KVBLOCK_NO_SIMD`` set before the first hash forces the portable one)."""
+
+def check_retention(request: Any, num_prompt_tokens: int) -> None:
+    """Check ``request.retention`` / ``request.retention_priority`` as a manager reads them
+    (``ValueError`` / ``TypeError`` naming the field)."""
 
 def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
     """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int
