@@ -120,10 +120,40 @@ def test_mooncake_trace_slice(capsys):
     (["replay", "--limit", "0"], "--limit must be > 0"),
     (["sweep", "builtin:shared-prompt", "--capacities", "1k,1"], "capacity 1 is too small"),
     (["sweep", "builtin:shared-prompt", "--capacities", "ten"], "bad capacity 'ten'"),
+    # issue 34: these named the core's num_gpu_blocks / block_size, or ran and printed inf ns/block
+    (["replay", "--num-blocks", "99999999999"],
+     "argument --num-blocks: capacity 99999999999 is too large: at most 2,147,483,647 blocks"),
+    (["replay", "--num-blocks", "2147483648"], "argument --num-blocks: capacity 2147483648 is too large"),
+    (["replay", "--instances", "2", "--num-blocks", "99999999999"], "argument --num-blocks: capacity"),
+    (["sweep", "builtin:shared-prompt", "--capacities", "1k,99999999999"], "capacity 99999999999 is too large"),
+    (["replay", "--block-size", "99999999999"], "--block-size must be <= 2,147,483,647 tokens"),
+    (["info", "--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
+    (["info", "--repeat", "-3"], "argument --repeat: must be >= 1, got -3"),
 ])
 def test_user_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and message in err and err.startswith("kvblock: error: ")
+    assert "num_gpu_blocks" not in err and "ValueError" not in err and out == ""
+
+
+def test_version_names_kvblock_and_its_rust_core(capsys):
+    from kvblock import _core
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and err == ""
+    assert out.startswith("kvblock ") and out.count("\n") == 1
+    assert f"Rust core {_core.__version__} ({_core.BUILD_PROFILE} build, {_core.__file__})" in out
+
+
+def test_simconfig_refuses_more_blocks_than_int32_block_ids():
+    from kvblock.cli import hashing_table
+    from kvblock.replay import SimConfig
+
+    with pytest.raises(ReplayError, match="--num-blocks must be <= 2,147,483,647"):
+        SimConfig(num_blocks=2**31).validate()
+    assert SimConfig(num_blocks=2**31 - 1).validate()
+    with pytest.raises(ValueError, match="repeat: must be >= 1"):
+        hashing_table(repeat=0)
 
 
 @pytest.mark.parametrize("argv,message", [

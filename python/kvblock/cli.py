@@ -38,7 +38,10 @@ def _best_ns(fn: Callable[[], object], repeat: int) -> float:
 
 
 def hashing_table(block_size: int = 16, num_tokens: int = 4096, repeat: int = 20) -> list[dict]:
-    """ns per block of ``kvblock.hash_blocks`` vs the reference, for every algorithm."""
+    """ns per block of ``kvblock.hash_blocks`` vs the reference, for every algorithm (best of
+    ``repeat`` runs; ValueError below 1)."""
+    if repeat < 1:
+        raise ValueError(f"repeat: must be >= 1, got {repeat}")
     import numpy as np
 
     from . import hashing
@@ -98,6 +101,26 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def version_line() -> str:
+    """``kvblock --version``: the package's version, and the Rust core's (version, build
+    profile and file: a stale ``_core*.so`` shadowing a new build shows here)."""
+    from importlib import metadata
+
+    try:
+        package = metadata.version("kvblock")
+    except metadata.PackageNotFoundError:
+        package = "(not installed)"
+    return (f"kvblock {package}, Rust core {_core.__version__} ({_core.BUILD_PROFILE} build, "
+            f"{getattr(_core, '__file__', '?')})")
 
 
 def _float(text: str) -> float:
@@ -397,6 +420,17 @@ _UNSET: Any = _Unset()
 _DEFAULT_WORKLOAD = "shared-prompt"
 
 
+class _Version(argparse.Action):
+    """``--version``: print :func:`version_line` as it is (argparse's own action wraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_line())
+        parser.exit(0)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error message (``kvblock: error: ...``, exit status 2)."""
 
@@ -409,9 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .replay.workloads import WORKLOADS
 
     p = _Parser(prog="kvblock", description="vLLM-identical prefix-caching KV block manager")
+    p.add_argument("--version", action=_Version, help="kvblock's version and its Rust core's build, then exit")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="build profile and a hashing speed table")
-    info.add_argument("--repeat", type=int, default=20, help="timing repetitions (default 20)")
+    info.add_argument("--repeat", type=_positive_int, default=20, metavar="N", help="timing repetitions (default 20)")
     info.set_defaults(func=_cmd_info)
     # `kvblock demo ...` is dispatched in main() before parsing (its options belong to
     # kvblock.demo); this entry only lists it in `kvblock --help`.
