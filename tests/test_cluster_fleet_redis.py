@@ -86,3 +86,9 @@ def test_cli_replay_with_the_index_unreachable_routes_by_load(scheme, capsys):
 
     d = json.loads(out)
     assert d["index_fallbacks"] == d["requests"] == 20
+    # it used to title itself "router cache-aware" (issue 34)
+    assert d["routing"] == "least-loaded (cache-aware, but its index never answered)"
+    code = main(["replay", path, "--limit", "20", "--block-size", "64", "--no-progress", "--instances", "2",
+                 "--index", f"{scheme}127.0.0.1:{free_port()}"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "router least-loaded (cache-aware, but its index never answered)" in out

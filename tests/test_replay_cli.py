@@ -189,8 +189,8 @@ def test_unservable_requests_exit_3_after_the_report(tmp_path, capsys):
     code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100", "--json")
     assert code == 3
     d = json.loads(out)
-    assert d["served"] == 2 and [u["request_id"] for u in d["unservable"]] == ["req-1"]
-    assert d["unservable"][0]["line"] == 2
+    assert d["served"] == 2 and [u["request_id"] for u in d["unservable_requests"]] == ["req-1"]
+    assert d["unservable"] == 1 and d["unservable_requests"][0]["line"] == 2
     assert "1 request(s) can never fit" in err and "req-1 (line 2)" in err
     assert "needs 313 blocks for 5004 tokens" in err and "raise --num-blocks to at least 314" in err
     code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100")

@@ -76,7 +76,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     table.add_column("speedup", justify="right")
     for r in rows:
         table.add_row(r["algo"], f"{r['kvblock_ns_per_block']:.0f}", f"{r['reference_ns_per_block']:.0f}", f"{r['speedup']:.1f}x")
-    console.print(table)
+    _print_table(console, table)
     return 0
 
 
@@ -121,6 +121,12 @@ def version_line() -> str:
         package = "(not installed)"
     return (f"kvblock {package}, Rust core {_core.__version__} ({_core.BUILD_PROFILE} build, "
             f"{getattr(_core, '__file__', '?')})")
+
+
+def _print_table(console: Any, table: Any) -> None:
+    from .replay.report import print_table
+
+    print_table(console, table)
 
 
 def _float(text: str) -> float:
@@ -178,21 +184,21 @@ def _replay_config(args: argparse.Namespace, trace: Any) -> Any:
     return replace(cfg, ideal=args.ideal, fingerprint=args.fingerprint, **given).validate()
 
 
-def _unservable_error(results: Sequence[Any]) -> Any:
+def _unservable_error(unservable: Sequence[Any], usable_blocks: int) -> Any:
+    """The exit-3 error for a replay's (or a fleet's) unservable requests; None if none."""
     from .replay import UnservableRequestsError
 
-    r = results[0]
-    if not r.unservable:
+    if not unservable:
         return None
-    first = r.unservable[0]
+    first = unservable[0]
     where = f" (line {first.line})" if first.line else ""
-    need = max(u.blocks_needed for u in r.unservable)
-    hint = (f"raise --num-blocks to at least {need + 1}" if need > r.usable_blocks
+    need = max(u.blocks_needed for u in unservable)
+    hint = (f"raise --num-blocks to at least {need + 1}" if need > usable_blocks
             else "raise --token-budget or enable chunked prefill")
     return UnservableRequestsError(
-        f"{len(r.unservable):,} request(s) can never fit and were not replayed; first "
+        f"{len(unservable):,} request(s) can never fit and were not replayed; first "
         f"{first.request_id}{where}: {first.reason}; {hint}",
-        len(r.unservable),
+        len(unservable),
     )
 
 
@@ -234,7 +240,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(results[0].to_dict(), indent=2))
     else:
         render_result(results[0], out)
-    unservable = _unservable_error(results)
+    unservable = _unservable_error(results[0].unservable, results[0].usable_blocks)
     if unservable is not None:
         raise unservable
     return status
@@ -263,6 +269,9 @@ def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err:
         print(json.dumps(r.to_dict(), indent=2))
     else:
         render_fleet(r, out)
+    unservable = _unservable_error([u for _, u in r.unservable_requests], cfg.resolved_num_blocks(trace) - 1)
+    if unservable is not None:
+        raise unservable  # exit 3, as a single engine's replay
     return 0
 
 
@@ -318,14 +327,14 @@ def _cmd_fleet_sweep(args: argparse.Namespace, out: Any, err: Any) -> int:
                   caption=f"{cfg.resolved_num_blocks(trace):,} blocks of {cfg.block_size} tokens per instance")
     for col in ("router", "instances", "hit rate", "imbalance", "queue mean", "queue p99", "TTFT p50",
                 "over-reports"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for router, rs in results.items():
         for r in rs:
             d = r.to_dict()
-            table.add_row(router, str(r.fleet["instances"]), f"{100 * r.hit_rate:.2f}%", f"{r.imbalance:.2f}",
+            table.add_row(r.routing, str(r.fleet["instances"]), f"{100 * r.hit_rate:.2f}%", f"{r.imbalance:.2f}",
                           f"{d['queue_delay_ms']['mean'] / 1e3:,.2f} s", f"{d['queue_delay_ms']['p99'] / 1e3:,.2f} s",
                           f"{d['ttft_ms']['p50'] / 1e3:,.2f} s", f"{r.over_reports}")
-    out.print(table)
+    _print_table(out, table)
     if args.plot:
         out.print(f"wrote {args.plot}")
     return 0
@@ -401,7 +410,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             cap = "unlimited" if p.capacity is None else f"{p.capacity:,}"
             table.add_row(cap, f"{100 * p.hit_rate:.2f}%", f"{100 * p.token_hit_rate:.2f}%", _si(p.misses),
                           f"{p.unservable:,}", _si(p.evictions))
-        out.print(table)
+        _print_table(out, table)
     out.print("capacity in blocks; hit rate = hit tokens / all prompt tokens (unservable requests "
               "count as misses); vLLM rate = hits / queries of the served requests", style="dim")
     if args.plot:
