@@ -498,14 +498,15 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
         raise ReplayError(PLOT_HINT) from None
     fig = Figure(figsize=(9.0, 3.8), dpi=110)
     ax1, ax2 = fig.subplots(1, 2)
-    markers = {"round-robin": "s", "least-loaded": "^", "cache-aware": "o"}
+    from .plot import series_style
+
     counts: list[int] = []
-    for router, rs in results.items():
+    for i, (router, rs) in enumerate(results.items()):
         xs = [r.fleet["instances"] for r in rs]
         counts = sorted(set(counts) | set(xs))
-        ax1.plot(xs, [100 * r.hit_rate for r in rs], marker=markers.get(router, "o"), label=router)
-        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] for r in rs], marker=markers.get(router, "o"),
-                 label=router)
+        style = series_style(i)  # equal lines (one instance: every router) stay visible
+        ax1.plot(xs, [100 * r.hit_rate for r in rs], label=router, **style)
+        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] for r in rs], label=router, **style)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts)
