@@ -65,7 +65,7 @@ smoke:
 
 # Every stage runs (a failed one does not stop the rest); the last line sums them up.
 test:
-	@$(PY) scripts/make_test.py "$(MAKE)"
+	@$(PY) scripts/make_test.py
 
 # Portable manylinux2014 wheels for CPython 3.10-3.13 in dist/, checked with auditwheel and
 # smoke-tested in a fresh venv of each Python (scripts/build_wheels.sh).

@@ -2,9 +2,10 @@
 showing its output, going on after a failed one, and end with one line: passed / failed /
 skipped per stage.
 
-Usage: ``python scripts/make_test.py MAKE`` (the Makefile passes ``$(MAKE)``; command-line
-variables such as ``SMOKE_PYTHONS=`` reach the stages through ``MAKEFLAGS``). Exit status 1
-if any stage failed.
+Usage: ``python scripts/make_test.py [MAKE]`` (default ``make``; the Makefile does not pass
+``$(MAKE)``, which would make ``make -n test`` run the stages). Command-line variables such
+as ``SMOKE_PYTHONS=`` reach the stages through ``MAKEFLAGS``. Exit status 1 if any stage
+failed.
 """
 
 from __future__ import annotations

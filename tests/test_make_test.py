@@ -48,7 +48,7 @@ def makefile(tmp_path: Path, stages: dict[str, list[str]], fail: str | None = No
         lines += ["\t@echo '" + ln.replace("'", "'\\''") + "'" for ln in out]
         if target == fail:
             lines.append("\t@exit 1")
-    lines.append("test:\n\t@" + sys.executable + f" {DRIVER} \"$(MAKE)\"")
+    lines.append("test:\n\t@" + sys.executable + f" {DRIVER}")
     (tmp_path / "Makefile").write_text("\n".join(lines) + "\n")
     return tmp_path
 
