@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # `make test SMOKE_PYTHONS=` runs none.
 SMOKE_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: test install rust-test py-test typecheck smoke lint bench demo wheels clean
+.PHONY: test install rust-test py-test test-services typecheck smoke lint bench demo wheels clean
 
 $(BIN)/python:
 	@echo "== creating $(VENV), the test environment, with $(PY) ($$($(PY) --version 2>&1))"
@@ -40,7 +40,19 @@ rust-test:
 	@echo "== cargo test --release: the Rust core's own tests (the first build takes about a minute)"
 	cargo test --release
 
-py-test: install
+# The Redis tests start real redis-server processes: install Debian's package where it is
+# missing and this user may (root, apt-get), else say in one line which tests skip and why.
+test-services:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "== installing redis-server (Debian's package) for the Redis tests"; \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; } >/dev/null \
+		|| echo "== redis-server could not be installed: the tests that start it (tests/test_cluster_redis.py, tests/test_cluster_fleet_redis.py) will be skipped"; \
+	else \
+		echo "== redis-server is not installed and installing it needs root and apt-get: the tests that start it (tests/test_cluster_redis.py, tests/test_cluster_fleet_redis.py) will be skipped"; \
+	fi
+
+py-test: install test-services
 	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 3 minutes on 2 cores)"
 	$(BIN)/python -m pytest -q
 
@@ -53,7 +65,9 @@ smoke:
 	@echo "== smoke tests on the other CPythons found: $(SMOKE_PYTHONS) (a build and a minute of tests each)"
 	PY=$(BIN)/python scripts/smoke_pythons.sh $(SMOKE_PYTHONS)
 
-test: rust-test py-test typecheck smoke
+# Every stage runs (a failed one does not stop the rest); the last line sums them up.
+test:
+	@$(PY) scripts/make_test.py
 
 # Portable manylinux2014 wheels for CPython 3.10-3.13 in dist/, checked with auditwheel and
 # smoke-tested in a fresh venv of each Python (scripts/build_wheels.sh).

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from kvblock.replay import builtin_workload, load_trace
+from kvblock.replay.plot import series_style
 from kvblock.replay.retention import POLICIES
 from kvblock.replay.sweep import sweep
 
@@ -39,7 +40,7 @@ def main() -> int:
         for i, pol in enumerate(POLICIES):
             (s,) = sweep([trace], caps, retention=pol, pin_tokens=pin_tokens)
             ys = [100 * p.hit_rate for p in s.points]
-            ax.plot(caps, ys, marker="o", color=f"C{i}", linewidth=1.6, markersize=4, label=pol)
+            ax.plot(caps, ys, label=pol, **series_style(i))  # equal policies' lines stay visible
             rows.append((trace.name, pol, ys))
             print(f"{trace.name:40s} {pol:20s} " + " ".join(f"{y:6.2f}" for y in ys), file=sys.stderr, flush=True)
         ax.set_xscale("log")

@@ -90,7 +90,7 @@ def seed_env(monkeypatch):
     import kvblock.hashing as kh
     import kvblock.reference.hashing as rh
 
-    saved = (kh.NONE_HASH, kh._NONE_HASH_SEED, rh.NONE_HASH, rh._NONE_HASH_SEED)
+    saved = (kh._root_state(), rh._root_state())
 
     def set_seed(value: str | None) -> None:
         if value is None:
@@ -99,7 +99,8 @@ def seed_env(monkeypatch):
             monkeypatch.setenv("PYTHONHASHSEED", value)
 
     yield set_seed
-    kh.NONE_HASH, kh._NONE_HASH_SEED, rh.NONE_HASH, rh._NONE_HASH_SEED = saved
+    kh._restore_root_state(saved[0])
+    rh._restore_root_state(saved[1])
 
 
 from impls import IMPLS  # noqa: E402  (tests/ is on sys.path while conftest loads)

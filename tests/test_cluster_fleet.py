@@ -99,3 +99,31 @@ def test_cli_fleet_replay_and_sweep(conv, tmp_path, capsys):
     assert e.value.code == 2
     assert main(["sweep", path, "--instances", "0", *common]) == 2
     capsys.readouterr()
+
+
+def test_cli_fleet_tables_cut_no_router_name_and_unservable_is_a_count(conv, tmp_path, capsys):
+    """At 80 columns (output not a terminal) the fleet sweep table cut router names to
+    'round-…'; a fleet's JSON ``unservable`` was a count where a replay's was a list, and a fleet
+    replay with unservable requests exited 0, not 3 (issue 34)."""
+    path = str(shared_path("traces", "mooncake_fast25_conversation_trace.jsonl"))
+    common = ["--limit", "30", "--block-size", "64", "--no-progress"]
+    assert main(["sweep", path, "--instances", "1,2", "--routers", "round-robin,least-loaded,cache-aware",
+                 "--capacities", "1500", *common]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for router in ("round-robin", "least-loaded", "cache-aware"):
+        assert out.count(f" {router} ") == 2, out
+    assert main(["replay", path, "--instances", "2", "--num-blocks", "1500", *common]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "router cache-aware," in " ".join(out.split())
+    lines = [
+        {"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [0]},
+        {"timestamp": 1, "input_length": 5000, "output_length": 5, "hash_ids": list(range(1, 11))},
+    ]
+    t = tmp_path / "t.jsonl"
+    t.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code = main(["replay", str(t), "--instances", "2", "--num-blocks", "100", "--json", "--no-progress"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 3 and d["unservable"] == 1 and d["served"] == 1
+    [u] = d["unservable_requests"]
+    assert u["request_id"] == "req-1" and u["line"] == 2 and u["instance"] in ("engine-0", "engine-1")

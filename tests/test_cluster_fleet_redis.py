@@ -67,3 +67,28 @@ def test_redis_killed_and_restarted_mid_replay(conv, redis_node, caplog):
     msgs = [rec.getMessage() for rec in caplog.records]
     assert sum("routing by load" in m for m in msgs) == 1  # one warning for the outage
     assert any("available again" in m for m in msgs)
+
+
+@pytest.mark.parametrize("scheme", ["redis://", "redis+cluster://"])
+def test_cli_replay_with_the_index_unreachable_routes_by_load(scheme, capsys):
+    """An unreachable index is an outage for both schemes (redis+cluster:// used to exit 1
+    with a redis-py traceback): exit 0, one warning, every request routed by load."""
+    from cluster_helpers import free_port
+
+    from kvblock.cli import main
+
+    path = str(shared_path("traces", "mooncake_fast25_conversation_trace.jsonl"))
+    code = main(["replay", path, "--limit", "20", "--block-size", "64", "--no-progress", "--instances", "2",
+                 "--index", f"{scheme}127.0.0.1:{free_port()}", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "Traceback" not in err
+    import json
+
+    d = json.loads(out)
+    assert d["index_fallbacks"] == d["requests"] == 20
+    # it used to title itself "router cache-aware" (issue 34)
+    assert d["routing"] == "least-loaded (cache-aware, but its index never answered)"
+    code = main(["replay", path, "--limit", "20", "--block-size", "64", "--no-progress", "--instances", "2",
+                 "--index", f"{scheme}127.0.0.1:{free_port()}"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and "router least-loaded (cache-aware, but its index never answered)" in out

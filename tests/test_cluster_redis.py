@@ -175,3 +175,28 @@ def test_unreachable_from_the_start():
     router = Router(["e"], rix)
     assert router.route([1], 16).instance == "e"
     assert rix.mirror.match([1]) == {"e": 1}
+
+
+def test_cluster_unreachable_from_the_start_is_an_outage_not_an_error():
+    """redis+cluster:// used to raise redis-py's RedisClusterException from __init__ (the
+    CLI printed its 71-line traceback); now it is the same outage as redis://."""
+    from cluster_helpers import free_port
+
+    rix = RedisPrefixIndex(f"redis+cluster://127.0.0.1:{free_port()}", "x", timeout_s=0.2)
+    assert rix.is_cluster
+    rix.apply("e", payload(stored([1])))  # kept in the mirror
+    with pytest.raises(IndexUnavailable, match="Redis"):
+        rix.match([1])
+    assert Router(["e"], rix).route([1], 16).instance == "e"
+    assert rix.mirror.match([1]) == {"e": 1} and rix.failures >= 1
+    rix.close()
+    with pytest.raises(ValueError, match="redis\\+cluster://host:port"):
+        RedisPrefixIndex("redis+cluster://127.0.0.1:99999", "x")
+
+
+def test_cluster_url_of_a_node_not_in_cluster_mode_says_so(redis_node):
+    rix = RedisPrefixIndex(redis_node.url.replace("redis://", "redis+cluster://"), "x", timeout_s=0.5)
+    rix.apply("e", payload(stored([1])))
+    with pytest.raises(IndexUnavailable, match="[Cc]luster mode is not enabled"):
+        rix.match([1])
+    rix.close()

@@ -120,10 +120,40 @@ def test_mooncake_trace_slice(capsys):
     (["replay", "--limit", "0"], "--limit must be > 0"),
     (["sweep", "builtin:shared-prompt", "--capacities", "1k,1"], "capacity 1 is too small"),
     (["sweep", "builtin:shared-prompt", "--capacities", "ten"], "bad capacity 'ten'"),
+    # issue 34: these named the core's num_gpu_blocks / block_size, or ran and printed inf ns/block
+    (["replay", "--num-blocks", "99999999999"],
+     "argument --num-blocks: capacity 99999999999 is too large: at most 2,147,483,647 blocks"),
+    (["replay", "--num-blocks", "2147483648"], "argument --num-blocks: capacity 2147483648 is too large"),
+    (["replay", "--instances", "2", "--num-blocks", "99999999999"], "argument --num-blocks: capacity"),
+    (["sweep", "builtin:shared-prompt", "--capacities", "1k,99999999999"], "capacity 99999999999 is too large"),
+    (["replay", "--block-size", "99999999999"], "--block-size must be <= 2,147,483,647 tokens"),
+    (["info", "--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
+    (["info", "--repeat", "-3"], "argument --repeat: must be >= 1, got -3"),
 ])
 def test_user_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and message in err and err.startswith("kvblock: error: ")
+    assert "num_gpu_blocks" not in err and "ValueError" not in err and out == ""
+
+
+def test_version_names_kvblock_and_its_rust_core(capsys):
+    from kvblock import _core
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and err == ""
+    assert out.startswith("kvblock ") and out.count("\n") == 1
+    assert f"Rust core {_core.__version__} ({_core.BUILD_PROFILE} build, {_core.__file__})" in out
+
+
+def test_simconfig_refuses_more_blocks_than_int32_block_ids():
+    from kvblock.cli import hashing_table
+    from kvblock.replay import SimConfig
+
+    with pytest.raises(ReplayError, match="--num-blocks must be <= 2,147,483,647"):
+        SimConfig(num_blocks=2**31).validate()
+    assert SimConfig(num_blocks=2**31 - 1).validate()
+    with pytest.raises(ValueError, match="repeat: must be >= 1"):
+        hashing_table(repeat=0)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -159,8 +189,8 @@ def test_unservable_requests_exit_3_after_the_report(tmp_path, capsys):
     code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100", "--json")
     assert code == 3
     d = json.loads(out)
-    assert d["served"] == 2 and [u["request_id"] for u in d["unservable"]] == ["req-1"]
-    assert d["unservable"][0]["line"] == 2
+    assert d["served"] == 2 and [u["request_id"] for u in d["unservable_requests"]] == ["req-1"]
+    assert d["unservable"] == 1 and d["unservable_requests"][0]["line"] == 2
     assert "1 request(s) can never fit" in err and "req-1 (line 2)" in err
     assert "needs 313 blocks for 5004 tokens" in err and "raise --num-blocks to at least 314" in err
     code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100")
@@ -222,14 +252,15 @@ def test_sweep_checks_the_plot_target_before_the_sweep(tmp_path, capsys, target,
 
 
 def test_sweep_without_matplotlib_says_what_to_install_first(tmp_path, capsys, monkeypatch):
-    """matplotlib missing is found before the sweep, and the hint is the README's."""
+    """matplotlib missing is found before the sweep, and the hint is the README's: matplotlib
+    alone (pip install '.[plot]' rebuilt the Rust core for minutes to add it)."""
     import sys
     from pathlib import Path
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     code, out, err = run_cli(capsys, "sweep", str(tmp_path / "no-such-trace.jsonl"), "--capacities", "10k",
                              "--plot", str(tmp_path / "x.png"))
-    hint = "pip install '.[plot]'"
+    hint = "pip install matplotlib"
     assert code == 2 and hint in err and out == ""
     readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
     assert f"`--plot` needs `{hint}`" in readme

@@ -358,7 +358,7 @@ def test_pin_nothing_cached_pins_nothing():
 # -- bad input --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
+BAD_RETENTION = pytest.mark.parametrize(
     "kw, exc",
     [
         ({"retention": [(0, 4, 101, None)]}, ValueError),
@@ -372,12 +372,26 @@ def test_pin_nothing_cached_pins_nothing():
         ({"retention": [(0, 3, True, None)]}, TypeError),
         ({"retention": "0-3"}, TypeError),
         ({"retention_priority": 101}, ValueError),
+        ({"retention_priority": -1}, ValueError),
+        ({"retention_priority": "high"}, TypeError),
     ],
 )
-def test_bad_retention_is_refused_with_state_unchanged(kw, exc):
+
+
+@BAD_RETENTION
+def test_bad_retention_is_refused_when_the_request_is_built(kw, exc):
+    """It used to pass Request(...) and fail only at the first allocate_slots (issue 34)."""
+    with pytest.raises(exc, match="request.retention"):
+        Request("b", [1, 2, 3, 4, 9], **kw)
+
+
+@BAD_RETENTION
+def test_bad_retention_set_later_is_refused_with_state_unchanged(kw, exc):
     m = _mgr(8, 2, priority_retention=True, clock=Clock())
     _cache(m, "a", [1, 2, 3, 4, 5])
-    r = _req(m, "b", [1, 2, 3, 4, 9], **kw)
+    r = _req(m, "b", [1, 2, 3, 4, 9])
+    for name, value in kw.items():
+        setattr(r, name, value)
     hits, n, _ = m.get_computed_blocks(r)
     before = _state(m)
     with pytest.raises(exc):

@@ -107,8 +107,17 @@ class RetentionLockstep(RuleBasedStateMachine):
     def _pair(self, prompt, **kw):
         rid = f"r{self.counter}"
         self.counter += 1
-        a = Request(rid, prompt, block_hasher=self.hasher or self.fast.request_block_hasher, **kw)
-        b = Request(rid, prompt, block_hasher=self.hasher or self.ref.request_block_hasher, **kw)
+        try:
+            a = Request(rid, prompt, block_hasher=self.hasher or self.fast.request_block_hasher, **kw)
+            b = Request(rid, prompt, block_hasher=self.hasher or self.ref.request_block_hasher, **kw)
+        except (ValueError, TypeError):
+            # bad retention is refused when the request is built; set afterwards, both
+            # managers refuse it at admission, state unchanged
+            a = Request(rid, prompt, block_hasher=self.hasher or self.fast.request_block_hasher)
+            b = Request(rid, prompt, block_hasher=self.hasher or self.ref.request_block_hasher)
+            for r in (a, b):
+                for name, value in kw.items():
+                    setattr(r, name, value)
         return a, b
 
     def _learn(self, fa):

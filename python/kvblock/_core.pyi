@@ -24,6 +24,7 @@ __all__ = [
     "hash_requests",
     "hashing_threads",
     "check_token_ids",
+    "check_retention",
     "token_encoder",
     "PrefixIndexCore",
     "parent_tag",
@@ -82,9 +83,14 @@ class RequestBlockHasher:
         hash_fn: HashFunction,
         num_hash_lookahead_tokens: int,
         extra_keys: Callable[[Any, int, int, int, int], list[Any]],
-        root: Callable[[], bytes],
+        root: bytes | Callable[[], bytes],
         digest_memo_blocks: int = 0,
-    ) -> RequestBlockHasher: ...
+    ) -> RequestBlockHasher:
+        """``root``: the hasher's own root (bytes), or a callable returning the process-wide
+        ``NONE_HASH`` at each call (vLLM's behaviour)."""
+    @property
+    def none_hash(self) -> bytes | None:
+        """The hasher's own root; None when it reads the process-wide ``NONE_HASH``."""
     @property
     def block_size(self) -> int: ...
     @property
@@ -128,6 +134,10 @@ def hashing_threads() -> int:
 def token_encoder() -> str:
     """``"avx512vbmi2"`` or ``"portable"``: the token-id encoder chosen at run time
     (``KVBLOCK_NO_SIMD`` set before the first hash forces the portable one)."""
+
+def check_retention(request: Any, num_prompt_tokens: int) -> None:
+    """Check ``request.retention`` / ``request.retention_priority`` as a manager reads them
+    (``ValueError`` / ``TypeError`` naming the field)."""
 
 def check_token_ids(token_ids: list[Any], arg: str = "token_ids") -> None:
     """Raise ``TypeError`` naming ``arg[i]`` at the first item that is not a token id (an int

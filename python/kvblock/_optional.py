@@ -1,15 +1,35 @@
-"""Optional dependencies: a clear error naming the pip extra when one is missing."""
+"""Optional dependencies: a clear error saying what to install when one is missing.
+
+kvblock is not on PyPI, so ``pip install 'kvblock[extra]'`` cannot work, and
+``pip install '.[extra]'`` from the checkout rebuilds the Rust core (minutes) to add one
+Python package: the hint names the package to ``pip install`` directly, and the extra of
+``pyproject.toml`` it belongs to.
+"""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
+#: What to ``pip install`` for a missing top-level module (the pins of pyproject.toml's extras).
+PIP_PACKAGES: dict[str, str] = {
+    "zmq": "pyzmq",
+    "redis": "redis",
+    "matplotlib": "matplotlib",
+    "torch": "torch",
+    "vllm": "'vllm>=0.32,<0.35'",
+}
+
+
+def install_hint(module: str, extra: str) -> str:
+    """``pip install PACKAGE (kvblock's 'EXTRA' extra)`` for the top-level ``module``."""
+    return f"pip install {PIP_PACKAGES.get(module, module)} (kvblock's '{extra}' extra)"
+
 
 def require(module: str, *, package: str, extra: str, what: str) -> ModuleType:
     """Import ``module`` (a top-level package), or raise ``ModuleNotFoundError`` saying what
-    needs it and how to install it (``pip install 'kvblock[extra]'``). An import error raised
-    *inside* an installed ``module`` passes through unchanged.
+    needs it and how to install it (:func:`install_hint`). An import error raised *inside* an
+    installed ``module`` passes through unchanged.
 
     Raises:
         ModuleNotFoundError: ``module`` is not installed (``name`` is ``module``).
@@ -20,7 +40,6 @@ def require(module: str, *, package: str, extra: str, what: str) -> ModuleType:
         if e.name != module:
             raise
         raise ModuleNotFoundError(
-            f"{what} needs {package}, which is not installed: pip install 'kvblock[{extra}]' "
-            f"(or pip install '.[{extra}]' from a kvblock checkout)",
+            f"{what} needs {package}, which is not installed: {install_hint(module, extra)}",
             name=module,
         ) from e

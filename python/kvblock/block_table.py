@@ -54,7 +54,9 @@ import numpy as np
 try:
     import torch
 except ImportError as e:  # pragma: no cover - exercised only without the torch extra
-    raise ImportError("kvblock.block_table needs torch: pip install 'kvblock[torch]'") from e
+    from ._optional import install_hint
+
+    raise ImportError(f"kvblock.block_table needs torch: {install_hint('torch', 'torch')}") from e
 
 __all__ = [
     "INT32_MAX",

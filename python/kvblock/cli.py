@@ -38,7 +38,10 @@ def _best_ns(fn: Callable[[], object], repeat: int) -> float:
 
 
 def hashing_table(block_size: int = 16, num_tokens: int = 4096, repeat: int = 20) -> list[dict]:
-    """ns per block of ``kvblock.hash_blocks`` vs the reference, for every algorithm."""
+    """ns per block of ``kvblock.hash_blocks`` vs the reference, for every algorithm (best of
+    ``repeat`` runs; ValueError below 1)."""
+    if repeat < 1:
+        raise ValueError(f"repeat: must be >= 1, got {repeat}")
     import numpy as np
 
     from . import hashing
@@ -73,7 +76,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     table.add_column("speedup", justify="right")
     for r in rows:
         table.add_row(r["algo"], f"{r['kvblock_ns_per_block']:.0f}", f"{r['reference_ns_per_block']:.0f}", f"{r['speedup']:.1f}x")
-    console.print(table)
+    _print_table(console, table)
     return 0
 
 
@@ -98,6 +101,32 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def version_line() -> str:
+    """``kvblock --version``: the package's version, and the Rust core's (version, build
+    profile and file: a stale ``_core*.so`` shadowing a new build shows here)."""
+    from importlib import metadata
+
+    try:
+        package = metadata.version("kvblock")
+    except metadata.PackageNotFoundError:
+        package = "(not installed)"
+    return (f"kvblock {package}, Rust core {_core.__version__} ({_core.BUILD_PROFILE} build, "
+            f"{getattr(_core, '__file__', '?')})")
+
+
+def _print_table(console: Any, table: Any) -> None:
+    from .replay.report import print_table
+
+    print_table(console, table)
 
 
 def _float(text: str) -> float:
@@ -155,21 +184,21 @@ def _replay_config(args: argparse.Namespace, trace: Any) -> Any:
     return replace(cfg, ideal=args.ideal, fingerprint=args.fingerprint, **given).validate()
 
 
-def _unservable_error(results: Sequence[Any]) -> Any:
+def _unservable_error(unservable: Sequence[Any], usable_blocks: int) -> Any:
+    """The exit-3 error for a replay's (or a fleet's) unservable requests; None if none."""
     from .replay import UnservableRequestsError
 
-    r = results[0]
-    if not r.unservable:
+    if not unservable:
         return None
-    first = r.unservable[0]
+    first = unservable[0]
     where = f" (line {first.line})" if first.line else ""
-    need = max(u.blocks_needed for u in r.unservable)
-    hint = (f"raise --num-blocks to at least {need + 1}" if need > r.usable_blocks
+    need = max(u.blocks_needed for u in unservable)
+    hint = (f"raise --num-blocks to at least {need + 1}" if need > usable_blocks
             else "raise --token-budget or enable chunked prefill")
     return UnservableRequestsError(
-        f"{len(r.unservable):,} request(s) can never fit and were not replayed; first "
+        f"{len(unservable):,} request(s) can never fit and were not replayed; first "
         f"{first.request_id}{where}: {first.reason}; {hint}",
-        len(r.unservable),
+        len(unservable),
     )
 
 
@@ -211,7 +240,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(results[0].to_dict(), indent=2))
     else:
         render_result(results[0], out)
-    unservable = _unservable_error(results)
+    unservable = _unservable_error(results[0].unservable, results[0].usable_blocks)
     if unservable is not None:
         raise unservable
     return status
@@ -240,6 +269,9 @@ def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err:
         print(json.dumps(r.to_dict(), indent=2))
     else:
         render_fleet(r, out)
+    unservable = _unservable_error([u for _, u in r.unservable_requests], cfg.resolved_num_blocks(trace) - 1)
+    if unservable is not None:
+        raise unservable  # exit 3, as a single engine's replay
     return 0
 
 
@@ -295,14 +327,14 @@ def _cmd_fleet_sweep(args: argparse.Namespace, out: Any, err: Any) -> int:
                   caption=f"{cfg.resolved_num_blocks(trace):,} blocks of {cfg.block_size} tokens per instance")
     for col in ("router", "instances", "hit rate", "imbalance", "queue mean", "queue p99", "TTFT p50",
                 "over-reports"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for router, rs in results.items():
         for r in rs:
             d = r.to_dict()
-            table.add_row(router, str(r.fleet["instances"]), f"{100 * r.hit_rate:.2f}%", f"{r.imbalance:.2f}",
+            table.add_row(r.routing, str(r.fleet["instances"]), f"{100 * r.hit_rate:.2f}%", f"{r.imbalance:.2f}",
                           f"{d['queue_delay_ms']['mean'] / 1e3:,.2f} s", f"{d['queue_delay_ms']['p99'] / 1e3:,.2f} s",
                           f"{d['ttft_ms']['p50'] / 1e3:,.2f} s", f"{r.over_reports}")
-    out.print(table)
+    _print_table(out, table)
     if args.plot:
         out.print(f"wrote {args.plot}")
     return 0
@@ -378,7 +410,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             cap = "unlimited" if p.capacity is None else f"{p.capacity:,}"
             table.add_row(cap, f"{100 * p.hit_rate:.2f}%", f"{100 * p.token_hit_rate:.2f}%", _si(p.misses),
                           f"{p.unservable:,}", _si(p.evictions))
-        out.print(table)
+        _print_table(out, table)
     out.print("capacity in blocks; hit rate = hit tokens / all prompt tokens (unservable requests "
               "count as misses); vLLM rate = hits / queries of the served requests", style="dim")
     if args.plot:
@@ -397,6 +429,17 @@ _UNSET: Any = _Unset()
 _DEFAULT_WORKLOAD = "shared-prompt"
 
 
+class _Version(argparse.Action):
+    """``--version``: print :func:`version_line` as it is (argparse's own action wraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_line())
+        parser.exit(0)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error message (``kvblock: error: ...``, exit status 2)."""
 
@@ -409,9 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .replay.workloads import WORKLOADS
 
     p = _Parser(prog="kvblock", description="vLLM-identical prefix-caching KV block manager")
+    p.add_argument("--version", action=_Version, help="kvblock's version and its Rust core's build, then exit")
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="build profile and a hashing speed table")
-    info.add_argument("--repeat", type=int, default=20, help="timing repetitions (default 20)")
+    info.add_argument("--repeat", type=_positive_int, default=20, metavar="N", help="timing repetitions (default 20)")
     info.set_defaults(func=_cmd_info)
     # `kvblock demo ...` is dispatched in main() before parsing (its options belong to
     # kvblock.demo); this entry only lists it in `kvblock --help`.
@@ -530,10 +574,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["demo"]:
+            from .demo_args import build_parser as demo_parser
+
+            demo_parser().parse_args(argv[1:])  # --help and usage errors need no torch
             try:
                 from .demo import main as demo_main  # imports torch: only this command needs it
             except ImportError as e:
-                print(f"kvblock: error: the demo needs torch (pip install 'kvblock[torch]'): {e}", file=sys.stderr)
+                print(f"kvblock: error: {e}", file=sys.stderr)
                 return 2
             try:
                 return demo_main(argv[1:])

@@ -28,7 +28,6 @@ Needs torch (the ``torch`` extra). Runs on CPU or CUDA.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -42,9 +41,12 @@ import numpy as np
 try:
     import torch
 except ImportError as e:  # pragma: no cover - exercised only without the torch extra
-    raise ImportError("kvblock.demo needs torch: pip install 'kvblock[torch]'") from e
+    from ._optional import install_hint
+
+    raise ImportError(f"kvblock.demo needs torch: {install_hint('torch', 'torch')}") from e
 
 from .block_table import BlockTable, reshape_and_cache
+from .demo_args import DemoConfig, ModelConfig, build_parser
 from .manager import KVCacheManager
 from .request import Request, RequestStatus, SamplingParams
 from .stats import PrefixCacheStats
@@ -68,28 +70,6 @@ LOGITS_ATOL = 1e-4
 
 
 # -- the model ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of :class:`TinyDecoder` (fp32). ``num_heads`` must be a multiple of
-    ``num_kv_heads`` (grouped-query attention) and ``head_dim`` even (rotary)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    rope_theta: float = 10000.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError("num_heads: must be a multiple of num_kv_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim: must be even (rotary embedding)")
-
-
 @dataclass
 class AttentionMetadata:
     """What one forward step's attention needs (device tensors unless noted).
@@ -614,25 +594,6 @@ def serve(
 
 # -- the comparison -------------------------------------------------------------------------------
 @dataclass
-class DemoConfig:
-    """Everything :func:`run_demo` needs besides the device."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    num_conversations: int = 6
-    num_turns: int = 3
-    system_len: int = 48
-    question_len: tuple[int, int] = (6, 20)
-    max_tokens: int = 12
-    workload_seed: int = 0
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 256
-    kernel_block_size: int | None = None
-    verify_dense: bool = False
-
-
-@dataclass
 class DemoReport:
     """Caching on vs off on one device.
 
@@ -718,29 +679,6 @@ def run_demo(device: Any = "cpu", config: DemoConfig | None = None) -> DemoRepor
 
 
 # -- command line ---------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    d = DemoConfig()
-    p = argparse.ArgumentParser(
-        prog="kvblock demo",
-        description="Serve multi-turn conversations on a tiny paged-attention model with prefix "
-        "caching on and off; check the outputs are identical.",
-    )
-    p.add_argument("--device", default="cpu", help="torch device (default cpu; 'cuda' for a GPU)")
-    p.add_argument("--conversations", type=int, default=d.num_conversations)
-    p.add_argument("--turns", type=int, default=d.num_turns)
-    p.add_argument("--system-len", type=int, default=d.system_len, help="shared system prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="generated tokens per turn")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--kernel-block-size", type=int, default=None, help="read the cache in smaller kernel blocks")
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--seed", type=int, default=0, help="model and workload seed")
-    p.add_argument("--verify-dense", action="store_true", help="also compare with a cache-free dense forward")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    return p
-
-
 def report_rows(report: DemoReport) -> list[tuple[str, str, str]]:
     """``(metric, caching on, caching off)`` rows of the report table."""
     on, off = report.on, report.off

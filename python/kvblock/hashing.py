@@ -7,7 +7,13 @@ canonical CBOR in Rust and digest it with SHA-256 (32 bytes) or XXH3-128 (16 byt
 
 The root :data:`NONE_HASH` is one value per process, as in vLLM: :func:`init_none_hash` sets it
 (vLLM's engine calls it once at start-up); if nothing set it before the first hash, it is
-initialised with the algorithm being used.
+initialised with the algorithm being used. vLLM's API reads it: :func:`hash_block_tokens` and
+the hashers of :func:`get_request_block_hasher` (at each call), as vLLM's do.
+
+kvblock's own managers and hashers carry their own root instead (:func:`none_hash_for`, fixed
+when they are built), one per algorithm: building a manager with another algorithm, or
+re-initialising :data:`NONE_HASH` for one, never changes the hashes (and so the hits) of a
+manager built before.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "get_group_id",
     "get_hash_fn_by_name",
     "get_none_hash_seed",
+    "none_hash_for",
     "get_request_block_hasher",
     "hash_block_tokens",
     "hash_blocks",
@@ -115,6 +122,9 @@ def default_digest_memo_blocks(block_size: int, algo: str = "sha256") -> int:
 NONE_HASH: BlockHash | None = None
 _NONE_HASH_SEED: str | None = None
 _NONE_HASH_ALGO: str | None = None
+#: Each algorithm's root for kvblock's own managers and hashers (:func:`none_hash_for`): the
+#: last one :func:`init_none_hash` made with it, else one made with vLLM's seed rules.
+_ALGO_ROOTS: dict[str, tuple[BlockHash, str]] = {}
 
 
 def get_hash_fn_by_name(hash_fn_name: str) -> HashFunction:
@@ -191,15 +201,56 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     NONE_HASH = BlockHash(root)
     _NONE_HASH_SEED = seed
     _NONE_HASH_ALGO = _algo_name(hash_fn)
+    if _NONE_HASH_ALGO is not None:
+        _ALGO_ROOTS[_NONE_HASH_ALGO] = (NONE_HASH, seed)
 
 
 def _set_none_hash(value: bytes, seed: str | None, hash_fn: Any) -> None:
-    """Set the root to ``value`` (derived elsewhere from ``seed`` with ``hash_fn``): how
-    :mod:`kvblock.vllm` keeps kvblock's root equal to vLLM's."""
+    """Set the root to ``value`` (derived elsewhere from ``seed`` with ``hash_fn``; None: find
+    which of kvblock's algorithms made it from ``seed``): how :mod:`kvblock.vllm` keeps
+    kvblock's root equal to vLLM's."""
     global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
     NONE_HASH = BlockHash(value)
     _NONE_HASH_SEED = seed
-    _NONE_HASH_ALGO = _algo_name(hash_fn) if hash_fn is not None else _NONE_HASH_ALGO
+    if hash_fn is None and seed is not None:
+        hash_fn = next((f for f in _BY_NAME.values() if f(seed) == value), None)
+    _NONE_HASH_ALGO = _algo_name(hash_fn)
+    if _NONE_HASH_ALGO is not None and seed is not None:
+        _ALGO_ROOTS[_NONE_HASH_ALGO] = (NONE_HASH, seed)
+
+
+def none_hash_for(hash_fn: Callable[[Any], bytes]) -> BlockHash:
+    """The root a kvblock manager or hasher of ``hash_fn``'s algorithm chains from.
+
+    One per algorithm and process: the last :func:`init_none_hash` made with that algorithm,
+    else ``hash_fn(seed)`` with vLLM's seed rules, made once (a random seed for the xxhash
+    algorithms without ``PYTHONHASHSEED``, the same for every manager of the process).
+    It never changes :data:`NONE_HASH`. A hash function that is not kvblock's gets
+    :data:`NONE_HASH` (initialised with it if nothing has, as vLLM does).
+
+    Raises:
+        TypeError: ``hash_fn`` is not callable or does not return bytes.
+    """
+    _check_hash_fn(hash_fn)
+    name = _algo_name(hash_fn)
+    if name is None:
+        return _root(hash_fn)
+    if name not in _ALGO_ROOTS:
+        seed = resolve_none_hash_seed(hash_fn)
+        _ALGO_ROOTS[name] = (BlockHash(_root_digest(hash_fn, seed)), seed)
+    return _ALGO_ROOTS[name][0]
+
+
+def _root_state() -> tuple[Any, ...]:
+    """Every root this module holds, for :func:`_restore_root_state` (tests, seeded runs)."""
+    return NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO, dict(_ALGO_ROOTS)
+
+
+def _restore_root_state(state: tuple[Any, ...]) -> None:
+    global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
+    NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO, roots = state
+    _ALGO_ROOTS.clear()
+    _ALGO_ROOTS.update(roots)
 
 
 def get_none_hash_seed() -> str:
@@ -208,8 +259,16 @@ def get_none_hash_seed() -> str:
 
 
 def _root(hash_fn: Any) -> bytes:
+    """:data:`NONE_HASH`; if nothing set it yet, the root kvblock's managers of ``hash_fn``'s
+    algorithm already use, else a new one (:func:`init_none_hash`)."""
+    global NONE_HASH, _NONE_HASH_SEED, _NONE_HASH_ALGO
     if NONE_HASH is None:
-        init_none_hash(hash_fn)
+        name = _algo_name(hash_fn)
+        if name in _ALGO_ROOTS:
+            NONE_HASH, _NONE_HASH_SEED = _ALGO_ROOTS[name]
+            _NONE_HASH_ALGO = name
+        else:
+            init_none_hash(hash_fn)
     assert NONE_HASH is not None
     return NONE_HASH
 
@@ -273,9 +332,9 @@ def hash_blocks(
             size hash as vLLM hashes the Python int.
         block_size: tokens per block (> 0). A trailing partial block is not hashed.
         algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or ``"xxhash_cbor"``.
-        parent: the hash the chain continues from; ``None`` or ``b""`` means :data:`NONE_HASH`,
-            which is one value per process as in vLLM (set by :func:`init_none_hash`, else on
-            first use with the algorithm used then), whatever ``algo`` is.
+        parent: the hash the chain continues from; ``None`` or ``b""`` means the root of
+            ``algo`` that kvblock's managers use, :func:`none_hash_for` (:data:`NONE_HASH`
+            when :func:`init_none_hash` last ran with ``algo``).
         extra_keys: ``None``, or one entry (``None`` or a tuple) per full block.
 
     Returns:
@@ -299,7 +358,7 @@ def hash_blocks(
     if block_size <= 0:
         raise ValueError(f"block_size: must be > 0, got {block_size}")
     if not parent:
-        parent = _root(fn)
+        parent = none_hash_for(fn)
     return _core.hash_blocks(fn, token_ids, block_size, parent, extra_keys)
 
 
@@ -309,6 +368,7 @@ def get_request_block_hasher(
     num_hash_lookahead_tokens: int = 0,
     *,
     digest_memo_blocks: int | None = None,
+    none_hash: bytes | None = None,
 ) -> Callable[[Any], list[BlockHash]]:
     """vLLM's ``get_request_block_hasher``: a closure that hashes a request's new full blocks.
 
@@ -346,11 +406,19 @@ def get_request_block_hasher(
     ``clear_digest_memo()`` empties it. It is ignored for a hash function that is not
     kvblock's (it is still checked).
 
+    ``none_hash`` (not in vLLM): the root a request's first block chains from. None (vLLM's
+    behaviour): :data:`NONE_HASH` as it is at each call, so :func:`init_none_hash` changes what
+    the hasher makes; bytes: that root, always (a kvblock manager's hasher gets
+    :func:`none_hash_for` its algorithm, so nothing done elsewhere changes its hits).
+
     Raises:
         ValueError: ``block_size <= 0``, ``num_hash_lookahead_tokens < 0``, or
             ``digest_memo_blocks`` outside ``[0, 2**24]`` or over 1 GiB of keys.
-        TypeError: any of them not an int (``digest_memo_blocks`` may be None).
+        TypeError: any of them not an int (``digest_memo_blocks`` may be None), or a
+            ``none_hash`` that is neither None nor non-empty bytes.
     """
+    if none_hash is not None and (not isinstance(none_hash, bytes) or not none_hash):
+        raise TypeError(f"none_hash: expected None or non-empty bytes, got {type(none_hash).__name__} {none_hash!r:.40}")
     block_size = _count_arg("block_size", block_size, 1)
     num_hash_lookahead_tokens = _count_arg("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0)
     lookahead = num_hash_lookahead_tokens
@@ -365,7 +433,8 @@ def get_request_block_hasher(
         raise ValueError(f"digest_memo_blocks: must be in [0, {MAX_DIGEST_MEMO_BLOCKS}], got {digest_memo_blocks}")
     if isinstance(caching_hash_fn, HashFunction):
         return _core.RequestBlockHasher(
-            block_size, caching_hash_fn, lookahead, _request_extra_keys, lambda: _root(caching_hash_fn),
+            block_size, caching_hash_fn, lookahead, _request_extra_keys,
+            (lambda: _root(caching_hash_fn)) if none_hash is None else none_hash,
             digest_memo_blocks,
         )
 
@@ -376,7 +445,7 @@ def get_request_block_hasher(
         num_new = (len(tokens) - lookahead - start) // block_size
         if num_new <= 0:
             return []
-        parent = block_hashes[-1] if block_hashes else _root(caching_hash_fn)
+        parent = block_hashes[-1] if block_hashes else (none_hash or _root(caching_hash_fn))
         extra: list | None = None
         if (
             request.lora_request

@@ -175,8 +175,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
             block sizes).
         enable_caching: prefix caching on/off.
         hash_algo: ``"sha256"`` (default), ``"sha256_cbor"``, ``"xxhash"`` or
-            ``"xxhash_cbor"``; sets :attr:`request_block_hasher` and initialises
-            :data:`kvblock.hashing.NONE_HASH` as vLLM's engine does.
+            ``"xxhash_cbor"``; sets :attr:`request_block_hasher`, which chains from
+            :attr:`none_hash`, this algorithm's root (:func:`kvblock.hashing.none_hash_for`),
+            fixed for the manager's life: managers of other algorithms never change it.
         max_model_len: longest sequence (tokens); a longer request is refused (ValueError);
             slots asked for past it (lookahead) are not allocated.
         max_in_flight_tokens: tokens scheduled but not yet settled (the sliding-window and
@@ -243,6 +244,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
     # Set in __new__ (the Rust base is built there).
     request_block_hasher: Callable[[Any], list[hashing.BlockHash]]
     hash_fn: hashing.HashFunction
+    none_hash: hashing.BlockHash
     enable_caching: bool
     enable_kv_cache_events: bool
     log_stats: bool
@@ -354,9 +356,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
         pool = BlockPool(
             num_blocks, enable_caching, h, enable_kv_cache_events, num_hash_lookahead_tokens=num_hash_lookahead_tokens
         )
-        # built before anything global changes (NONE_HASH below): it checks its arguments
+        # the root is this manager's: nothing global changes (kvblock.hashing.none_hash_for)
+        none_hash = hashing.none_hash_for(hash_fn)
         request_block_hasher = hashing.get_request_block_hasher(
-            int(h), hash_fn, num_hash_lookahead_tokens, digest_memo_blocks=digest_memo_blocks
+            int(h), hash_fn, num_hash_lookahead_tokens, digest_memo_blocks=digest_memo_blocks, none_hash=none_hash
         )
         mml = DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len
         if clock is not None and not callable(clock):
@@ -409,8 +412,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
             RequestStatus.PREEMPTED,
             Request,
         )
-        if enable_caching and (hashing.NONE_HASH is None or hashing._NONE_HASH_ALGO != hash_algo):
-            hashing.init_none_hash(self.hash_fn)
+        #: The root this manager's request hasher chains from (its algorithm's, fixed).
+        self.none_hash = none_hash
         self.request_block_hasher = request_block_hasher
         return self
 

@@ -216,8 +216,9 @@ class Request:
         max_tokens: overrides ``sampling_params.max_tokens``.
         retention: ``[(start, end, priority, duration_s)]``: retention priorities (0-100,
             TensorRT-LLM's scale) for prompt token ranges, read by a manager built with
-            ``priority_retention=True`` (checked there: ``ValueError`` for a priority
-            outside 0-100, a negative duration or a range outside the prompt).
+            ``priority_retention=True`` (checked here: ``ValueError`` for a priority
+            outside 0-100, a negative duration or a range outside the prompt, ``TypeError``
+            for a malformed entry).
         retention_priority: the priority of its other tokens (None: the manager's default).
 
     Raises:
@@ -321,6 +322,8 @@ class Request:
         #: Retention priority (0-100) of its tokens outside ``retention``'s ranges (None: the
         #: manager's default).
         self.retention_priority = retention_priority
+        if retention is not None or retention_priority is not None:
+            _core.check_retention(self, self.num_prompt_tokens)  # as a manager reads them
         self.skip_reading_prefix_cache = self._skip_reading_prefix_cache()
         extra_args = getattr(sampling_params, "extra_args", None) or {}
         self.kv_cache_report_mode: str = extra_args.get("kv_cache_report_mode", "incremental")

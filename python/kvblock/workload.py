@@ -184,7 +184,7 @@ class _RootSeed:
 
     def __enter__(self) -> None:
         self.saved_env = os.environ.get("PYTHONHASHSEED")
-        self.saved_root = (self.module.NONE_HASH, self.module._NONE_HASH_SEED)
+        self.saved_root = self.module._root_state()
         os.environ["PYTHONHASHSEED"] = self.seed
         self.module.init_none_hash(self.hash_fn)
 
@@ -193,7 +193,7 @@ class _RootSeed:
             os.environ.pop("PYTHONHASHSEED", None)
         else:
             os.environ["PYTHONHASHSEED"] = self.saved_env
-        self.module.NONE_HASH, self.module._NONE_HASH_SEED = self.saved_root
+        self.module._restore_root_state(self.saved_root)
 
 
 def run_e2e(
@@ -241,6 +241,8 @@ def run_e2e(
     mgr = manager_factory()
     module = hashing_module if hashing_module is not None else _default_hashing_module(mgr)
     with _RootSeed(module, mgr.hash_fn, PYTHONHASHSEED):
+        if getattr(mgr, "none_hash", None) not in (None, module.none_hash_for(mgr.hash_fn)):
+            mgr = manager_factory()  # a manager keeps the root it was built with: build it seeded
         return _run_loop(mgr, num_requests, max_running, record, clock, batch)
 
 

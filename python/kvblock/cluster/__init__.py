@@ -6,7 +6,7 @@
 * :class:`DictIndex` — the same semantics in plain Python dicts of sets (reference and
   benchmark baseline);
 * :class:`RedisPrefixIndex` — the index in Redis or Redis Cluster, shared by router replicas
-  (needs ``redis``: ``pip install 'kvblock[cluster]'``);
+  (needs ``redis``: ``pip install redis``);
 * :class:`KVEventSubscriber` / :class:`KVEventPublisher` — vLLM 0.33.0's ZMQ event stream
   (PUB + replay ROUTER), both ends (need ``pyzmq``);
 * :class:`EventStream` — sequence numbers, gaps, replays and restarts of one engine's stream;

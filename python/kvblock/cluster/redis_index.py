@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .._optional import require
 from .errors import IndexUnavailable
@@ -165,7 +165,9 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     cluster down, a server refusing writes when out of memory, ...) and socket errors."""
     import redis.exceptions as rex
 
-    return (rex.RedisError, ConnectionError, TimeoutError, OSError)
+    # RedisClusterException (no node of a cluster reachable, or the node is not in cluster
+    # mode) is not a RedisError
+    return (rex.RedisError, rex.RedisClusterException, ConnectionError, TimeoutError, OSError)
 
 
 def _medium_name(medium: str | None) -> str:
@@ -185,6 +187,11 @@ class RedisPrefixIndex:
         retry_interval_s: after a failure, Redis is tried again no sooner than this.
         timeout_s: socket timeouts of a client made from a URL.
 
+    A client made from a URL connects at first use, a Redis Cluster one too (redis-py's
+    connects when made): an unreachable node, or one not in cluster mode, is an outage like
+    any other (writes go to the mirror, :meth:`match` raises
+    :class:`~kvblock.cluster.errors.IndexUnavailable` naming the cause), never an error here.
+
     Raises:
         ValueError: a bad URL or namespace.
     """
@@ -199,10 +206,14 @@ class RedisPrefixIndex:
 
         if not namespace or any(c in namespace for c in "{}\n"):
             raise ValueError(f"namespace must be non-empty without braces or newlines, got {namespace!r}")
+        self._connect: Any = None
         if isinstance(client, str):
-            client = self._client_from_url(client, timeout_s)
-        self.client = client
-        self.is_cluster = isinstance(client, redis.RedisCluster)
+            self.is_cluster = client.startswith("redis+cluster://")
+            self._connect = self._client_from_url(client, timeout_s)
+            client = None if self.is_cluster else self._connect()
+        else:
+            self.is_cluster = isinstance(client, redis.RedisCluster)
+        self._client = client
         self.namespace = namespace
         self.ttl_ms = 0 if ttl_s is None else max(1, int(ttl_s * 1000))
         self.retry_interval_s = retry_interval_s
@@ -223,21 +234,31 @@ class RedisPrefixIndex:
         self.failures = 0
 
     @staticmethod
-    def _client_from_url(url: str, timeout_s: float) -> Any:
+    def _client_from_url(url: str, timeout_s: float) -> Callable[[], Any]:
+        """A function that makes the client of ``url`` (checked now: ValueError)."""
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        kw = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        kw: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
         if url.startswith("redis+cluster://"):
             hostport = url[len("redis+cluster://"):].rstrip("/")
             host, _, port = hostport.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"bad Redis Cluster URL {url!r}: expected redis+cluster://host:port")
-            return redis.RedisCluster(host=host, port=int(port), **kw)
+            return lambda: redis.RedisCluster(host=host, port=int(port), **kw)
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"bad Redis URL {url!r}: expected redis://host:port or redis+cluster://host:port")
-        return redis.Redis.from_url(url, **kw)
+        client = redis.Redis.from_url(url, **kw)  # connects at first use
+        return lambda: client
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client (one made from a URL is made at its first use: a failure is
+        an outage, raised as redis-py raised it to the caller that handles outages)."""
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
 
     # -- keys ---------------------------------------------------------------------------------
     def _tag(self, instance: str) -> str:
@@ -554,4 +575,5 @@ class RedisPrefixIndex:
         return self.mirror.num_pairs()
 
     def close(self) -> None:
-        self.client.close()
+        if self._client is not None:
+            self._client.close()

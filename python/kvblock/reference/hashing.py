@@ -3,6 +3,9 @@
 ``sha256(obj) = hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()``, the CBOR variants use
 ``cbor2.dumps(obj, canonical=True)``, the xxhash variants ``xxhash.xxh3_128_digest``. Chains are
 built one block at a time with ``hash_block_tokens``, exactly as vLLM's request hasher does.
+
+Roots as in :mod:`kvblock.hashing`: :data:`NONE_HASH` is vLLM's process-wide root; managers
+chain from :func:`none_hash_for` their algorithm, fixed when they are built.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from ..multimodal import generate_block_hash_extra_keys, get_mm_features_in_wind
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 NONE_HASH: bytes | None = None
 _NONE_HASH_SEED: str | None = None
+#: Each algorithm's root for managers (:func:`none_hash_for`), by algorithm name.
+_ALGO_ROOTS: dict[str, tuple[bytes, str]] = {}
 
 
 def sha256(obj: Any) -> bytes:
@@ -93,13 +98,50 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
     root = _root_digest(hash_fn, seed)
     NONE_HASH = root
     _NONE_HASH_SEED = seed
+    name = _name_of(hash_fn)
+    if name is not None:
+        _ALGO_ROOTS[name] = (root, seed)
+
+
+def _name_of(hash_fn: Any) -> str | None:
+    return next((n for n, f in _BY_NAME.items() if f is hash_fn), None)
+
+
+def none_hash_for(hash_fn: Callable[[Any], bytes]) -> bytes:
+    """The root a manager of ``hash_fn``'s algorithm chains from: the last
+    :func:`init_none_hash` with it, else ``hash_fn(seed)`` made once; never changes
+    :data:`NONE_HASH` (a foreign ``hash_fn`` gets it)."""
+    _check_hash_fn(hash_fn)
+    name = _name_of(hash_fn)
+    if name is None:
+        return _root(hash_fn)
+    if name not in _ALGO_ROOTS:
+        seed = resolve_none_hash_seed(hash_fn)
+        _ALGO_ROOTS[name] = (_root_digest(hash_fn, seed), seed)
+    return _ALGO_ROOTS[name][0]
 
 
 def _root(hash_fn: Callable[[Any], bytes]) -> bytes:
+    global NONE_HASH, _NONE_HASH_SEED
     if NONE_HASH is None:
-        init_none_hash(hash_fn)
+        name = _name_of(hash_fn)
+        if name in _ALGO_ROOTS:
+            NONE_HASH, _NONE_HASH_SEED = _ALGO_ROOTS[name]
+        else:
+            init_none_hash(hash_fn)
     assert NONE_HASH is not None
     return NONE_HASH
+
+
+def _root_state() -> tuple[Any, ...]:
+    return NONE_HASH, _NONE_HASH_SEED, dict(_ALGO_ROOTS)
+
+
+def _restore_root_state(state: tuple[Any, ...]) -> None:
+    global NONE_HASH, _NONE_HASH_SEED
+    NONE_HASH, _NONE_HASH_SEED, roots = state
+    _ALGO_ROOTS.clear()
+    _ALGO_ROOTS.update(roots)
 
 
 def hash_block_tokens(
@@ -126,7 +168,7 @@ def hash_blocks(
         raise ValueError(f"block_size: must be > 0, got {block_size}")
     tokens = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
     out: list[bytes] = []
-    prev = parent
+    prev = parent or none_hash_for(fn)
     for i in range(len(tokens) // block_size):
         extra = None if extra_keys is None else extra_keys[i]
         prev = hash_block_tokens(fn, prev, tokens[i * block_size : (i + 1) * block_size], extra)
@@ -138,7 +180,11 @@ def get_request_block_hasher(
     block_size: int,
     caching_hash_fn: Callable[[Any], bytes],
     num_hash_lookahead_tokens: int = 0,
+    *,
+    none_hash: bytes | None = None,
 ) -> Callable[[Any], list[bytes]]:
+    """vLLM's hasher; ``none_hash`` (not in vLLM): a fixed root (None: :data:`NONE_HASH` at
+    each call)."""
     lookahead = num_hash_lookahead_tokens
 
     def request_block_hasher(request: Any) -> list[bytes]:
@@ -149,7 +195,7 @@ def get_request_block_hasher(
         mm_idx = 0
         if start > 0:
             mm_idx = get_mm_features_in_window(request.mm_features, start, start + block_size)
-        prev = request.block_hashes[-1] if request.block_hashes else None
+        prev = request.block_hashes[-1] if request.block_hashes else none_hash
         tokens = request.all_token_ids
         out: list[bytes] = []
         while start + block_size + lookahead <= num_tokens:

@@ -96,8 +96,8 @@ class KVCacheManager:
         block_size: tokens per block (also the hash block size).
         enable_caching: automatic prefix caching on/off.
         hash_algo: ``"sha256"``, ``"sha256_cbor"``, ``"xxhash"`` or ``"xxhash_cbor"``; the
-            reference :data:`~kvblock.reference.hashing.NONE_HASH` is initialised with it
-            unless it already was (with this algorithm).
+            request hasher chains from :attr:`none_hash`, this algorithm's root
+            (:func:`~kvblock.reference.hashing.none_hash_for`), fixed for the manager's life.
         max_model_len: the longest sequence in tokens (None: ``2**31 - 1``).
         log_stats: collect :class:`PrefixCacheStats`.
         enable_kv_cache_events: queue KV events (:meth:`take_events`).
@@ -168,9 +168,10 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.sliding_window = sliding_window
         self.hash_fn = ref_hashing.get_hash_fn_by_name(hash_algo)
-        if not self._root_made_by(self.hash_fn):
-            ref_hashing.init_none_hash(self.hash_fn)
-        self.request_block_hasher = ref_hashing.get_request_block_hasher(block_size, self.hash_fn)
+        self.none_hash = ref_hashing.none_hash_for(self.hash_fn)
+        self.request_block_hasher = ref_hashing.get_request_block_hasher(
+            block_size, self.hash_fn, none_hash=self.none_hash
+        )
 
         if not 0 <= max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction: {max_pinned_fraction} must be in [0, 1]")
@@ -201,11 +202,6 @@ class KVCacheManager:
         self._records: dict[int, tuple[int, int, int, tuple[int, ...], Any]] = {}
         self._next_content_id = 1
         self.hit_verification_failures = 0
-
-    @staticmethod
-    def _root_made_by(hash_fn: Any) -> bool:
-        root, seed = ref_hashing.NONE_HASH, ref_hashing._NONE_HASH_SEED
-        return root is not None and seed is not None and hash_fn(seed) == root
 
     # -- properties and stats --------------------------------------------------------------
     @property

@@ -25,11 +25,11 @@ class Impl:
     Attributes:
         name: ``"kvblock"`` or ``"reference"``.
         make_manager: ``(num_blocks, block_size, hash_algo, **retention) -> manager``
-            (caching and ``log_stats`` on; initialises the implementation's ``NONE_HASH`` as
-            vLLM does; ``retention``: the retention policy's manager arguments).
+            (caching and ``log_stats`` on; it chains from ``root(hash_algo)``; ``retention``: the retention policy's manager arguments).
         hash_chain: ``(tokens, block_size, hash_algo, parent) -> digests`` of every full
             block of the int64 array ``tokens``, chained from ``parent``.
-        root: the implementation's current ``NONE_HASH``.
+        root: ``(hash_algo) -> bytes``: the root the implementation's managers of that
+            algorithm chain from (``none_hash_for``).
         token_lists: ``hash_chain`` wants a list of Python ints rather than an array (the
             conversion is done by the caller, outside the timed hashing).
     """
@@ -37,7 +37,7 @@ class Impl:
     name: str
     make_manager: Callable[..., Any]
     hash_chain: Callable[[np.ndarray, int, str, bytes], list]
-    root: Callable[[], bytes]
+    root: Callable[[str], bytes]
     token_lists: bool
 
 
@@ -53,11 +53,10 @@ def _kv_hash_chain(tokens: np.ndarray, block_size: int, hash_algo: str, parent: 
     return hashing.hash_blocks(tokens, block_size, algo=hash_algo, parent=parent)
 
 
-def _kv_root() -> bytes:
+def _kv_root(hash_algo: str) -> bytes:
     from .. import hashing
 
-    assert hashing.NONE_HASH is not None
-    return hashing.NONE_HASH
+    return hashing.none_hash_for(hashing.get_hash_fn_by_name(hash_algo))
 
 
 def _ref_manager(num_blocks: int, block_size: int, hash_algo: str, **retention: Any) -> Any:
@@ -72,11 +71,10 @@ def _ref_hash_chain(tokens: Any, block_size: int, hash_algo: str, parent: bytes)
     return hashing.hash_blocks(tokens, block_size, algo=hash_algo, parent=parent)
 
 
-def _ref_root() -> bytes:
+def _ref_root(hash_algo: str) -> bytes:
     from ..reference import hashing
 
-    assert hashing.NONE_HASH is not None
-    return hashing.NONE_HASH
+    return hashing.none_hash_for(hashing.get_hash_fn_by_name(hash_algo))
 
 
 #: The implementations by name.

@@ -36,13 +36,14 @@ class RequestHasher:
     implementation, hash algorithm and block size.
 
     Args:
-        impl: the implementation whose hash function and ``NONE_HASH`` are used.
+        impl: the implementation whose hash function and root (``impl.root(hash_algo)``,
+            the root its managers of ``hash_algo`` chain from) are used.
         block_size: the manager's block size (tokens).
         hash_algo: vLLM hash algorithm name.
         trace_block_size: tokens per hash id for hash-id traces (None otherwise).
 
-    Call :meth:`start_run` after creating a manager (it reads the root ``NONE_HASH``; the
-    memo is dropped if the root changed since the last run).
+    Call :meth:`start_run` after creating a manager (it reads the root; the memo is dropped
+    if the root changed since the last run).
     """
 
     def __init__(self, impl: Impl, block_size: int, hash_algo: str, trace_block_size: int | None) -> None:
@@ -66,7 +67,7 @@ class RequestHasher:
 
     def start_run(self) -> None:
         """Bind to the implementation's current root hash and reset the counters."""
-        root = self.impl.root()
+        root = self.impl.root(self.hash_algo)
         if root != self._root:
             self._memo.clear()
             self._root = root

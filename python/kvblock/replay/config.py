@@ -14,6 +14,9 @@ from .trace import SchedulerDefaults, Trace
 __all__ = ["DEFAULTS", "SimConfig"]
 
 
+#: The most blocks a pool can have: block ids are int32, as in vLLM.
+MAX_NUM_BLOCKS = 2**31 - 1
+
 @dataclass(frozen=True)
 class SimConfig:
     """How to replay a workload.
@@ -63,9 +66,15 @@ class SimConfig:
         """
         if self.block_size <= 0:
             raise ReplayError(f"--block-size must be > 0, got {self.block_size}")
+        if self.block_size > MAX_NUM_BLOCKS:
+            raise ReplayError(f"--block-size must be <= {MAX_NUM_BLOCKS:,} tokens, got {self.block_size:,}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ReplayError(
                 f"--num-blocks must be >= 2 (block 0 is vLLM's null block), got {self.num_blocks}"
+            )
+        if self.num_blocks is not None and self.num_blocks > MAX_NUM_BLOCKS:
+            raise ReplayError(
+                f"--num-blocks must be <= {MAX_NUM_BLOCKS:,} (int32 block ids), got {self.num_blocks:,}"
             )
         if self.hash_algo not in ALGORITHMS:
             raise ReplayError(f"unknown --hash-algo {self.hash_algo!r}; choose from {', '.join(ALGORITHMS)}")

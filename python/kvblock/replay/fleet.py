@@ -34,7 +34,7 @@ from ..events import encode_batch
 from .blockhash import RequestHasher
 from .config import SimConfig
 from .errors import ReplayError
-from .result import ReplayResult
+from .result import ReplayResult, Unservable
 from .simrequest import SimRequest
 from .simulator import _Scheduler
 from .trace import Trace, TraceRequest
@@ -139,6 +139,8 @@ class FleetResult:
     requests: int = 0
     served: int = 0
     unservable: int = 0
+    #: ``(instance, request)`` of each unservable request.
+    unservable_requests: list[tuple[str, Unservable]] = field(default_factory=list)
     prompt_tokens: int = 0
     queries: int = 0
     hits: int = 0
@@ -159,6 +161,18 @@ class FleetResult:
     index_s: float = 0.0
 
     @property
+    def routing(self) -> str:
+        """How the requests were routed, in words: the router's name, unless a cache-aware
+        router's index could not answer (then it routed by load: for every request, or for
+        how many)."""
+        router = str(self.fleet["router"])
+        if not self.index_fallbacks:
+            return router
+        if self.index_fallbacks >= self.requests:
+            return "least-loaded (cache-aware, but its index never answered)"
+        return f"{router}, by load for {self.index_fallbacks:,} of {self.requests:,} requests (index unavailable)"
+
+    @property
     def hit_rate(self) -> float:
         """vLLM's prefix-cache hit rate over the fleet: hit tokens / queried tokens."""
         return self.hits / self.queries if self.queries else 0.0
@@ -174,8 +188,9 @@ class FleetResult:
         q = self.queue_delay_ms
         t = self.ttft_ms
         return {
-            "workload": self.workload, "config": self.config, "fleet": self.fleet,
+            "workload": self.workload, "config": self.config, "fleet": self.fleet, "routing": self.routing,
             "requests": self.requests, "served": self.served, "unservable": self.unservable,
+            "unservable_requests": [{"instance": i, **u.to_dict()} for i, u in self.unservable_requests],
             "prompt_tokens": self.prompt_tokens, "queries": self.queries, "hits": self.hits,
             "hit_rate": self.hit_rate, "imbalance": self.imbalance,
             "queue_delay_ms": {"mean": float(np.mean(q)) if q else 0.0, "p50": _pct(q, 50), "p99": _pct(q, 99)},
@@ -197,7 +212,9 @@ def _make_index(spec: str, block_size: int, namespace: str) -> Any:
     try:
         from ..cluster.redis_index import RedisPrefixIndex
     except ImportError:
-        raise ReplayError("--index redis://... needs redis-py: pip install 'kvblock[cluster]'") from None
+        from .._optional import install_hint
+
+        raise ReplayError(f"--index redis://... needs redis-py: {install_hint('redis', 'cluster')}") from None
     ix = RedisPrefixIndex(spec, namespace, block_size=block_size)
     return ix
 
@@ -395,6 +412,7 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
         out.hits += st.hits
         out.served += r.served
         out.unservable += len(r.unservable)
+        out.unservable_requests += [(name, u) for u in r.unservable]
     out.index_fallbacks = max(out.index_fallbacks, router.fallbacks)
     mirror = getattr(index, "mirror", index)
     out.index_pairs = mirror.num_pairs()
@@ -413,9 +431,11 @@ def render_fleet(r: FleetResult, console: Any) -> None:
     """Print a fleet replay's report (rich)."""
     from rich.table import Table
 
+    from .report import print_table
+
     d = r.to_dict()
     f = r.fleet
-    console.print(f"[bold]{r.workload}[/bold]: {f['instances']} instances, router [bold]{f['router']}[/bold], "
+    console.print(f"[bold]{r.workload}[/bold]: {f['instances']} instances, router [bold]{r.routing}[/bold], "
                   f"index {f['index']} ({f['transport']})")
     t = Table(title="fleet", show_header=False)
     t.add_column("what")
@@ -432,14 +452,14 @@ def render_fleet(r: FleetResult, console: Any) -> None:
     if r.index_fallbacks:
         t.add_row("routed by load (index unavailable)", f"{r.index_fallbacks:,}")
     t.add_row("simulated time / wall time", f"{r.sim_time_s:,.1f} s / {r.wall_s:,.1f} s (index {r.index_s:.1f} s)")
-    console.print(t)
+    print_table(console, t)
     pi = Table(title="per instance")
     for col in ("instance", "requests", "prompt tokens", "hit rate", "evictions", "preemptions"):
         pi.add_column(col, justify="right")
     for s in r.per_instance:
         pi.add_row(s.name, f"{s.requests:,}", f"{s.prompt_tokens:,}", f"{100 * s.hit_rate:.2f}%",
                    f"{s.evictions:,}", f"{s.preemptions:,}")
-    console.print(pi)
+    print_table(console, pi)
 
 
 def fleet_sweep(trace: Trace, cfg: SimConfig, instance_counts: list[int], routers: list[str],
@@ -473,17 +493,20 @@ def plot_fleet_sweep(results: dict[str, list[FleetResult]], path: str, title: st
         matplotlib.use("Agg")
         from matplotlib.figure import Figure
     except ImportError:
-        raise ReplayError("--plot needs matplotlib: pip install 'kvblock[plot]'") from None
+        from .plot import PLOT_HINT
+
+        raise ReplayError(PLOT_HINT) from None
     fig = Figure(figsize=(9.0, 3.8), dpi=110)
     ax1, ax2 = fig.subplots(1, 2)
-    markers = {"round-robin": "s", "least-loaded": "^", "cache-aware": "o"}
+    from .plot import series_style
+
     counts: list[int] = []
-    for router, rs in results.items():
+    for i, (router, rs) in enumerate(results.items()):
         xs = [r.fleet["instances"] for r in rs]
         counts = sorted(set(counts) | set(xs))
-        ax1.plot(xs, [100 * r.hit_rate for r in rs], marker=markers.get(router, "o"), label=router)
-        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] for r in rs], marker=markers.get(router, "o"),
-                 label=router)
+        style = series_style(i)  # equal lines (one instance: every router) stay visible
+        ax1.plot(xs, [100 * r.hit_rate for r in rs], label=router, **style)
+        ax2.plot(xs, [r.to_dict()["queue_delay_ms"]["mean"] for r in rs], label=router, **style)
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xticks(counts)

@@ -1,7 +1,8 @@
 """Plotting a capacity sweep (matplotlib, Agg backend, no display needed).
 
 The figure follows the Mooncake paper's Figure 9: cache capacity in blocks on a log x axis,
-hit rate on the y axis, one line with markers per trace. An unlimited capacity is drawn as a
+hit rate on the y axis, one line per trace (:func:`series_style`: its own marker and dash
+pattern, so equal lines stay visible). An unlimited capacity is drawn as a
 hollow marker at an "∞" tick to the right and a dotted line at that trace's upper bound.
 """
 
@@ -9,13 +10,32 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .._optional import install_hint
 from .errors import ReplayError
 from .sweep import SweepSeries
 
-__all__ = ["check_plot_target", "plot_sweep"]
+__all__ = ["check_plot_target", "plot_sweep", "series_style"]
 
-#: What to install for ``--plot`` (the README's command, from the checkout).
-PLOT_HINT = "--plot needs matplotlib: pip install '.[plot]' from the kvblock checkout (or pip install matplotlib)"
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def series_style(i: int) -> dict[str, object]:
+    """The matplotlib line style of a figure's ``i``-th series: its own color, marker and
+    dash pattern, and lines thinner (markers smaller) as ``i`` grows, so a series drawn
+    later over an equal one leaves it visible around it (lru's line used to hide under
+    ttl's in ``docs/retention_sweep.png``)."""
+    return {
+        "color": f"C{i % 10}",
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+        "linewidth": max(3.4 - 0.7 * i, 1.0),
+        "markersize": max(8.0 - 1.2 * i, 3.5),
+    }
+
+#: What to install for ``--plot`` (matplotlib alone: ``pip install '.[plot]'`` would rebuild the
+#: Rust core for minutes to add it).
+PLOT_HINT = f"--plot needs matplotlib: {install_hint('matplotlib', 'plot')}"
 
 
 def _matplotlib():
@@ -83,10 +103,10 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
     fig = Figure(figsize=(7.0, 4.4), dpi=120)
     ax = fig.add_subplot()
     for i, s in enumerate(series):
-        color = f"C{i}"
+        style = series_style(i)
+        color = style["color"]
         pts = [p for p in s.points if p.capacity is not None]
-        ax.plot([p.capacity for p in pts], [100 * p.hit_rate for p in pts], marker="o", color=color,
-                linewidth=1.8, markersize=5, label=s.name)
+        ax.plot([p.capacity for p in pts], [100 * p.hit_rate for p in pts], label=s.name, **style)
         for p in s.points:
             if p.capacity is None:
                 y = 100 * p.hit_rate

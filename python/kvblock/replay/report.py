@@ -13,7 +13,30 @@ from rich.table import Table
 
 from .result import ReplayResult
 
-__all__ = ["Comparison", "compare_results", "render_comparison", "render_result", "settings_line", "sparkline"]
+__all__ = [
+    "Comparison", "compare_results", "print_table", "render_comparison", "render_result", "settings_line", "sparkline",
+]
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print ``table`` without cutting a cell: rich cuts a word wider than its column (and a
+    ``no_wrap`` cell) with an ellipsis once the table is squeezed to the console's width (80
+    columns when the output is not a terminal); the table is printed wider instead (a narrower
+    terminal wraps the lines, losing nothing)."""
+    from rich.measure import Measurement
+
+    m = Measurement.get(console, console.options.update_width(1 << 16), table)
+    # a no_wrap column needs its widest cell; other columns their longest word
+    need = m.maximum if any(c.no_wrap for c in table.columns) else m.minimum
+    if need <= console.width:
+        console.print(table)
+        return
+    width = console.width
+    console.width = need
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -96,7 +119,7 @@ def render_result(result: ReplayResult, console: Console) -> None:
     table.add_row("wall time", f"{r.wall_s:,.2f} s", "")
     if r.fingerprint:
         table.add_row("block-id fingerprint", r.fingerprint[:16] + "…", "workload README §5.1")
-    console.print(table)
+    print_table(console, table)
 
 
 @dataclass
@@ -177,6 +200,6 @@ def render_comparison(cmp: Comparison, console: Console) -> None:
     table.add_row("wall time", f"{k.wall_s:,.2f} s", f"{r.wall_s:,.2f} s", f"{sp['wall']:.1f}x")
     verdict = "[green]identical[/green]" if cmp.identical else "[red]DIFFERENT[/red]"
     table.add_row("results", verdict, verdict, "")
-    console.print(table)
+    print_table(console, table)
     for m in cmp.mismatches:
         console.print(f"[red]mismatch:[/red] {m}")

@@ -33,6 +33,10 @@ class Unservable:
     blocks_needed: int
     reason: str
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "line": self.line, "blocks_needed": self.blocks_needed,
+                "reason": self.reason}
+
 
 @dataclass
 class ReplayResult:
@@ -149,7 +153,8 @@ class ReplayResult:
         return [[int(s), int(v)] for s, v in zip(edges[:-1], maxima)]
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable summary (times in µs or ns as named)."""
+        """A JSON-serialisable summary (times in µs or ns as named). ``unservable`` is a count,
+        as in the sweep's and the fleet's reports; ``unservable_requests`` lists them."""
         return {
             "workload": self.workload,
             "source": self.source,
@@ -159,10 +164,8 @@ class ReplayResult:
             "requests": self.requests,
             "skipped_lines": self.skipped_lines,
             "served": self.served,
-            "unservable": [
-                {"request_id": u.request_id, "line": u.line, "blocks_needed": u.blocks_needed, "reason": u.reason}
-                for u in self.unservable
-            ],
+            "unservable": len(self.unservable),
+            "unservable_requests": [u.to_dict() for u in self.unservable],
             "prompt_tokens": self.prompt_tokens,
             "prefix_cache": {
                 "requests": self.requests_recorded,

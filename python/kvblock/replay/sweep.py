@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .config import SimConfig
+from .config import MAX_NUM_BLOCKS, SimConfig
 from .errors import ReplayError
 from .simulator import Replayer
 from .trace import Trace
@@ -51,6 +51,10 @@ def parse_capacities(specs: Sequence[str]) -> list[int | None]:
             if value < 2:
                 raise ReplayError(
                     f"capacity {part.strip()} is too small: at least 2 blocks (block 0 is vLLM's null block)"
+                )
+            if value > MAX_NUM_BLOCKS:
+                raise ReplayError(
+                    f"capacity {part.strip()} is too large: at most {MAX_NUM_BLOCKS:,} blocks (int32 block ids)"
                 )
             out.add(int(value))
     if not out:

@@ -57,6 +57,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(request_hasher::hash_requests, m)?)?;
     m.add_function(wrap_pyfunction!(request_hasher::hashing_threads, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::check_token_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(retention::check_retention, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::token_encoder, m)?)?;
     Ok(())
 }

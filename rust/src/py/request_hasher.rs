@@ -68,7 +68,8 @@ pub struct PyRequestBlockHasher {
     lookahead: usize,
     /// `extra_keys(request, start, num_blocks, block_size, lookahead) -> list`
     extra_keys: Py<PyAny>,
-    /// `root() -> bytes`: the current NONE_HASH (initialised on first use).
+    /// The root: `bytes` (the hasher's own, fixed), or `root() -> bytes` (vLLM's process-wide
+    /// NONE_HASH as it is at each call, initialised on first use).
     root: Py<PyAny>,
     memo: GilCell<DigestMemo<Py<PyBytes>>>,
     /// The memo's slots (fixed at construction; 0: no memo).
@@ -112,7 +113,12 @@ impl PyRequestBlockHasher {
     fn parent<'py>(&self, hashes: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
         let py = hashes.py();
         if hashes.is_empty() {
-            self.root.bind(py).call0()
+            let root = self.root.bind(py);
+            if root.is_instance_of::<PyBytes>() {
+                Ok(root.clone())
+            } else {
+                root.call0()
+            }
         } else {
             hashes.get_item(hashes.len() - 1)
         }
@@ -256,6 +262,10 @@ impl PyRequestBlockHasher {
                 format!("must be in [0, {MAX_MEMO_BLOCKS}], got {digest_memo_blocks}"),
             ));
         }
+        let fixed_root = root.bind(hash_fn.py()).cast::<PyBytes>().ok().map(|b| b.as_bytes().len());
+        if fixed_root == Some(0) || (fixed_root.is_none() && !root.bind(hash_fn.py()).is_callable()) {
+            return Err(type_err("root", "must be non-empty bytes or a callable returning bytes"));
+        }
         let algo = hash_fn.get().algo;
         let memo = DigestMemo::new(digest_memo_blocks as usize, block_size as usize).py_err()?;
         Ok(PyRequestBlockHasher {
@@ -278,6 +288,12 @@ impl PyRequestBlockHasher {
     #[getter]
     fn num_hash_lookahead_tokens(&self) -> usize {
         self.lookahead
+    }
+
+    /// The hasher's own root, or None when it reads the process-wide NONE_HASH at each call.
+    #[getter]
+    fn none_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.root.bind(py).cast::<PyBytes>().ok().cloned()
     }
 
     #[getter]

@@ -85,6 +85,14 @@ pub fn request_retention(request: &Bound<'_, PyAny>, num_prompt_tokens: usize) -
     Ok(Some(out))
 }
 
+/// `check_retention(request, num_prompt_tokens)`: check a request's `retention` and
+/// `retention_priority` as a manager reads them (`kvblock.Request` calls it when built, so a
+/// bad setting fails there, not at the first `allocate_slots`).
+#[pyfunction]
+pub fn check_retention(request: &Bound<'_, PyAny>, num_prompt_tokens: usize) -> PyResult<()> {
+    request_retention(request, num_prompt_tokens).map(|_| ())
+}
+
 /// Read the clock (`clock()`, seconds as a float) if retention or a TTL pin needs it: apply
 /// the priorities that ran out and the pins that expired. Returns the reading, if taken.
 pub fn tick(
