@@ -86,6 +86,10 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvblock.vllm as kv  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+from kvblock.vllm.releases import current as _current_release  # noqa: E402
+
+#: vLLM 0.34 bounds a request's cache hits by ``prefix_cache_hit_limit`` (prompt scoring).
+HIT_LIMIT = _current_release().hit_limit_field == "prefix_cache_hit_limit"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -309,9 +313,17 @@ def _result(blocks):
 
 
 def _cache_map(pool) -> dict:
+    """The hash map as ``{key: ("one", id) | ("many", ids)}``: vLLM 0.32 / 0.33 store a block or
+    ``{id: block}`` per key, 0.34 one id per key and the ids of keys cached by several blocks
+    in ``_dup_ids``."""
+    cache = pool.cached_block_hash_to_block
+    dups = getattr(cache, "_dup_ids", None)
     out = {}
-    for key, value in pool.cached_block_hash_to_block._cache.items():
-        out[key] = ("many", list(value)) if isinstance(value, dict) else ("one", value.block_id)
+    for key, value in cache._cache.items():
+        if isinstance(value, int):
+            out[key] = ("many", list(dups[key])) if dups and key in dups else ("one", value)
+        else:
+            out[key] = ("many", list(value)) if isinstance(value, dict) else ("one", value.block_id)
     return out
 
 
@@ -521,8 +533,9 @@ class VllmLockstep(RuleBasedStateMachine):
         skip_read=st.sampled_from([None, None, None, True]),
         mm=st.sampled_from([None, None, (2, 3), (0, 6)]),
         enc=st.integers(0, 12),
+        hit_limit=st.sampled_from([None, None, None, 0, 3, 8]),
     )
-    def new_request(self, prefix, suffix, long, lora, salt, full_report, skip_read, mm, enc):
+    def new_request(self, prefix, suffix, long, lora, salt, full_report, skip_read, mm, enc, hit_limit):
         prompt = prefix + suffix
         if long:
             prompt = (prompt + [self.counter % 4] * self.max_len)[: self.max_len - long + 1]
@@ -531,10 +544,14 @@ class VllmLockstep(RuleBasedStateMachine):
         self.counter += 1
         copies = []
         for _ in range(2):
+            # vLLM 0.34: prompt scoring from token N reads at most N tokens from the cache
+            # (request.prefix_cache_hit_limit); earlier releases have no such bound
+            scoring = {"prompt_logprobs": 1, "prompt_logprob_start": hit_limit} if HIT_LIMIT and hit_limit is not None else {}
             sp = SamplingParams(
                 max_tokens=self.max_len,
                 extra_args={"kv_cache_report_mode": "full"} if full_report else None,
                 skip_reading_prefix_cache=skip_read,
+                **scoring,
             )
             feats = None
             if mm is not None and len(prompt) >= mm[0] + mm[1]:
@@ -859,7 +876,14 @@ class VllmLockstep(RuleBasedStateMachine):
         if not self.pairs:
             return
         p = data.draw(st.sampled_from(self.pairs), label="request")
-        assert v.get_num_common_prefix_blocks(p.rid) == k.get_num_common_prefix_blocks(p.rid)
+        if hasattr(v, "get_num_common_prefix_blocks"):  # 0.32 / 0.33
+            assert v.get_num_common_prefix_blocks(p.rid) == k.get_num_common_prefix_blocks(p.rid)
+        if hasattr(v, "get_num_cached_tokens"):  # 0.34: the cache-aware admission probe
+            free_before = k.block_pool.get_num_free_blocks()
+            rv, rk, _ = self.call("get_num_cached_tokens", lambda: v.get_num_cached_tokens(p.v),
+                                  lambda: k.get_num_cached_tokens(p.k))
+            assert rv == rk
+            assert k.block_pool.get_num_free_blocks() == free_before
         assert _result(v.get_blocks(p.rid)) == _result(k.get_blocks(p.rid))
         assert v.get_block_ids(p.rid) == k.get_block_ids(p.rid)
         n = data.draw(st.integers(0, p.v.num_tokens), label="num_computed_tokens")

@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 import kvblock.vllm as kv  # noqa: E402
 from kvblock import block_pool as kbp  # noqa: E402
+from kvblock.vllm import block_pool as kvbp  # noqa: E402
 from kvblock.vllm import blocks as kb  # noqa: E402
 from kvblock.vllm import coordinator as kc  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
@@ -65,9 +66,9 @@ def _public_methods(cls: type) -> list[str]:
 
 DRIFT_PAIRS = [
     (vkm.KVCacheManager, kv.KVCacheManager),
-    (vbp.BlockPool, kbp.BlockPool),
+    (vbp.BlockPool, kvbp.BlockPool),
     (vkm.KVCacheBlocks, kb.KVCacheBlocks),
-    (vbp.BlockHashToBlockMap, kbp.BlockHashToBlockMap),
+    (vbp.BlockHashToBlockMap, kvbp.BlockHashToBlockMap),
     (vkc.KVCacheCoordinator, kc.UnitaryCoordinatorView),
     (vkc.UnitaryKVCacheCoordinator, kc.UnitaryCoordinatorView),
     (vkc.HybridKVCacheCoordinator, kc.HybridCoordinatorView),
@@ -119,8 +120,28 @@ def test_signatures_match_installed_vllm(vllm_cls, ours):
 
 def test_constructors_match_installed_vllm():
     assert _params(kv.KVCacheManager) == _params(vkm.KVCacheManager)
-    assert _params(kbp.BlockPool) == _params(vbp.BlockPool)
+    assert _params(kvbp.BlockPool) == _params(vbp.BlockPool)
     assert _params(kb.KVCacheBlocks) == _params(vkm.KVCacheBlocks)
+
+
+def test_constructors_take_the_installed_releases_positions():
+    """Every argument passed by position lands where the installed release puts it (0.32 has
+    no num_hash_lookahead_tokens, so its later positions differ from 0.33's)."""
+    names = [p for p in inspect.signature(vbp.BlockPool).parameters]
+    values = {"num_gpu_blocks": 8, "enable_caching": True, "hash_block_size": 16, "enable_kv_cache_events": True,
+              "metrics_collector": None, "num_hash_lookahead_tokens": 2, "medium": "CPU"}
+    pool = kvbp.BlockPool(*[values[n] for n in names])
+    assert (pool.num_gpu_blocks, pool.medium) == (8, "CPU")
+    assert pool.num_hash_lookahead_tokens == (2 if "num_hash_lookahead_tokens" in names else 0)
+    with pytest.raises(TypeError):
+        kvbp.BlockPool(*[values[n] for n in names], "extra")
+    mnames = list(inspect.signature(vkm.KVCacheManager).parameters)
+    margs = {"kv_cache_config": _config([_full()], 64), "max_model_len": 256, "scheduler_block_size": 16,
+             "hash_block_size": 16, "max_in_flight_tokens": None, "enable_caching": True, "use_eagle": False,
+             "num_hash_lookahead_tokens": 0, "num_prefill_lookahead": 0, "log_stats": True,
+             "enable_kv_cache_events": True, "dcp_world_size": 1, "pcp_world_size": 1}
+    mgr = kv.KVCacheManager(*[margs[n] for n in mnames if n in margs][: len(margs)])
+    assert type(mgr) is kv.KVCacheManager and mgr.log_stats and mgr.enable_kv_cache_events
 
 
 def test_attributes_vllm_reads_are_there():

@@ -5,21 +5,37 @@ event helpers and block-id ``BlockHashToBlockMap``."""
 
 from __future__ import annotations
 
+import inspect
 import operator
 import weakref
 from collections.abc import Iterator, MutableMapping
 from typing import Any, Iterable
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.v1.core import block_pool as _vbp
 
 from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
 from ..block_pool import KVCacheBlock
 from .releases import current as _current_release
 
-__all__ = ["BlockHashToBlockMap", "BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "IdsBlockHashToBlockMap"]
 
 RELEASE = _current_release()
+
+#: vLLM's own pool class (read before any patching: kvblock's stands in for it).
+_VllmBlockPool = getattr(_vbp, "_kvblock_original_BlockPool", _vbp.BlockPool)
+_POOL_SIGNATURE = inspect.signature(_VllmBlockPool.__init__)
+
+
+def _pool_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A ``BlockPool(...)`` call's arguments bound to the installed vLLM's own constructor,
+    defaults applied, by name (``self`` left out). Raises TypeError as vLLM's would."""
+    bound = _POOL_SIGNATURE.bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    out = dict(bound.arguments)
+    del out[next(iter(out))]
+    return out
 
 
 def _untracked(obj: Any) -> Any:
@@ -90,7 +106,7 @@ class _IdsCache(MutableMapping):  # type: ignore[type-arg]
         return repr(self.copy())
 
 
-class BlockHashToBlockMap(_BlockHashToBlockMap):
+class IdsBlockHashToBlockMap(_BlockHashToBlockMap):
     """vLLM 0.34's ``BlockHashToBlockMap`` face of the pool's hash -> block map: ``_cache``
     holds one block id per key, ``_dup_ids`` the ids of keys cached by several blocks
     (``{key: {block_id: None}}``, in caching order), ``clear()`` empties the map in place."""
@@ -118,6 +134,13 @@ class BlockHashToBlockMap(_BlockHashToBlockMap):
         self._cache.clear()
 
 
+#: The installed release's ``BlockHashToBlockMap`` face: 0.34's block-id layout, or the
+#: block-object layout of 0.32 / 0.33 (``kvblock.block_pool.BlockHashToBlockMap``).
+BlockHashToBlockMap: type[_BlockHashToBlockMap] = (
+    IdsBlockHashToBlockMap if RELEASE.block_hash_map_ids else _BlockHashToBlockMap
+)
+
+
 class BlockPool(_BlockPool):
     """vLLM 0.33.0's ``BlockPool`` (same constructor and methods) on kvblock's Rust pool;
     its KV events are vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
@@ -127,12 +150,12 @@ class BlockPool(_BlockPool):
     if RELEASE.block_hash_map_ids:
 
         @property  # type: ignore[override]
-        def cached_block_hash_to_block(self) -> BlockHashToBlockMap:
+        def cached_block_hash_to_block(self) -> IdsBlockHashToBlockMap:
             """The pool's one ``BlockHashToBlockMap`` (0.34: the same object for the pool's
             life, cleared in place by ``reset_prefix_cache``)."""
             m = self.__dict__.get("_kvblock_hash_map")
             if m is None:
-                m = self.__dict__["_kvblock_hash_map"] = BlockHashToBlockMap(self)
+                m = self.__dict__["_kvblock_hash_map"] = IdsBlockHashToBlockMap(self)
             return m
 
     if RELEASE.free_evict_first:
@@ -170,11 +193,18 @@ class BlockPool(_BlockPool):
             ``block_end`` that the block's hash covers."""
             return request.all_token_ids[block_end : block_end + self.num_hash_lookahead_tokens]  # type: ignore[no-any-return]
 
-    def __new__(cls, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> "BlockPool":
-        # vLLM 0.33.0 asserts a positive int count; its callers get its AssertionError
+    def __new__(cls, *args: Any, **kwargs: Any) -> "BlockPool":
+        # the installed release's own constructor (0.32 has no num_hash_lookahead_tokens, so
+        # its positions differ), with its defaults
+        a = _pool_arguments(args, kwargs)
+        num_gpu_blocks = a["num_gpu_blocks"]
+        # vLLM asserts a positive int count; its callers get its AssertionError
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise AssertionError(f"num_gpu_blocks: must be a positive int, got {num_gpu_blocks!r}")
-        return super().__new__(cls, num_gpu_blocks, *args, **kwargs)
+        return super().__new__(cls, **a)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(**_pool_arguments(args, kwargs))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """vLLM's ``evict_blocks``: drop the cache keys of these blocks (ref counts and queue
@@ -195,3 +225,7 @@ class BlockPool(_BlockPool):
                 i += n
             ids.append(i)
         self.evict_ids(ids)
+
+
+# introspection sees the installed release's own constructor
+BlockPool.__signature__ = inspect.signature(_VllmBlockPool)  # type: ignore[attr-defined]

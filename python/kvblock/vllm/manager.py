@@ -245,8 +245,30 @@ class KVCacheManager(_core.KVCacheManagerCore):
         )
 
     # -- lookups -------------------------------------------------------------------------------
-    def get_computed_blocks_for_connector(
-        self, request: Request, max_cache_hit_length: int | None = None
+    if not RELEASE.lookup_bound:
+        # vLLM 0.32's lookups take the request alone (0.33 added the bound)
+
+        def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:  # type: ignore[override]
+            """vLLM 0.32's ``get_computed_blocks(request)``: the longest cached prefix, at most
+            ``request.num_tokens - 1`` tokens; see the core's method."""
+            return _core.KVCacheManagerCore.get_computed_blocks(self, request)  # type: ignore[no-any-return]
+
+        def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+            """vLLM 0.32's ``get_computed_blocks_for_connector(request)``."""
+            return self._computed_blocks_for_connector(request, None)
+
+    else:
+
+        def get_computed_blocks_for_connector(
+            self, request: Request, max_cache_hit_length: int | None = None
+        ) -> tuple[KVCacheBlocks, int, int, bool]:
+            """vLLM's ``get_computed_blocks_for_connector``: for hybrid Mamba models, the
+            full-attention hit and whether a group hit less (a partial hit); otherwise
+            ``get_computed_blocks`` and False."""
+            return self._computed_blocks_for_connector(request, max_cache_hit_length)
+
+    def _computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
         coordinator = self.coordinator
         if not (
@@ -254,7 +276,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
             and isinstance(coordinator, HybridCoordinatorView)
             and coordinator.full_attention_group_id is not None
         ):
-            return *self.get_computed_blocks(request, max_cache_hit_length), False
+            return *self._lookup(request, max_cache_hit_length), False
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0, False
         if RELEASE.hit_limit_field == "prefix_cache_hit_limit":
@@ -264,10 +286,15 @@ class KVCacheManager(_core.KVCacheManagerCore):
         fa = coordinator.full_attention_group_id
         groups, per_group = self._find_longest_cache_hit_per_group(request.block_hashes, max_cache_hit_length)
         if any(hit > per_group[fa] for hit in per_group):
-            return *self.get_computed_blocks(request, max_cache_hit_length), False
+            return *self._lookup(request, max_cache_hit_length), False
         num_local = per_group[fa]
         blocks = self.create_kv_cache_blocks(tuple(groups))
         return blocks, num_local, 0, min(per_group) < num_local
+
+    def _lookup(self, request: Request, max_cache_hit_length: int | None) -> tuple[KVCacheBlocks, int, int]:
+        if max_cache_hit_length is None:
+            return _core.KVCacheManagerCore.get_computed_blocks(self, request)  # type: ignore[no-any-return]
+        return _core.KVCacheManagerCore.get_computed_blocks(self, request, max_cache_hit_length)  # type: ignore[no-any-return]
 
     # -- the rest of vLLM's API ----------------------------------------------------------------
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
@@ -285,8 +312,11 @@ class KVCacheManager(_core.KVCacheManagerCore):
             self.prefix_cache_stats.reset = True
         return True
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0] * self.num_kv_cache_groups
+    if RELEASE.common_prefix_blocks:
+
+        def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+            """vLLM 0.32 / 0.33's (deprecated: cascade attention is gone): 0 per group."""
+            return [0] * self.num_kv_cache_groups
 
     def _take_pool_events(self) -> list[KVCacheEvent]:
         # take_events (the core's) with KV events on
