@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from kvblock.vllm.releases import model_runner_output
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             for new in out.scheduled_new_reqs:
                 hit = new.num_computed_tokens
             ids = list(out.num_scheduled_tokens)
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                                    sampled_token_ids=[[7] for _ in ids])
+            mro = model_runner_output(ids, [[7] for _ in ids])
             sched.update_from_output(out, mro)
         print(f"{req.request_id}: {req.num_prompt_tokens} prompt tokens, prefix-cache hit {hit} tokens, "
               f"{req.num_output_tokens} tokens generated")

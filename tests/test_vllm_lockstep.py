@@ -90,6 +90,12 @@ from kvblock.vllm.releases import current as _current_release  # noqa: E402
 
 #: vLLM 0.34 bounds a request's cache hits by ``prefix_cache_hit_limit`` (prompt scoring).
 HIT_LIMIT = _current_release().hit_limit_field == "prefix_cache_hit_limit"
+#: vLLM 0.33+ hashes blocks with lookahead tokens; 0.32 has no such parameter.
+HASH_LOOKAHEAD = _current_release().hash_lookahead
+#: vLLM 0.32 caches Mamba groups in mode "none" (kvblock does not manage that; 0.33 forbids it).
+MAMBA_NONE_CACHING = _current_release().mamba_none_prefix_caching
+#: vLLM 0.32 drops the EAGLE block of flagged groups even with use_eagle off.
+EAGLE_GROUPS_DROP_ALWAYS = _current_release().eagle_groups_drop_always
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -183,7 +189,8 @@ def configs(draw) -> dict:
             p["chunk_mult"] = draw(st.sampled_from([1, 2, 3]))
         elif k == "mamba":
             mode = draw(st.sampled_from(["align", "none"]))
-            if caching and not wild:
+            if caching and (not wild or MAMBA_NONE_CACHING):
+                # (on 0.32 a cached "none" group is a configuration kvblock hands to vLLM)
                 mode = "align"
             p.update(
                 mode=mode,
@@ -203,6 +210,11 @@ def configs(draw) -> dict:
     if n == 1 and caching and not wild:
         h = groups[0]["bs"]
     use_eagle = draw(st.booleans())
+    if EAGLE_GROUPS_DROP_ALWAYS and not use_eagle:
+        # vLLM 0.32 drops a flagged group's EAGLE block without use_eagle (kvblock hands that
+        # configuration to vLLM; a real engine flags draft groups only with EAGLE on)
+        for g in groups:
+            g["eagle_group"] = False
     # chunked local attention: hits must land on its block size (vLLM asserts it)
     for _ in range(3):
         sizes = [g["bs"] for g in groups]
@@ -244,7 +256,7 @@ def configs(draw) -> dict:
         use_eagle=use_eagle,
         events=draw(st.sampled_from([True, True, False])),
         log_stats=draw(st.booleans()),
-        num_hash_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 2])),
+        num_hash_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 2] if HASH_LOOKAHEAD else [0])),
         num_prefill_lookahead=npl,
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         max_in_flight_tokens=draw(st.one_of(st.none(), st.integers(1, max_model_len))),
@@ -281,6 +293,7 @@ def build_config(c: dict) -> KVCacheConfig:
 
 
 def build_manager(cls: type, c: dict):
+    ahead = {"num_hash_lookahead_tokens": c["num_hash_lookahead_tokens"]} if HASH_LOOKAHEAD else {}
     return cls(
         build_config(c),
         c["max_model_len"],
@@ -289,7 +302,7 @@ def build_manager(cls: type, c: dict):
         max_in_flight_tokens=c["max_in_flight_tokens"],
         enable_caching=c["caching"],
         use_eagle=c["use_eagle"],
-        num_hash_lookahead_tokens=c["num_hash_lookahead_tokens"],
+        **ahead,
         num_prefill_lookahead=c["num_prefill_lookahead"],
         log_stats=c["log_stats"],
         enable_kv_cache_events=c["events"],
@@ -390,7 +403,8 @@ class VllmLockstep(RuleBasedStateMachine):
         COVERAGE["tiny pool"] += c["num_blocks"] <= 4
         COVERAGE["mixed block sizes"] += len({g["bs"] for g in c["groups"]}) > 1
         self.v, self.k = v, k
-        self.hasher = get_request_block_hasher(c["hash_block_size"], sha256, c["num_hash_lookahead_tokens"])
+        ahead = [c["num_hash_lookahead_tokens"]] if HASH_LOOKAHEAD else []
+        self.hasher = get_request_block_hasher(c["hash_block_size"], sha256, *ahead)
         self.pairs: list[Pair] = []
         self.counter = 0
         self.deferred: list[tuple[list, list]] = []  # blocks a scheduler frees later (v, k)

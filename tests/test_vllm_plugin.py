@@ -350,7 +350,7 @@ def test_engine_args_scheduler_cls_runs_on_kvblock():
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.outputs import ModelRunnerOutput
+    from kvblock.vllm.releases import model_runner_output
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -386,8 +386,7 @@ def test_engine_args_scheduler_cls_runs_on_kvblock():
                 new = out.scheduled_new_reqs[0]
                 assert new.num_computed_tokens == 64  # four 16-token blocks of r0's prompt
             ids = list(out.num_scheduled_tokens)
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                                    sampled_token_ids=[[7] for _ in ids])
+            mro = model_runner_output(ids, [[7] for _ in ids])
             for eco in sched.update_from_output(out, mro).values():
                 finished += [o.request_id for o in eco.outputs if o.finish_reason is not None]
     assert finished == ["r0", "r1"]
@@ -436,6 +435,11 @@ def test_readme_scheduler_demo_runs_on_kvblock():
     import sys
     from pathlib import Path
 
+    from vllm.triton_utils import HAS_TRITON
+
+    if vllm.__version__.startswith("0.34.") and not HAS_TRITON:
+        # a user script runs outside the test harness that lets 0.34 build a VllmConfig here
+        pytest.skip("vLLM 0.34 refuses to build a VllmConfig on an x86 CPU without triton-cpu (shared/vllm/README.md)")
     script = Path(__file__).resolve().parent.parent / "scripts" / "vllm_scheduler_demo.py"
     out = subprocess.run([sys.executable, str(script), "--requests", "3"], capture_output=True, text=True,
                          timeout=600, check=True).stdout

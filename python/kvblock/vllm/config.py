@@ -54,10 +54,22 @@ def translate(
     pcp_world_size: int = 1,
     metrics_collector: Any = None,
     enable_caching: bool = True,
+    use_eagle: bool = True,
 ) -> Path:
     """The kvblock groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or the reason
     kvblock does not manage it."""
     from .releases import current
+
+    if (
+        not use_eagle
+        and current().eagle_groups_drop_always
+        and any(getattr(g, "is_eagle_group", False) for g in kv_cache_config.kv_cache_groups)
+    ):
+        return Path(
+            "vllm",
+            f"EAGLE groups without use_eagle (vLLM {current().series} drops their EAGLE block anyway; "
+            "kvblock implements 0.33's rule)",
+        )
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheGroupRole, MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -124,7 +136,8 @@ def describe(
     pcp_world_size: int = 1,
     metrics_collector: Any = None,
     enable_caching: bool = True,
+    use_eagle: bool = True,
 ) -> Path:
     """Which manager ``kv_cache_config`` gets with kvblock swapped in, and why: a
     :class:`Path` whose ``str()`` is ``"kvblock"`` or ``"vLLM's own manager: <reason>"``."""
-    return translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, enable_caching)
+    return translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, enable_caching, use_eagle)

@@ -125,7 +125,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
         num_hash_lookahead_tokens = operator.index(a.get("num_hash_lookahead_tokens", 0))
         num_prefill_lookahead = operator.index(a["num_prefill_lookahead"])
         dcp_world_size, pcp_world_size = operator.index(a["dcp_world_size"]), operator.index(a["pcp_world_size"])
-        path = translate(kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, bool(enable_caching))
+        path = translate(
+            kv_cache_config, dcp_world_size, pcp_world_size, metrics_collector, bool(enable_caching), bool(use_eagle)
+        )
         if not path.on_kvblock:
             _fallback(path.reason)
             # by keyword, as the installed release names them

@@ -13,8 +13,9 @@ refuse a release outside the window before any engine state exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Release", "UnsupportedVllmRelease", "WINDOW", "check", "current", "window_text"]
+__all__ = ["Release", "UnsupportedVllmRelease", "WINDOW", "check", "current", "model_runner_output", "window_text"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,13 @@ class Release:
             frontend computed (0.34).
         common_prefix_blocks: ``KVCacheManager.get_num_common_prefix_blocks`` exists
             (deprecated in 0.33, removed in 0.34).
+        eagle_groups_drop_always: a group flagged ``is_eagle_group`` drops the EAGLE block from
+            its hits even with ``use_eagle`` off (0.32; 0.33 drops only with ``use_eagle``). A
+            real engine flags draft groups only with EAGLE on; kvblock implements 0.33's rule,
+            so on 0.32 a flagged group without ``use_eagle`` is a configuration it does not
+            manage.
+        runner_output_index: ``ModelRunnerOutput`` takes ``req_id_to_index`` (0.32, 0.33; 0.34
+            dropped it): see :func:`model_runner_output`.
         mamba_none_prefix_caching: a Mamba group in ``mamba_cache_mode="none"`` takes part in
             prefix caching (0.32). From 0.33 vLLM asserts that Mamba prefix caching uses
             "align"; kvblock implements those semantics, so on 0.32 such a configuration
@@ -65,6 +73,8 @@ class Release:
     frontend_block_hashes: bool
     common_prefix_blocks: bool
     mamba_none_prefix_caching: bool
+    runner_output_index: bool
+    eagle_groups_drop_always: bool
 
 
 _RELEASES = {
@@ -82,6 +92,8 @@ _RELEASES = {
         frontend_block_hashes=False,
         common_prefix_blocks=True,
         mamba_none_prefix_caching=True,
+        runner_output_index=True,
+        eagle_groups_drop_always=True,
     ),
     "0.33": Release(
         series="0.33",
@@ -97,6 +109,8 @@ _RELEASES = {
         frontend_block_hashes=False,
         common_prefix_blocks=True,
         mamba_none_prefix_caching=False,
+        runner_output_index=True,
+        eagle_groups_drop_always=False,
     ),
     "0.34": Release(
         series="0.34",
@@ -112,6 +126,8 @@ _RELEASES = {
         frontend_block_hashes=True,
         common_prefix_blocks=False,
         mamba_none_prefix_caching=False,
+        runner_output_index=False,
+        eagle_groups_drop_always=False,
     ),
 }
 
@@ -172,3 +188,16 @@ def check() -> Release:
     """:func:`current`, for the import of ``kvblock.vllm``: raises
     :class:`UnsupportedVllmRelease` outside the window."""
     return current()
+
+
+def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for a step that sampled ``sampled_token_ids[i]`` for
+    ``req_ids[i]``, built as the installed release takes it (0.32 / 0.33 also want
+    ``req_id_to_index``): for driving vLLM's scheduler without a model (benchmarks, the
+    scheduler demo, tests)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    extra: dict[str, Any] = {}
+    if current().runner_output_index:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled_token_ids, **extra)
