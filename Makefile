@@ -58,7 +58,7 @@ py-test: install test-services
 
 # mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
 typecheck: install
-	@echo "== type checks: mypy --strict on the README's examples and tests/typing/, stubtest of kvblock._core"
+	@echo "== type checks: mypy --strict on the examples of README.md and docs/ and tests/typing/, stubtest of kvblock._core"
 	$(BIN)/python scripts/typecheck.py
 
 smoke:
