@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # `make test SMOKE_PYTHONS=` runs none.
 SMOKE_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: test install rust-test py-test test-services typecheck smoke lint bench demo wheels clean
+.PHONY: test install rust-test py-test test-services typecheck smoke docs lint bench demo wheels clean
 
 $(BIN)/python:
 	@echo "== creating $(VENV), the test environment, with $(PY) ($$($(PY) --version 2>&1))"
@@ -58,12 +58,24 @@ py-test: install test-services
 
 # mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
 typecheck: install
-	@echo "== type checks: mypy --strict on the README's examples and tests/typing/, stubtest of kvblock._core"
+	@echo "== type checks: mypy --strict on the examples of README.md and docs/ and tests/typing/, stubtest of kvblock._core"
 	$(BIN)/python scripts/typecheck.py
 
 smoke:
 	@echo "== smoke tests on the other CPythons found: $(SMOKE_PYTHONS) (a build and a minute of tests each)"
 	PY=$(BIN)/python scripts/smoke_pythons.sh $(SMOKE_PYTHONS)
+
+# The docs site (mkdocs.yml) into site/, strict: a broken link or anchor, or a docstring griffe
+# cannot parse, fails it. Needs only requirements/docs.txt in $(VENV): the API reference reads
+# python/kvblock's source, and nothing is fetched while building.
+docs: $(BIN)/python
+	@echo "== docs: mkdocs build --strict into site/ (requirements/docs.txt in $(VENV))"
+	@if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(BIN)/python -m pip install -q -r requirements/docs.txt && \
+		NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site; \
+	else \
+		echo "== docs skipped: mkdocs-material 9.8 and mkdocstrings-python 2 need CPython 3.11+ (CI's main job builds the site on 3.11)"; \
+	fi
 
 # Every stage runs (a failed one does not stop the rest); the last line sums them up.
 test:
@@ -93,4 +105,4 @@ demo: $(BIN)/python
 	$(BIN)/python -m kvblock info
 
 clean:
-	rm -rf target dist $(VENV) .venv-smoke .venv-wheels python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks
+	rm -rf target dist site $(VENV) .venv-smoke .venv-wheels python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks

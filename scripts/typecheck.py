@@ -1,6 +1,7 @@
 """Type checks of the public API, run by ``make test`` (and so by CI):
 
-1. ``mypy --strict`` on every ``python`` code block of README.md (extracted as written, after
+1. ``mypy --strict`` on every ``python`` code block of README.md and of the docs site's pages
+   (``docs/*.md``; extracted as written, after
    a preamble that declares the names the examples take as given, such as ``token_ids``)
    and on the snippets under ``tests/typing/``;
 2. ``python -m mypy.stubtest kvblock._core``: ``python/kvblock/_core.pyi`` against the
@@ -31,8 +32,13 @@ block_hashes: list[bytes]
 
 
 def readme_blocks(text: str) -> list[str]:
-    """The README's ```python blocks, in order."""
+    """The ```python blocks of a Markdown page, in order."""
     return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def doc_pages() -> list[Path]:
+    """README.md, then the docs site's pages."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def run(cmd: list[str], what: str) -> bool:
@@ -41,19 +47,20 @@ def run(cmd: list[str], what: str) -> bool:
 
 
 def main() -> int:
-    blocks = readme_blocks((ROOT / "README.md").read_text())
-    if not blocks:
+    pages = {page: readme_blocks(page.read_text()) for page in doc_pages()}
+    if not pages[ROOT / "README.md"]:
         print("README.md has no python code blocks to check", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory(prefix="kvblock-readme-") as tmp:
         files = []
-        for i, block in enumerate(blocks):
-            path = Path(tmp) / f"readme_example_{i + 1}.py"
-            path.write_text(README_PREAMBLE + block)
-            files.append(str(path))
+        for page, blocks in pages.items():
+            for i, block in enumerate(blocks):
+                path = Path(tmp) / f"{page.stem.lower()}_example_{i + 1}.py"
+                path.write_text(README_PREAMBLE + block)
+                files.append(str(path))
         snippets = sorted(str(p) for p in (ROOT / "tests" / "typing").glob("*.py"))
         ok = run([sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files, *snippets],
-                 f"mypy --strict on {len(files)} README examples and {len(snippets)} tests/typing snippets")
+                 f"mypy --strict on {len(files)} README and docs examples and {len(snippets)} tests/typing snippets")
     ok = run([sys.executable, "-m", "mypy.stubtest", "kvblock._core"], "stubtest") and ok
     return 0 if ok else 1
 

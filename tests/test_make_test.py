@@ -38,6 +38,11 @@ STAGES = {
         "== smoke CPython 3.12: passed in 95 s",
         "== smoke CPython 3.13: skipped: no CPython 3.13 found (python3.13 on PATH or under pyenv)",
     ],
+    "docs": [
+        "== docs: mkdocs build --strict into site/ (requirements/docs.txt in .venv)",
+        "INFO    -  Building documentation to directory: site",
+        "INFO    -  Documentation built in 4.92 seconds",
+    ],
 }
 
 
@@ -66,7 +71,7 @@ def test_the_last_line_sums_up_every_stage(tmp_path):
     assert r.stdout.splitlines()[-1] == (
         "== make test passed: cargo test 150 passed, 0 failed, 2 ignored; "
         "pytest 1,700 passed, 0 failed, 6 skipped; typecheck 2 passed, 0 failed; "
-        "smoke 1 passed, 0 failed, 3 skipped"
+        "smoke 1 passed, 0 failed, 3 skipped; docs 1 passed, 0 failed"
     )
     assert "1700 passed, 6 skipped" in r.stdout  # every stage's own output still shows
 
@@ -87,3 +92,22 @@ def test_a_stage_that_never_started_is_named(tmp_path):
     r = make_test(makefile(tmp_path, stages, fail="typecheck"))
     last = r.stdout.splitlines()[-1]
     assert r.returncode != 0 and "typecheck not run" in last, last
+
+
+def test_a_strict_docs_build_that_warned_fails(tmp_path):
+    stages = dict(STAGES)
+    stages["docs"] = ["== docs: mkdocs build --strict into site/",
+                      "WARNING -  Doc file 'index.md' contains a link 'nowhere.md', but the target is not found",
+                      "Aborted with 1 warnings in strict mode!"]
+    r = make_test(makefile(tmp_path, stages, fail="docs"))
+    last = r.stdout.splitlines()[-1]
+    assert r.returncode != 0 and last.startswith("== make test FAILED: ") and "docs 0 passed, 1 failed" in last, last
+
+
+def test_docs_skipped_on_an_old_cpython_is_counted_as_skipped(tmp_path):
+    stages = dict(STAGES)
+    stages["docs"] = ["== docs: mkdocs build --strict into site/",
+                      "== docs skipped: mkdocs-material 9.8 and mkdocstrings-python 2 need CPython 3.11+"]
+    r = make_test(makefile(tmp_path, stages))
+    last = r.stdout.splitlines()[-1]
+    assert r.returncode == 0 and "docs 0 passed, 0 failed, 1 skipped" in last, last
