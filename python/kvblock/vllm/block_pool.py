@@ -206,6 +206,17 @@ class BlockPool(_BlockPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(**_pool_arguments(args, kwargs))
 
+    @classmethod
+    def _for_manager(cls, **kwargs: Any) -> "BlockPool":
+        """The pool of a :class:`kvblock.vllm.KVCacheManager`, from kvblock's own parameters
+        (``num_hash_lookahead_tokens`` included, on every release), by keyword."""
+        n = kwargs["num_gpu_blocks"]
+        if not isinstance(n, int) or n <= 0:
+            raise AssertionError(f"num_gpu_blocks: must be a positive int, got {n!r}")
+        pool = _BlockPool.__new__(cls, **kwargs)
+        _BlockPool.__init__(pool, **kwargs)
+        return pool  # type: ignore[return-value]
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """vLLM's ``evict_blocks``: drop the cache keys of these blocks (ref counts and queue
         positions unchanged). As vLLM, an id past the pool is an ``AssertionError`` (a KV

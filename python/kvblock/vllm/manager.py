@@ -133,13 +133,13 @@ class KVCacheManager(_core.KVCacheManagerCore):
             # by keyword, as the installed release names them
             return VllmKVCacheManager(**a)
         assert watermark >= 0.0, "watermark must be non-negative"
-        pool = BlockPool(
-            kv_cache_config.num_blocks,
-            enable_caching,
-            hash_block_size,
-            enable_kv_cache_events,
-            None,
-            num_hash_lookahead_tokens,
+        pool = BlockPool._for_manager(
+            num_gpu_blocks=kv_cache_config.num_blocks,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+            enable_kv_cache_events=enable_kv_cache_events,
+            metrics_collector=None,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         try:
             self = super().__new__(
