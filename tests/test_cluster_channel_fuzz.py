@@ -129,7 +129,8 @@ class Counts:
         return self.dropped + self.duplicated + self.delayed + self.reordered + self.truncated + self.restarts
 
 
-def run_channel(seed: int, steps: int, restarts: int, idle_sync_s: float = 0.005) -> tuple[Counts, object]:
+def run_channel(seed: int, steps: int, restarts: int, idle_sync_s: float = 0.005,
+                buffer: int = BUFFER) -> tuple[Counts, object]:
     rng = random.Random(seed)
     ctx = zmq.Context.instance()
     port, rport, cport = free_port(), free_port(), free_port()
@@ -139,7 +140,7 @@ def run_channel(seed: int, steps: int, restarts: int, idle_sync_s: float = 0.005
 
     def publisher() -> KVEventPublisher:
         return rebind(lambda: KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}",
-                                               buffer_steps=BUFFER))
+                                               buffer_steps=buffer))
 
     chan = ctx.socket(zmq.PUB)
     chan.setsockopt(zmq.LINGER, 0)

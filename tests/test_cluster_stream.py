@@ -176,9 +176,10 @@ def test_damaged_late_copy_is_told_from_a_restart_by_the_replay_buffer():
     st.on_message(*eng.batch(stored(A)))
     for i in range(4):
         st.on_message(*eng.batch(stored([100 + i])))
+    probes = st.stats.probes
     st.on_message(2, b"\x93\xcb")  # a truncated copy of batch 2: same number, other bytes
     assert ix.match(A) == {"e": 4}
-    assert st.stats.restarts == 0 and st.stats.stale == 1 and st.stats.probes == 1
+    assert st.stats.restarts == 0 and st.stats.stale == 1 and st.stats.probes == probes + 1
 
 
 def test_catch_up_racing_the_live_stream_never_rebuilds():
@@ -258,3 +259,18 @@ def test_damaged_next_batch_is_taken_from_the_replay_buffer():
     st.on_message(s, p[: len(p) // 2])
     assert ix.match(A) == {"e": 4} and ix.match([103]) == {}
     assert st.stats.malformed == 1 and st.stats.lost == 0 and st.expected == s + 1
+
+
+def test_first_message_from_a_past_publisher_is_not_grafted_onto_the_new_one():
+    # after a resync, the first live batch is a late one of the publisher before a restart
+    old = Engine()
+    for ev in (stored(A), stored(C), stored([7], 9)):
+        old.batch(ev)
+    late = old.batch(stored(B[2:], 2))
+    new = Engine()
+    new.batch(stored([1, 2]))
+    ix = PrefixIndex()
+    st = EventStream("e", ix, new.replay)
+    st.on_message(*late)  # seq 3: the new publisher holds batch 0 only
+    never_over(ix, new.truth, (A, B, C))
+    assert ix.match(A) == {"e": 2} and st.stats.stale == 1 and st.expected == 1

@@ -249,10 +249,12 @@ class EventStream:
         self._reset()
         return self._rebuild()
 
-    def _rebuild(self) -> int:
+    def _rebuild(self, got: list[tuple[int, bytes]] | None = None, live: int | None = None) -> int:
         """From nothing known: clear, then apply the buffered run that ends at the newest
-        batch. Returns the batches applied."""
-        got = self._ask(0)
+        batch (``got``: an answer to ``replay(0)`` already in hand; ``live``: the number of a
+        live batch the run may hold, not counted as replayed). Returns the batches applied."""
+        if got is None:
+            got = self._ask(0)
         if not got:
             return 0
         batches = sorted(got)
@@ -265,7 +267,8 @@ class EventStream:
             self.stats.lost += 1
         for s, p in run:
             self._apply(s, p)
-            self.stats.replayed += 1
+            if s != live:
+                self.stats.replayed += 1
         return len(run)
 
     def _reset(self, forget: bool = True) -> None:
@@ -281,26 +284,31 @@ class EventStream:
         self.sink.clear_instance(self.instance)
 
     def _start(self, seq: int, payload: bytes) -> None:
-        """The first message: clear, replay the buffered run up to ``seq``, apply ``seq``
-        (a copy of a batch applied before a resync or an unconfirmed reset is dropped)."""
+        """The first message: clear, then rebuild from the replay buffer, which holds this
+        batch if it comes from the publisher now answering (it buffers a batch before anyone
+        can ask for it); without a replay answer, apply ``seq`` alone. A copy of a batch
+        applied before a resync or an unconfirmed reset, or a batch the publisher does not
+        hold (a past publisher's, still in flight), is dropped."""
         if self._seen.get(seq) == _digest(payload):
             self.stats.stale += 1
             return
-        self._reset()
-        if seq > 0:
-            got = self._ask(0)
-            batches = sorted((s, p) for s, p in (got or ()) if s < seq)
-            tail: list[tuple[int, bytes]] = []
-            for s, p in reversed(batches):
-                if s != (tail[-1][0] - 1 if tail else seq - 1):
-                    break
-                tail.append((s, p))
-            if not tail or tail[-1][0] != 0:
-                self.stats.lost += 1
-            for s, p in reversed(tail):
-                self._apply(s, p)
-                self.stats.replayed += 1
-        self._apply(seq, payload)
+        got = self._ask(0)
+        if got is None:
+            self._reset()
+            if seq > 0:
+                self.stats.lost += 1  # the batches before it are unknown
+            self._apply(seq, payload)
+            return
+        if not got:
+            self._reset(forget=False)
+            self.stats.stale += 1
+            return
+        self._rebuild(got, live=seq)
+        assert self.expected is not None
+        if seq == self.expected:  # published between the two: apply it
+            self._apply(seq, payload)
+        elif seq > self.expected or self._seen.get(seq) != _digest(payload):
+            self.stats.stale += 1
 
     def _unreadable(self, seq: int, payload: bytes) -> None:
         """The live batch ``seq`` (the next one) could not be read: apply the publisher's
