@@ -29,14 +29,19 @@ the index claim a block the engine does not hold:
   - no answer (no replay endpoint, or it did not answer in full): a gap clears the instance
     and goes on from the live batch (``lost``); a number that goes back cannot be told from a
     restart, so the instance is cleared and the next batch starts over (``unconfirmed``);
-* a malformed payload is a lost batch: the instance is cleared and the stream goes on;
+* a malformed next batch is taken from the replay buffer when the publisher holds an intact
+  copy (the channel damaged ours); otherwise it is a lost batch: the instance is cleared and
+  the stream goes on;
 * :meth:`EventStream.resync` (a reconnect) clears the instance and replays from 0.
 
 The first message of a stream also clears the instance (what an index holds about it from
-before is stale) and replays from 0, so a subscriber that joins late still learns the blocks
-whose batches the publisher kept. :meth:`EventStream.catch_up` asks the same question of an
-idle publisher, so a catch-up racing the live stream never rebuilds anything: the live copies
-it overtook arrive as duplicates.
+before is stale) and rebuilds it from the replay buffer's run ending at the newest batch, so
+a subscriber that joins late still learns the blocks whose batches the publisher kept; a
+first message the buffer does not hold (a past publisher's, still in flight) is dropped.
+:meth:`EventStream.catch_up` asks the same question as a gap of an idle publisher, so a
+catch-up racing the live stream never rebuilds anything (the live copies it overtook arrive
+as duplicates) and a restart while idle is seen. The time since the last batch is not used:
+a restart is told by the buffer's answer, not guessed from silence.
 """
 
 from __future__ import annotations
