@@ -200,3 +200,35 @@ def test_wide_fleet():
             x.store(f"e{i}", list(range(1, n + 1)))
     assert ix.match(list(range(1, 8))) == ref.match(list(range(1, 8)))
     assert len(ix.match([1])) == 200
+
+
+LONE = "e\udc80"  # a lone surrogate: a str UTF-8 cannot encode
+
+
+@pytest.mark.parametrize("call", [
+    lambda ix: ix.add_instance(LONE),
+    lambda ix: ix.store(LONE, [1]),
+    lambda ix: ix.remove(LONE, [1]),
+    lambda ix: ix.apply(LONE, encode_batch([], ts=0.0)),
+    lambda ix: ix.clear_instance(LONE),
+    lambda ix: ix.instance_id(LONE),
+])
+def test_instance_name_that_is_not_utf8_is_a_value_error_naming_it(call):
+    ix = PrefixIndex()
+    ix.store("e0", [1, 2])
+    with pytest.raises(ValueError, match=r"^name: .*lone surrogate") as e:
+        call(ix)
+    assert not isinstance(e.value, UnicodeError)
+    assert ix.instances() == ["e0"] and ix.match([1, 2]) == {"e0": 2}
+
+
+def test_memory_bytes_counts_the_instance_table():
+    ix = PrefixIndex()
+    empty = ix.memory_bytes()
+    for i in range(500):
+        ix.add_instance(f"instance-{i:04d}")
+    grown = ix.memory_bytes() - empty
+    assert grown >= 500 * (2 * len("instance-0000") + 8)  # each name twice, and more
+    for i in range(500):
+        ix.remove_instance(f"instance-{i:04d}")
+    assert ix.memory_bytes() >= empty  # capacity kept, never negative

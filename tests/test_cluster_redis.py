@@ -200,3 +200,20 @@ def test_cluster_url_of_a_node_not_in_cluster_mode_says_so(redis_node):
     with pytest.raises(IndexUnavailable, match="[Cc]luster mode is not enabled"):
         rix.match([1])
     rix.close()
+
+
+def test_match_without_instances_sees_an_instance_this_index_just_wrote(redis_node):
+    # issue 32: match() without an instance list read a registry cached for 1 s
+    ns = f"t{next(_ns)}"
+    rix = RedisPrefixIndex(redis_node.url, ns)
+    rix.apply("e0", payload(stored([1, 2])))
+    assert rix.match([1, 2]) == {"e0": 2}  # the registry is read (and cached) here
+    rix.apply("e1", payload(stored([1, 2, 3])))
+    assert rix.match([1, 2, 3]) == {"e0": 2, "e1": 3}
+    rix.remove_instance("e0")
+    assert rix.match([1, 2, 3]) == {"e1": 3}
+    # another process's new instance: seen once the cache is older than registry_refresh_s
+    other = RedisPrefixIndex(redis_node.url, ns)
+    other.apply("e2", payload(stored([1])))
+    assert rix.match([1], instances=["e1", "e2"]) == {"e1": 1, "e2": 1}
+    assert set(rix.instances(refresh=True)) == {"e1", "e2"}

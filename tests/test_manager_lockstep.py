@@ -340,6 +340,16 @@ class ManagerLockstep(RuleBasedStateMachine):
             if a is not None and (fast_req, ref_req) in self.waiting:
                 self.waiting.remove((fast_req, ref_req))  # it holds blocks now: not for admission
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), extra=st.integers(0, 9))
+    def cache_blocks(self, data, extra):
+        """``cache_blocks`` up to ``extra`` tokens past those computed, so past the blocks
+        held too (issue 32: the reference refused what kvblock and vLLM cache with events
+        off)."""
+        fast_req, ref_req = data.draw(st.sampled_from(self.running))
+        n = min(fast_req.num_computed_tokens + extra, fast_req.num_tokens)
+        self._same(lambda: self.fast.cache_blocks(fast_req, n), lambda: self.ref.cache_blocks(ref_req, n))
+
     @precondition(lambda self: self.all)
     @rule(data=st.data(), bad=st.sampled_from(["zero", "negative", "long"]))
     def bad_input(self, data, bad):

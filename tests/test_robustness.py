@@ -594,3 +594,15 @@ def test_block_stored_reports_the_request_fields_of_caching_time():
 
     expected = (1, "a", [("a", "s"), ("a", ("img-0", 0))], list(range(8)))
     assert run(KVCacheManager) == run(RefManager) == expected
+
+
+def test_request_id_that_is_not_utf8_is_a_value_error_naming_it():
+    # issue 32: a lone surrogate raised a UnicodeEncodeError naming no argument
+    mgr = KVCacheManager(16, 4, enable_caching=True)
+    r = Request("r\udc80", list(range(12)), block_hasher=mgr.request_block_hasher)
+    free = mgr.block_pool.get_num_free_blocks()
+    for call in (lambda: mgr.allocate_slots(r, 12), lambda: mgr.free(r), lambda: mgr.get_block_ids("r\udc80")):
+        with pytest.raises(ValueError, match=r"^request_id: .*lone surrogate") as e:
+            call()
+        assert not isinstance(e.value, UnicodeError)
+    assert mgr.block_pool.get_num_free_blocks() == free

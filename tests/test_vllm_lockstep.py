@@ -50,6 +50,7 @@ from conftest import IN_CI, require_module
 vllm = require_module("vllm")
 
 import torch  # noqa: E402
+import hypothesis  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
@@ -60,6 +61,7 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
     run_state_machine_as_test,
 )
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -340,6 +342,39 @@ def _cache_map(pool) -> dict:
     return out
 
 
+def _further_keys(pool) -> set:
+    """The further keys of vLLM's cached blocks (``cached_block_hashes_by_block``) as the
+    ``(block hash, group)`` its ``BlockRemoved`` events carry."""
+    return {(vku.maybe_convert_block_hash(vku.get_block_hash(k)), vku.get_group_id(k))
+            for keys in pool.cached_block_hashes_by_block.values() for k in keys}
+
+
+def _removed_key(e):
+    if isinstance(e, BlockRemoved) and len(e.block_hashes) == 1:
+        return (e.block_hashes[0], e.group_idx)
+    return None
+
+
+def events_as_vllm_defines(events, further: set) -> list:
+    """KV events compared as vLLM 0.33.0 defines their order: a block's further keys are a
+    Python ``set`` that ``_remove_cached_block_hashes`` pops, so the ``BlockRemoved`` events of
+    a run of further keys come in the order of ``PYTHONHASHSEED`` (a multiset here); every
+    other event, in order."""
+    out: list = []
+    i = 0
+    while i < len(events):
+        j = i
+        while j < len(events) and _removed_key(events[j]) in further:
+            j += 1
+        if j - i > 1:
+            out.append(("BlockRemoved of further keys, any order", sorted(repr(e) for e in events[i:j])))
+            i = j
+        else:
+            out.append(events[i])
+            i += 1
+    return out
+
+
 class Pair:
     """One request as both managers see it: vLLM's copy ``v`` and kvblock's copy ``k``, and
     the scheduler's bookkeeping of it."""
@@ -496,9 +531,18 @@ class VllmLockstep(RuleBasedStateMachine):
             blocks,
             _cache_map(pool),
             {b: set(keys) for b, keys in pool.cached_block_hashes_by_block.items()},
-            list(pool.kv_event_queue),
+            events_as_vllm_defines(list(pool.kv_event_queue), self._seen_further(pool, vllm_side)),
             None if m.prefix_cache_stats is None else vars(m.prefix_cache_stats).copy(),
         )
+
+    def _seen_further(self, pool, vllm_side: bool) -> set:
+        """Every further key vLLM's pool has held in this example (read on vLLM's side, which
+        is read first: both sides' events are then normalised with the same set)."""
+        if not hasattr(self, "further"):
+            self.further = set()
+        if vllm_side:
+            self.further |= _further_keys(pool)
+        return self.further
 
     def _kill(self, reason: str) -> None:
         VLLM_CORRUPTED[reason] += 1
@@ -522,8 +566,8 @@ class VllmLockstep(RuleBasedStateMachine):
             return rv, rk, False
         assert type(ev) is type(ek), f"{name}: vLLM {ev!r}, kvblock {ek!r}"
         COVERAGE[f"{name} raised {type(ev).__name__}"] += 1
-        after_k = self._state(self.k, False)
         after_v = self._state(self.v, True)
+        after_k = self._state(self.k, False)
         if after_v == before_v or after_k != after_v:
             # kvblock is atomic where vLLM is, and where vLLM is not, kvblock either changes
             # exactly what vLLM changed (checked above) or nothing
@@ -962,7 +1006,9 @@ class VllmLockstep(RuleBasedStateMachine):
             diff = [n for n, a, b in zip(names, sv, sk) if a != b]
             detail = "\n".join(f"  {n}:\n    vLLM    {a}\n    kvblock {b}" for n, a, b in zip(names, sv, sk) if a != b)
             raise AssertionError(f"state differs in {diff}\n{detail}")
-        assert self.v.take_events() == self.k.take_events()
+        further = self._seen_further(self.v.block_pool, True)
+        assert events_as_vllm_defines(self.v.take_events(), further) == events_as_vllm_defines(
+            self.k.take_events(), further)
 
     @invariant()
     def same_state(self):
@@ -985,6 +1031,74 @@ SETTINGS = settings(
 
 #: Group kinds (Mamba with its mode) every run must have compared against vLLM.
 KINDS = ["full", "mla", "rswa", "sw", "swmla", "chunked", "mamba/none", "mamba/align", "circ", "cross"]
+
+
+def test_event_order_vllm_leaves_to_chance_is_a_multiset_and_only_there() -> None:
+    """The normalisation the lockstep compares events with (issue 32): a run of removals of
+    further keys in any order, everything else in order."""
+
+    def rm(h):
+        return BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
+
+    st_ = BlockStored(block_hashes=[9], parent_block_hash=None, token_ids=[1], block_size=1, lora_id=None,
+                      medium="GPU", lora_name=None)
+    further = {(2, 0), (3, 0), (4, 0)}
+    a = [st_, rm(1), rm(2), rm(3), rm(4), rm(5)]
+    b = [st_, rm(1), rm(4), rm(2), rm(3), rm(5)]
+    assert events_as_vllm_defines(a, further) == events_as_vllm_defines(b, further)
+    # outside a run of further keys the order is compared
+    assert events_as_vllm_defines([st_, rm(5), rm(1)], further) != events_as_vllm_defines([st_, rm(1), rm(5)], further)
+    assert events_as_vllm_defines([rm(2), st_, rm(3)], further) != events_as_vllm_defines([rm(3), st_, rm(2)], further)
+    # a multiset, not a set: a key removed twice is not one removal
+    assert events_as_vllm_defines([rm(2), rm(2), rm(3)], further) != events_as_vllm_defines([rm(2), rm(3), rm(3)], further)
+
+
+#: ``KVBLOCK_LOCKSTEP_SEED=N``: explore a random sequence of examples from seed N (not CI's
+#: derandomized one, nor the example database) in :func:`test_vllm_lockstep_seeded`.
+SEED = os.environ.get("KVBLOCK_LOCKSTEP_SEED")
+
+#: CI's random-seed runs: (hypothesis seed, PYTHONHASHSEED) pairs, each a short run in its own
+#: interpreter (the hash seed is vLLM's NONE_HASH root and the order it pops sets in).
+SEEDED_RUNS = [(1, 0), (2, 1), (3, 4242)]
+SEEDED_EXAMPLES = 40
+
+
+@pytest.mark.skipif(SEED is None, reason="set KVBLOCK_LOCKSTEP_SEED (test_vllm_lockstep_random_seeds does)")
+def test_vllm_lockstep_seeded() -> None:
+    """The state machine from a random seed: no coverage floor (a short run need not reach
+    every kind), the same comparisons after every step."""
+    seeded = hypothesis.seed(int(SEED or 0))(type("VllmLockstepSeeded", (VllmLockstep,), {}))
+    COVERAGE.clear()
+    VLLM_CORRUPTED.clear()
+    run_state_machine_as_test(seeded, settings=settings(SETTINGS, derandomize=False, database=None))
+    calls = sum(n for k, n in COVERAGE.items() if "allocate_slots" in k)
+    print(f"\nseeded lockstep: seed {SEED}, PYTHONHASHSEED {os.environ.get('PYTHONHASHSEED')}: "
+          f"{COVERAGE['configurations']} configurations, {calls} allocate_slots calls, "
+          f"{sum(n for k, n in COVERAGE.items() if ' raised ' in k and not k.endswith('same change'))} refused calls "
+          f"compared, stopped where vLLM corrupted itself: {sum(VLLM_CORRUPTED.values())}")
+    assert COVERAGE["configurations"] > 0
+
+
+@pytest.mark.parametrize("seed,hash_seed", SEEDED_RUNS, ids=[f"seed{a}-hash{b}" for a, b in SEEDED_RUNS])
+def test_vllm_lockstep_random_seeds(seed: int, hash_seed: int) -> None:
+    """Next to CI's derandomized run: short runs from fixed random seeds and hash seeds, each in
+    a fresh interpreter, so kinds of divergence that only other seeds reach surface in CI
+    (issue 32: a refused allocate_slots that left an empty Mamba table was found by 3 of 15
+    random runs, never by the derandomized one). Reproducible: the seeds are fixed."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed), KVBLOCK_LOCKSTEP_SEED=str(seed),
+               KVBLOCK_LOCKSTEP_EXAMPLES=os.environ.get("KVBLOCK_SEEDED_EXAMPLES", str(SEEDED_EXAMPLES)))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning",
+         f"{__file__}::test_vllm_lockstep_seeded"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    summary = [line for line in out.stdout.splitlines() if "seeded lockstep" in line]
+    print("\n".join(summary))
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    assert summary, out.stdout[-2000:]
 
 
 def test_vllm_lockstep() -> None:

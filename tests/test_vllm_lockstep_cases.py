@@ -822,3 +822,39 @@ def test_fast_entries_keep_the_methods_signature_and_docstring():
         assert entry.__doc__ == method.__doc__
     with pytest.raises(ValueError, match="no fast entry"):
         _core._fast_entry("free")
+
+
+def test_refused_adoption_of_a_partial_hybrid_hit_leaves_no_table():
+    """Issue 32: full attention (block size 2) + Mamba "align" (block size 1), hash block size 1.
+    A connector lookup's hit adopted with one token more than it covers puts the partial tail
+    block where vLLM's copy-on-write does not find it: vLLM asserts after adopting the hit and
+    taking blocks (its state is past comparing); kvblock raises the same AssertionError and
+    changes nothing (it left an empty Mamba table behind)."""
+    init_none_hash(sha256)
+    specs = [FullAttentionSpec(block_size=2, **A), _mamba(1)]
+    out = []
+    for cls in (VllmKVCacheManager, kv.KVCacheManager):
+        cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                            kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)])
+        out.append(cls(cfg, 8, 2, 1, enable_caching=True, enable_kv_cache_events=True))
+    v, k = out
+    reqs = []
+    for m in (v, k):
+        r0 = _request("r0", list(range(1, 9)), 1)
+        assert m.allocate_slots(r0, 8) is not None
+        r0.num_computed_tokens = 8
+        m.free(r0)
+        r1 = _request("r1", list(range(1, 9)), 1)
+        blocks, hit, *_ = m.get_computed_blocks_for_connector(r1)
+        assert hit == 6
+        reqs.append((r1, blocks, hit))
+    assert v.take_events() == k.take_events()
+    before = _state(k)
+    errors = []
+    for m, (r1, blocks, hit) in zip((v, k), reqs):
+        with pytest.raises(AssertionError) as e:
+            m.allocate_slots(r1, 0, num_new_computed_tokens=hit + 1, new_computed_blocks=blocks)
+        errors.append(e.value)
+    assert _state(k) == before
+    assert all("r1" not in stm.req_to_blocks for stm in k.coordinator.single_type_managers)
+    assert k.take_events() == []

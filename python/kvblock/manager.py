@@ -239,6 +239,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
             an unknown ``hash_algo``, a ``digest_memo_blocks`` out of range; nothing is built
             and no global state changes.
         TypeError: ``kv_cache_groups`` that are not kvblock specs.
+
+    A method given a request whose id UTF-8 cannot encode (a lone surrogate) raises
+    ``ValueError`` naming ``request_id`` and changes nothing.
     """
 
     # Set in __new__ (the Rust base is built there).

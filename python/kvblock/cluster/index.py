@@ -35,7 +35,9 @@ class PrefixIndex(_core.PrefixIndexCore):
         block_size: tokens per block; events of other block sizes are skipped (None: any).
         group_idx: the KV-cache group indexed (events without ``group_idx`` are group 0).
 
-    Methods (all from Rust; ``KeyError`` names an unknown instance):
+    Methods (all from Rust; ``KeyError`` names an unknown instance; an instance name UTF-8
+    cannot encode, one with a lone surrogate, is a ``ValueError`` naming ``name``, nothing
+    changed):
         ``apply(instance, payload, now_ms=0) -> (stored, removed, cleared, skipped)``: apply
             the msgpack bytes of one ``KVEventBatch`` (decoded in Rust). A malformed payload
             raises ``ValueError`` and changes nothing. The instance is registered if new.
@@ -46,7 +48,8 @@ class PrefixIndex(_core.PrefixIndexCore):
         ``store`` / ``remove`` (one ``BlockStored`` / ``BlockRemoved``), ``add_instance``,
         ``remove_instance``, ``clear_instance`` (pairs removed), ``touch(instance, now_ms)``,
         ``expire(now_ms, ttl_ms) -> removed names``, ``instances()``, ``blocks_of``,
-        ``num_pairs()`` ((block, holder) pairs), ``num_nodes()``, ``memory_bytes()``.
+        ``num_pairs()`` ((block, holder) pairs), ``num_nodes()``, ``memory_bytes()`` (heap
+        bytes of the tables, the holder sets and the instance registry).
     """
 
     def apply_events(self, instance: str, events: Sequence[KVCacheEvent], now_ms: int = 0) -> tuple[int, int, int, int]:

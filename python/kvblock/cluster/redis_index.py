@@ -401,6 +401,8 @@ class RedisPrefixIndex:
             self._rewrite(instance)
         else:
             self._written.add(instance)
+        if instance not in self._registry:
+            self._registry_at = -1e9  # this index registered it: its next match() asks it
 
     def _rewrite(self, instance: str) -> None:
         """Replace the instance's keys with the mirror's state, in one transaction."""
@@ -459,6 +461,7 @@ class RedisPrefixIndex:
         media = self._media.pop(instance, [])
         self._dirty.discard(instance)
         self._written.discard(instance)
+        self._registry_at = -1e9
         try:
             self.client.delete(*self._keys(instance, max(len(media), MAX_MEDIA)))
             self.client.zrem(self.registry_key, instance)
@@ -501,7 +504,9 @@ class RedisPrefixIndex:
 
     # -- reader -------------------------------------------------------------------------------
     def instances(self, refresh: bool = False) -> list[str]:
-        """Instances heard from within the TTL (cached for ``registry_refresh_s``).
+        """Instances heard from within the TTL (cached for ``registry_refresh_s``, 1 s by
+        default; ``refresh=True`` reads Redis now; this object's own writes of a new
+        instance and removals refresh it).
 
         Raises:
             IndexUnavailable: Redis cannot be reached.
@@ -525,7 +530,10 @@ class RedisPrefixIndex:
         cluster).
 
         Args:
-            instances: the instances to ask (default: the registry's live ones).
+            instances: the instances to ask. Default: the registry's live ones as last read,
+                at most ``registry_refresh_s`` (1 s) ago; an instance this index object wrote
+                or removed since is seen at once, one another process registered may be
+                missed (an under-report) for up to that long. The router passes its own list.
 
         Raises:
             IndexUnavailable: Redis cannot be reached.

@@ -140,11 +140,14 @@ class KVEventSubscriber:
                     return out
                 out.append((int.from_bytes(frames[2], "big"), frames[3]))
         except (TimeoutError, zmq.ZMQError):
-            # late answers would confuse the next replay: start over with a fresh socket
-            log.warning("kvblock.cluster: %s: replay from %d got no complete answer", eng.instance, start)
+            # late answers would confuse the next replay: start over with a fresh socket. A
+            # partial answer is no answer: the stream reads what the buffer lacks as a loss or
+            # a restart, so it must see all of it.
+            log.warning("kvblock.cluster: %s: replay from %d got no complete answer (%d batches)",
+                        eng.instance, start, len(out))
             eng.dealer.close(linger=0)
             eng.dealer = None
-            return out or None
+            return None
 
     # -- the loop -----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0, max_messages: int = 10_000) -> int:

@@ -766,7 +766,13 @@ class KVCacheManager:
         """Cache the request's blocks that are full within its first ``num_computed_tokens``
         tokens and not cached yet (no-op when caching is off).
 
-        Only blocks with a hash count as full: ``min(n, len(block_hashes) * B) // B``.
+        Only blocks with a hash count as full: ``min(n, len(block_hashes) * B) // B``. Past
+        the blocks the request holds, vLLM 0.33.0 slices its table with events off (the held
+        blocks are cached, the count recorded is the full one) and fails with events on.
+
+        Raises:
+            ValueError: with KV events on, more full blocks than the request holds; nothing
+                is changed.
         """
         if not self.enable_caching:
             return
@@ -776,16 +782,19 @@ class KVCacheManager:
         num_full_blocks = min(num_computed_tokens, num_hashed_tokens) // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
-        self.block_pool.cache_full_blocks(
-            request,
-            self.req_to_blocks.get(request_id, []),
-            num_cached_blocks,
-            num_full_blocks,
-            self.block_size,
-            _KV_CACHE_GROUP_ID,
-        )
-        if self.verify_hits:
-            self._record(request, self.req_to_blocks.get(request_id, []), num_cached_blocks, num_full_blocks)
+        blocks = self.req_to_blocks.get(request_id, [])
+        end = num_full_blocks
+        if end > len(blocks):
+            if self.enable_kv_cache_events:
+                raise ValueError(f"list index out of range: caching {num_full_blocks} full blocks of a request "
+                                 f"holding {len(blocks)} (group {_KV_CACHE_GROUP_ID})")
+            end = max(len(blocks), num_cached_blocks)
+        if end > num_cached_blocks:
+            self.block_pool.cache_full_blocks(
+                request, blocks, num_cached_blocks, end, self.block_size, _KV_CACHE_GROUP_ID,
+            )
+            if self.verify_hits:
+                self._record(request, blocks, num_cached_blocks, end)
         self.num_cached_block[request_id] = num_full_blocks
 
     # -- release ---------------------------------------------------------------------------

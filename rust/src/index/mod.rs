@@ -470,9 +470,23 @@ impl PrefixIndex {
         self.tables.iter().map(Table::len).sum()
     }
 
-    /// Heap bytes held by the tables and holder sets (the instance registry not counted).
+    /// Heap bytes held by the tables, the holder sets and the instance registry (its
+    /// records, the names twice, the name map's buckets and the free ids; the name map's
+    /// control bytes are counted as one byte a bucket).
     pub fn memory_bytes(&self) -> usize {
-        self.tables.iter().map(Table::allocation_size).sum::<usize>() + self.slab.allocation_size()
+        self.tables.iter().map(Table::allocation_size).sum::<usize>()
+            + self.slab.allocation_size()
+            + self.registry_bytes()
+    }
+
+    fn registry_bytes(&self) -> usize {
+        let names: usize = self.instances.iter().flatten().map(|i| i.name.capacity()).sum::<usize>()
+            + self.by_name.keys().map(String::capacity).sum::<usize>();
+        self.instances.capacity() * std::mem::size_of::<Option<Instance>>()
+            + names
+            + self.by_name.capacity() * (std::mem::size_of::<(String, u32)>() + 1)
+            + self.free_ids.capacity() * std::mem::size_of::<u32>()
+            + self.media.capacity() * std::mem::size_of::<Option<String>>()
     }
 }
 
@@ -490,6 +504,17 @@ fn mark(words: &[u64], out: &mut [u32], v: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_counts_the_instance_registry() {
+        let mut ix = PrefixIndex::new(None, 0);
+        let empty = ix.memory_bytes();
+        for i in 0..1000 {
+            ix.add_instance(&format!("instance-{i}")).unwrap();
+        }
+        // each instance: its record, its name twice, a bucket of the name map
+        assert!(ix.memory_bytes() >= empty + 1000 * (std::mem::size_of::<Option<Instance>>() + 2 * 12));
+    }
 
     #[test]
     fn chains_and_holders() {

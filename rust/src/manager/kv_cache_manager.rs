@@ -117,6 +117,15 @@ pub struct KVCacheManager {
     pub verify: Option<HitVerifier>,
 }
 
+/// What [`KVCacheManager::check_alloc`] leaves for later: an error vLLM raises only after its
+/// capacity check (None returned first if the blocks do not fit), and whether kvblock must
+/// then undo the empty tables and checkpoints the count made (`undo`: vLLM itself is past
+/// comparing by then) rather than keep them as vLLM does.
+struct Deferred {
+    err: Option<Error>,
+    undo: bool,
+}
+
 impl KVCacheManager {
     /// True for vLLM's callers (`strict_inputs` off): errors are raised as vLLM's own (an
     /// `IndexError` past a request's hashes, an `AttributeError` for a missing request
@@ -275,7 +284,7 @@ impl KVCacheManager {
         known: Option<usize>,
         req: &RequestView<'_>,
         a: &AllocArgs<'_>,
-    ) -> Result<Option<Error>> {
+    ) -> Result<Deferred> {
         if self.verify.is_some() && req.content.is_none() && !a.delay_cache_blocks {
             return Err(Error::Value("verify_hits: allocate_slots needs the request's tokens".into()));
         }
@@ -382,6 +391,7 @@ impl KVCacheManager {
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;
         let mut deferred = None;
+        let mut undo = false;
         if has_hits && running {
             deferred = Some(running_hits());
         } else if adopts && !running && holds {
@@ -403,7 +413,10 @@ impl KVCacheManager {
                     if self.strict_inputs {
                         return Err(e);
                     }
+                    // vLLM meets this assertion only after adopting the hit and taking new
+                    // blocks (its state is then beyond comparing): kvblock changes nothing
                     deferred = Some(e);
+                    undo = true;
                 }
             }
         }
@@ -440,7 +453,7 @@ impl KVCacheManager {
                 return Err(e);
             }
         }
-        Ok(deferred)
+        Ok(Deferred { err: deferred, undo })
     }
 
     /// `allocate_slots` (spec §5.3): `Ok(None)` when the pool cannot hold the allocation
@@ -471,6 +484,7 @@ impl KVCacheManager {
     ) -> Result<Option<Vec<Vec<u32>>>> {
         debug_assert_eq!(known, self.coord.slot(req.request_id));
         let deferred = self.check_alloc(pool, known, req, a)?;
+        let undo = deferred.undo;
         let existed = known.is_some();
         let slot = match known {
             Some(s) => s,
@@ -479,7 +493,9 @@ impl KVCacheManager {
         // which groups already had a table for the request (vLLM's defaultdict entries)
         let had_table = GroupFlags::of(self.coord.managers.iter().map(|m| m.req(slot).is_some_and(|r| r.present)));
         let res = self.allocate_in_slot(pool, slot, req, hashes, a, deferred);
-        let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. }));
+        // a refusal that leaves nothing behind: blocks that do not fit where vLLM would take
+        // some before raising, or an assertion vLLM meets only after changing its state
+        let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. })) || (undo && res.is_err());
         if res.is_err() && (self.strict_inputs || refused) && !existed {
             // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing,
             // nor does a refusal where vLLM would take blocks before raising (kvblock takes none)
@@ -507,7 +523,7 @@ impl KVCacheManager {
         req: &RequestView<'_>,
         hashes: &dyn HashSource,
         a: &AllocArgs<'_>,
-        deferred: Option<Error>,
+        deferred: Deferred,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         let hits = hit_lists(a.new_computed, self.coord.num_groups());
         let new_computed: &[&[u32]] = &hits;
@@ -564,8 +580,11 @@ impl KVCacheManager {
         if need + watermark as i64 > available {
             return Ok(None);
         }
-        if let Some(e) = deferred {
+        if let Some(e) = deferred.err {
             // where vLLM asserts, having freed the blocks outside the window as above
+            if deferred.undo && has_mamba {
+                self.coord.restore_checkpoints(slot, &saved_checkpoints);
+            }
             return Err(e);
         }
         let adopts = a.new_computed.is_some() || a.num_external_computed_tokens > 0;

@@ -8,7 +8,7 @@
 
 use super::errors::{type_err, value_err};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt};
+use pyo3::types::{PyBool, PyInt, PyString};
 
 /// The value of an `int` argument (or an object with `__index__`, e.g. a numpy integer) that
 /// fits in i64.
@@ -100,3 +100,17 @@ named!(count -> usize:
 );
 named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
 named!(opt_int64 -> Option<i64>: end = "end");
+
+/// A str argument as UTF-8: a lone surrogate (which UTF-8 cannot encode) is a `ValueError`
+/// naming the argument, not an anonymous `UnicodeEncodeError`.
+pub fn utf8<'a>(s: &'a Bound<'_, PyString>, arg: &str) -> PyResult<&'a str> {
+    s.to_str().map_err(|_| {
+        value_err(
+            arg,
+            format!(
+                "{} cannot be encoded as UTF-8 (a lone surrogate)",
+                s.repr().map(|r| r.to_string()).unwrap_or_default()
+            ),
+        )
+    })
+}

@@ -1,11 +1,12 @@
 //! `PrefixIndexCore`: the fleet prefix index (`crate::index`) for Python.
 
+use super::args::utf8;
 use super::errors::{type_err, value_err, IntoPy};
 use crate::index::wire::event_int_of_digest;
 use crate::index::{tag_of_parent, PrefixIndex};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 /// A block hash as the 64-bit int vLLM's events publish (an int in [0, 2**64) as is; digest
 /// bytes by their last 8 bytes, big-endian).
@@ -101,19 +102,23 @@ impl PyPrefixIndex {
         self.inner.group()
     }
 
-    fn add_instance(&mut self, name: &str) -> PyResult<u32> {
+    fn add_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<u32> {
+        let name = utf8(name, "name")?;
         self.inner.add_instance(name).py_err()
     }
 
-    fn remove_instance(&mut self, name: &str) -> PyResult<usize> {
+    fn remove_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<usize> {
+        let name = utf8(name, "name")?;
         self.inner.remove_instance(name).py_err()
     }
 
-    fn clear_instance(&mut self, name: &str) -> PyResult<usize> {
+    fn clear_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<usize> {
+        let name = utf8(name, "name")?;
         self.inner.clear_instance(name).py_err()
     }
 
-    fn touch(&mut self, name: &str, now_ms: u64) -> PyResult<()> {
+    fn touch(&mut self, name: &Bound<'_, PyString>, now_ms: u64) -> PyResult<()> {
+        let name = utf8(name, "name")?;
         self.inner.touch(name, now_ms).py_err()
     }
 
@@ -125,20 +130,27 @@ impl PyPrefixIndex {
         self.inner.instances().into_iter().map(str::to_owned).collect()
     }
 
-    fn instance_id(&self, name: &str) -> Option<u32> {
-        self.inner.instance_id(name)
+    fn instance_id(&self, name: &Bound<'_, PyString>) -> PyResult<Option<u32>> {
+        Ok(self.inner.instance_id(utf8(name, "name")?))
     }
 
     fn instance_name(&self, id: u32) -> Option<String> {
         self.inner.instance_name(id).map(str::to_owned)
     }
 
-    fn instance_pairs(&self, name: &str) -> PyResult<usize> {
+    fn instance_pairs(&self, name: &Bound<'_, PyString>) -> PyResult<usize> {
+        let name = utf8(name, "name")?;
         self.inner.instance_pairs(name).py_err()
     }
 
     #[pyo3(signature = (name, payload, now_ms=0))]
-    fn apply(&mut self, name: &str, payload: &Bound<'_, PyAny>, now_ms: u64) -> PyResult<(usize, usize, usize, usize)> {
+    fn apply(
+        &mut self,
+        name: &Bound<'_, PyString>,
+        payload: &Bound<'_, PyAny>,
+        now_ms: u64,
+    ) -> PyResult<(usize, usize, usize, usize)> {
+        let name = utf8(name, "name")?;
         let st = if let Ok(b) = payload.cast::<PyBytes>() {
             self.inner.apply_payload(name, b.as_bytes(), now_ms)
         } else {
@@ -155,11 +167,12 @@ impl PyPrefixIndex {
     #[pyo3(text_signature = "($self, /, name, block_hashes, parent_block_hash=None, medium='GPU')")]
     fn store(
         &mut self,
-        name: &str,
+        name: &Bound<'_, PyString>,
         block_hashes: &Bound<'_, PyAny>,
         parent_block_hash: Option<&Bound<'_, PyAny>>,
         medium: Option<String>,
     ) -> PyResult<usize> {
+        let name = utf8(name, "name")?;
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         let parent = parent_block_hash.map(|p| hash_of(p, "parent_block_hash")).transpose()?;
         self.inner.store(name, &self.hashes, parent, medium.as_deref()).py_err()
@@ -167,7 +180,13 @@ impl PyPrefixIndex {
 
     #[pyo3(signature = (name, block_hashes, medium=Some("GPU".to_string())))]
     #[pyo3(text_signature = "($self, /, name, block_hashes, medium='GPU')")]
-    fn remove(&mut self, name: &str, block_hashes: &Bound<'_, PyAny>, medium: Option<String>) -> PyResult<usize> {
+    fn remove(
+        &mut self,
+        name: &Bound<'_, PyString>,
+        block_hashes: &Bound<'_, PyAny>,
+        medium: Option<String>,
+    ) -> PyResult<usize> {
+        let name = utf8(name, "name")?;
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         self.inner.remove(name, &self.hashes, medium.as_deref()).py_err()
     }
@@ -276,7 +295,8 @@ impl PyPrefixIndex {
 
     #[pyo3(signature = (name, medium=Some("GPU".to_string())))]
     #[pyo3(text_signature = "($self, /, name, medium='GPU')")]
-    fn blocks_of(&self, name: &str, medium: Option<String>) -> PyResult<Vec<(u64, u32)>> {
+    fn blocks_of(&self, name: &Bound<'_, PyString>, medium: Option<String>) -> PyResult<Vec<(u64, u32)>> {
+        let name = utf8(name, "name")?;
         self.inner.blocks_of(name, medium.as_deref()).py_err()
     }
 

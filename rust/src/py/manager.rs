@@ -34,7 +34,7 @@ fn request_id_str<'a>(id: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
             return Ok(std::str::from_utf8_unchecked(std::slice::from_raw_parts(data, len)));
         }
     }
-    id.to_str()
+    super::args::utf8(id, "request_id")
 }
 
 /// A count argument as usize; `ValueError` naming it if negative.
@@ -1768,7 +1768,7 @@ impl PyManager {
     fn _get_num_blocks_to_allocate(
         &self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
         num_tokens: usize,
         new_computed_blocks: Vec<Vec<u32>>,
         num_encoder_tokens: usize,
@@ -1778,6 +1778,7 @@ impl PyManager {
         apply_admission_cap: bool,
         prefill_end: usize,
     ) -> PyResult<i64> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
         let p = pool.get().state.borrow(py)?;
@@ -1807,7 +1808,7 @@ impl PyManager {
         &self,
         py: Python<'_>,
         group: usize,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
         num_tokens: usize,
         new_computed_blocks: Vec<u32>,
         total_computed_tokens: usize,
@@ -1816,6 +1817,7 @@ impl PyManager {
         apply_admission_cap: bool,
         prefill_end: usize,
     ) -> PyResult<i64> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         if group >= me.inner.coord.num_groups() {
             return Err(value_err("group", "out of range"));
@@ -1844,10 +1846,11 @@ impl PyManager {
         &self,
         py: Python<'_>,
         group: usize,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
         num_tokens: usize,
         num_tokens_main_model: usize,
     ) -> PyResult<Vec<u32>> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         if group >= me.inner.coord.num_groups() {
             return Err(value_err("group", "out of range"));
@@ -1873,10 +1876,11 @@ impl PyManager {
         &self,
         py: Python<'_>,
         group: usize,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
         processed_computed_tokens: usize,
         num_prompt_tokens: Option<usize>,
     ) -> PyResult<()> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         if group >= me.inner.coord.num_groups() {
             return Err(value_err("group", "out of range"));
@@ -1895,7 +1899,8 @@ impl PyManager {
     }
 
     /// Group `group`'s `free(request_id)`.
-    fn _group_free(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<()> {
+    fn _group_free(&self, py: Python<'_>, group: usize, request_id: &Bound<'_, PyString>) -> PyResult<()> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         if group >= me.inner.coord.num_groups() {
             return Err(value_err("group", "out of range"));
@@ -1924,7 +1929,13 @@ impl PyManager {
     }
 
     /// Group `group`'s `req_to_blocks[request_id]` (None if the key is absent).
-    fn _group_table(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<Option<Vec<u32>>> {
+    fn _group_table(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &Bound<'_, PyString>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let request_id = request_id_str(request_id)?;
         self.state.with(py, |me| {
             let slot = me.inner.coord.slot(request_id)?;
             let r = me.inner.coord.managers.get(group)?.req(slot)?;
@@ -1934,7 +1945,14 @@ impl PyManager {
 
     /// `req_to_blocks[request_id] = block_ids` in group `group` (vLLM code and tests writing
     /// a table directly; reference counts are theirs to keep).
-    fn _group_set_table(&self, py: Python<'_>, group: usize, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
+    fn _group_set_table(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        request_id: &Bound<'_, PyString>,
+        block_ids: Vec<u32>,
+    ) -> PyResult<()> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         if group >= me.inner.coord.num_groups() {
             return Err(value_err("group", "out of range"));
@@ -1948,7 +1966,8 @@ impl PyManager {
     }
 
     /// `del req_to_blocks[request_id]` in group `group`.
-    fn _group_del_table(&self, py: Python<'_>, group: usize, request_id: &str) -> PyResult<bool> {
+    fn _group_del_table(&self, py: Python<'_>, group: usize, request_id: &Bound<'_, PyString>) -> PyResult<bool> {
+        let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
         let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(false) };
         let Some(m) = me.inner.coord.managers.get_mut(group) else { return Err(value_err("group", "out of range")) };
@@ -1996,8 +2015,9 @@ impl PyManager {
         &self,
         py: Python<'_>,
         group: usize,
-        request_id: &str,
+        request_id: &Bound<'_, PyString>,
     ) -> PyResult<Option<(Option<i64>, Option<usize>, bool, Option<(usize, usize)>, Option<(u32, u32)>)>> {
+        let request_id = request_id_str(request_id)?;
         self.state.with(py, |me| {
             let slot = me.inner.coord.slot(request_id)?;
             let r = me.inner.coord.managers.get(group)?.req(slot)?;
