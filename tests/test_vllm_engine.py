@@ -38,7 +38,7 @@ TIMEOUT_S = 300
 
 
 def _python() -> Path:
-    python = judge.release_python("0.32")
+    python = Path(judge.release_python("0.32"))
     installed = judge.installed_release(python)
     if installed != "0.32":
         msg = (
@@ -95,14 +95,17 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
 
 
 def preemptions(steps: list[dict[str, Any]]) -> int:
-    return sum(len(s["preempted"]) for s in steps)
+    return sum(len(step["preempted"]) for step in steps)
 
 
 def prefix_hit_tokens(steps: list[dict[str, Any]]) -> int:
     """Tokens new and resumed requests found in the prefix cache (their first schedule's
     ``num_computed_tokens``)."""
-    new = sum(num_computed for s in steps for _, _, num_computed in s["new"])
-    return new + sum(num_computed for s in steps for _, _, num_computed, resumed in s["cached"] if resumed)
+    hits = 0
+    for step in steps:
+        hits += sum(int(num_computed) for _, _, num_computed in step["new"])
+        hits += sum(int(num_computed) for _, _, num_computed, resumed in step["cached"] if resumed)
+    return hits
 
 
 def evictions(steps: list[dict[str, Any]]) -> int:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 BLOCK_SIZE = 32
 VOCAB = 32000
 
-#: name -> LLM() settings and prompts. "prefix": groups sharing 3-block prefixes, chunked
+#: name -> LLM() settings (max_model_len 512 unless given) and prompts. "prefix": groups sharing 3-block prefixes, chunked
 #: prefill, then a second round re-using the first's prefixes. "preempt": a pool too small for
 #: the batch, so requests are preempted, and freed cached blocks are evicted.
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -48,7 +48,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "llm": {"num_gpu_blocks_override": 20, "max_num_batched_tokens": 256, "max_num_seqs": 16},
         "groups": 4, "per_group": 4, "prefix_blocks": 1, "tail": (10, 50), "max_tokens": 40, "rounds": 1,
     },
+    # for scripts/engine_timers.py, not the test: 64 prompts, 8 groups sharing 512 tokens
+    "bench": {
+        "llm": {"num_gpu_blocks_override": 2048, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "max_model_len": 1024},
+        "groups": 8, "per_group": 8, "prefix_blocks": 16, "tail": (64, 64), "max_tokens": 32, "rounds": 2,
+    },
 }
+#: the workloads tests/test_vllm_engine.py compares
+TEST_WORKLOADS = ("prefix", "preempt")
 
 
 def make_model(path: Path, seed: int = 1234) -> None:
@@ -59,10 +66,11 @@ def make_model(path: Path, seed: int = 1234) -> None:
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    llama: Any = LlamaForCausalLM  # untyped where transformers ships no annotations for it
+    model = llama(cfg)
     with torch.no_grad():
         # N(0,1) embeddings and a N(0,0.05) head keep greedy decoding from being a run of ties
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
@@ -117,6 +125,10 @@ MANAGER_METHODS = (
     "get_computed_blocks", "allocate_slots", "free", "get_blocks", "get_block_ids",
     "get_num_common_prefix_blocks", "take_events", "remove_skipped_blocks", "cache_blocks",
     "new_step_starts", "make_prefix_cache_stats", "evict_blocks", "reset_prefix_cache",
+    "estimate_cached_tokens", "finalize_partial_tail_offloads", "get_block_ids_for_computed_tokens",
+    "get_computed_blocks_for_connector", "pop_blocks_for_free", "record_blocks_for_zeroing",
+    "record_prefix_cache_stats", "take_boundary_state_offloads", "take_kv_cache_block_copies",
+    "take_new_block_ids", "truncate_computed_blocks",
 )
 
 
@@ -187,15 +199,16 @@ def run_workload(model: Path, mode: str, name: str, timed: bool) -> dict[str, An
     from vllm.inputs import TokensPrompt
 
     spec = WORKLOADS[name]
-    kwargs: dict[str, Any] = dict(spec["llm"])
+    kwargs: dict[str, Any] = {"max_model_len": 512, **spec["llm"]}
     if mode == "cls":
         kwargs["scheduler_cls"] = "kvblock.vllm.Scheduler"
     llm = LLM(
         model=str(model), skip_tokenizer_init=True, dtype="float32", seed=0, block_size=BLOCK_SIZE,
-        enable_prefix_caching=True, max_model_len=512, enforce_eager=True, **kwargs,
+        enable_prefix_caching=True, enforce_eager=True, **kwargs,
     )
     try:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        client: Any = llm.llm_engine.engine_core  # the InprocClient, in-process
+        scheduler = client.engine_core.scheduler
         steps: list[dict[str, Any]] = []
         timers = Timers(scheduler) if timed else None
         _capture(scheduler, steps, timers)
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model", type=Path, required=True)
     run.add_argument("--mode", choices=("stock", "cls", "plugin"), required=True)
     run.add_argument("--out", type=Path, required=True)
-    run.add_argument("--workloads", default=",".join(WORKLOADS))
+    run.add_argument("--workloads", default=",".join(TEST_WORKLOADS))
     run.add_argument("--timers", action="store_true")
     args = parser.parse_args(argv)
     if args.cmd == "make-model":
