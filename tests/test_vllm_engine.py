@@ -4,7 +4,11 @@ first step). Stock vLLM, ``scheduler_cls="kvblock.vllm.Scheduler"`` and ``KVBLOC
 run in a fresh interpreter (``tests/vllm_engine_runner.py``) and must give the same
 ``SchedulerOutput`` at every step (block ids included) and the same generated tokens, on a
 shared-prefix workload and on one whose small pool forces preemption and eviction; both kvblock
-routes run on kvblock's manager, and each logs one INFO line saying so."""
+routes run on kvblock's manager, and each logs one INFO line saying so. The stock and
+``scheduler_cls`` runs also carry ``scripts/engine_timers.py``'s per-step timers.
+
+Needs vLLM 0.32 in ``.venv-vllm/0.32`` (``scripts/vllm_envs.sh``) or ``KVBLOCK_VLLM_0_32_PYTHON``;
+skips without it, fails without it under ``CI=true``. About 2 minutes on 2 cores."""
 
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ STOCK_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 KVBLOCK_MANAGER = "kvblock.vllm.manager.KVCacheManager"
 #: kvblock's manager's line, once per process (logger "vllm.kvblock")
 IN_USE = re.compile(r"INFO .*kvblock \S+ manages the KV cache \(vLLM 0\.32; ")
+#: modes run with scripts/engine_timers.py's timers on (they wrap the scheduler's and the
+#: manager's methods, which must change nothing); the plugin route runs without them
+TIMED = ("stock", "cls")
 #: one mode's run: about 35 s here on one core (vLLM's import takes 10-20 s of it)
 TIMEOUT_S = 300
 
@@ -72,6 +79,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     for mode in MODES:  # three fresh interpreters, at once: kvblock's patch is process-wide
         log = (tmp / f"{mode}.log").open("w")
         cmd = [str(python), str(RUNNER), "run", "--model", str(model), "--mode", mode, "--out", str(tmp / f"{mode}.json")]
+        if mode in TIMED:
+            cmd.append("--timers")
         procs[mode] = (subprocess.Popen(cmd, env=_env(mode), stdout=log, stderr=subprocess.STDOUT), log)
     results = {}
     for mode, (proc, log) in procs.items():
@@ -182,3 +191,18 @@ def test_one_log_line_says_kvblock_is_in_use(runs: dict[str, dict[str, Any]]) ->
         lines = [ln for ln in runs[mode]["log"].splitlines() if IN_USE.search(ln)]
         assert len(lines) == 1, (mode, lines)
         assert "128 blocks" in lines[0], lines
+
+
+def test_engine_timers_record_every_step(runs: dict[str, dict[str, Any]]) -> None:
+    """scripts/engine_timers.py's timers, inside the engine process: one entry per step, the
+    manager's time within the scheduler's."""
+    for mode in MODES:
+        for workload in WORKLOADS:
+            run = runs[mode]["workloads"][workload]
+            if mode not in TIMED:
+                assert run["timers"] is None
+                continue
+            timers = run["timers"]
+            assert len(timers) == len(run["steps"]), (mode, workload)
+            assert all(0 < t["manager_ns"] < t["schedule_ns"] + t["update_ns"] for t in timers), (mode, workload)
+            assert all(t["manager_calls"] >= 1 for t in timers)
