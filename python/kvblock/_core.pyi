@@ -446,3 +446,52 @@ def _fast_entry(name: str) -> Any:
     """The method descriptor of ``KVCacheManagerCore.<name>`` (``"allocate_slots"`` or
     ``"cache_blocks"``) behind a fastcall entry that answers vLLM's no-op decode-step calls
     itself and passes every other call to the method; ``ValueError`` for another name."""
+
+# -- capacity planning (kvblock.replay.capacity) ---------------------------------------------
+
+_Point = tuple[int, int, int, int, int, int, int]
+
+@final
+class CapacityRequests:
+    """A trace's requests for capacity planning: prompt lengths and the interned ids of their
+    full blocks (``offsets[i]:offsets[i+1]`` of ``blocks``, ``prompt_len[i] // block_size`` of
+    them). ``ValueError`` for inconsistent arrays."""
+
+    def __new__(
+        cls,
+        block_size: int,
+        prompt_len: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        blocks: npt.NDArray[np.uint32],
+    ) -> Self: ...
+    def __len__(self) -> int: ...
+    def lru_curve(self, warm_from: int) -> LruCurve:
+        """vLLM's LRU at every capacity in one pass; requests before ``warm_from`` not counted."""
+    def simulate(self, capacities: Sequence[int], policy: str, warm_from: int, threads: int) -> list[_Point]:
+        """Replays at each ``num_blocks`` with ``policy`` (``lru``, ``fifo``, ``optimal``):
+        ``(num_blocks, prompt_tokens, queries, hits, unservable, unservable_tokens, evictions)``."""
+
+@final
+class LruCurve:
+    """The result of :meth:`CapacityRequests.lru_curve`."""
+
+    def point(self, num_blocks: int) -> _Point:
+        """The point at ``num_blocks`` (a replay's where :meth:`exact_at`)."""
+    def exact_at(self, num_blocks: int) -> bool:
+        """True where :meth:`point` equals a replay."""
+    @property
+    def max_blocks_needed(self) -> int: ...
+    def inexact_ranges(self) -> list[tuple[int, int]]:
+        """``[lo, hi)`` ranges of ``num_blocks`` that duplicate copies make inexact."""
+    def cumulative_hits(self) -> npt.NDArray[np.uint64]:
+        """Hit tokens at every ``num_blocks`` from 0 up."""
+
+def capacity_trie_ids(
+    hash_ids: npt.NDArray[np.int64],
+    id_offsets: npt.NDArray[np.int64],
+    prompt_len: npt.NDArray[np.int64],
+    trace_block_size: int,
+    block_size: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint32]]:
+    """Interned block ids of a hash-id trace from the trie of its id prefixes:
+    ``(offsets, blocks)`` for :class:`CapacityRequests`."""

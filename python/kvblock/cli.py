@@ -351,8 +351,10 @@ def _si(n: int) -> str:
 
 def _policy_list(specs: Sequence[str]) -> list[str]:
     from .replay import ReplayError
-    from .replay.retention import POLICIES
+    from .replay.capacity import POLICIES as CURVE_POLICIES
+    from .replay.retention import POLICIES as RETENTION
 
+    POLICIES = RETENTION + tuple(p for p in CURVE_POLICIES if p not in RETENTION)
     out: list[str] = []
     for part in ",".join(specs).split(","):
         p = part.strip()
@@ -369,7 +371,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .replay import SimConfig
+    from .replay import ReplayError, SimConfig
     from .replay.plot import check_plot_target, plot_sweep
     from .replay.progress import replay_progress
     from .replay.sweep import parse_capacities, sweep
@@ -379,31 +381,56 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return _cmd_fleet_sweep(args, out, err)
     capacities = parse_capacities(args.capacities)
     policies = _policy_list(args.retention)
-    for pol in policies:
-        SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True,
-                  retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
+    from .replay.capacity import POLICIES as CURVE_POLICIES, capacity_sweep, warm_from
+
+    warm_from(1, args.warmup)  # --warmup outside [0, 1): one line, exit 2
+    use_curve = args.method == "curve" or (args.method == "auto" and args.impl == "kvblock"
+                                           and all(p in CURVE_POLICIES for p in policies))
+    if use_curve:
+        bad = [p for p in policies if p not in CURVE_POLICIES]
+        if bad or args.impl != "kvblock":
+            raise ReplayError(f"--method curve computes {', '.join(CURVE_POLICIES)} with --impl kvblock "
+                              f"(got --retention {','.join(policies)}, --impl {args.impl}); use --method replay")
+    else:
+        if args.warmup:
+            raise ReplayError("--warmup needs --method curve (the lru, fifo and optimal policies)")
+        for pol in policies:
+            if pol in ("fifo", "optimal"):
+                raise ReplayError(f"--retention {pol} needs --method curve")
+            SimConfig(block_size=args.block_size, hash_algo=args.hash_algo, impl=args.impl, ideal=True,
+                      retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
     if args.plot:
         check_plot_target(args.plot)  # before the sweep: it may take minutes
     traces = [_load_input(spec, args) for spec in args.traces]
     for t in traces:
         _warn_skipped(t, err)
-    total = sum(len(t.requests) for t in traces) * len(capacities) * len(policies)
     series = []
-    with replay_progress(total, "sweep", err, not args.no_progress) as progress:
-        for k, pol in enumerate(policies):
-            base = k * total // len(policies)
-            series += sweep(traces, capacities, block_size=args.block_size, hash_algo=args.hash_algo,
-                            impl=args.impl, progress=None if progress is None else (lambda d, b=base: progress(b + d)),
-                            retention=pol,
-                            pin_tokens=args.pin_tokens, ttl_s=args.ttl_s)
+    curves: list[Any] = []
+    t0 = time.perf_counter()
+    if use_curve:
+        series, curves = capacity_sweep(traces, capacities, policies, block_size=args.block_size,
+                                        hash_algo=args.hash_algo, warmup=args.warmup)
+    else:
+        total = sum(len(t.requests) for t in traces) * len(capacities) * len(policies)
+        with replay_progress(total, "sweep", err, not args.no_progress) as progress:
+            for k, pol in enumerate(policies):
+                base = k * total // len(policies)
+                series += sweep(traces, capacities, block_size=args.block_size, hash_algo=args.hash_algo,
+                                impl=args.impl,
+                                progress=None if progress is None else (lambda d, b=base: progress(b + d)),
+                                retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s)
+    wall_s = time.perf_counter() - t0
     if args.json:
         if args.plot:
-            plot_sweep(series, args.plot, args.title)
+            plot_sweep(series, args.plot, args.title, curves)
         print(json.dumps({"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
-                          "plot": args.plot, "series": [s.to_dict() for s in series]}, indent=2))
+                          "method": "curve" if use_curve else "replay", "warmup": args.warmup,
+                          "wall_s": wall_s, "plot": args.plot, "series": [s.to_dict() for s in series]}, indent=2))
         return 0
     for s in series:
-        table = Table(title=f"{s.name}: hit rate vs capacity", caption=f"ideal replays, {s.block_size}-token blocks")
+        how = ("one-pass LRU curve (points it cannot give replayed)" if use_curve and "(" not in s.name
+               else "replays") + (f", first {args.warmup:g} of requests as warmup" if args.warmup else "")
+        table = Table(title=f"{s.name}: hit rate vs capacity", caption=f"{how}, {s.block_size}-token blocks")
         for col in ("capacity", "hit rate", "vLLM rate", "missed tokens", "unservable", "evictions"):
             table.add_column(col, justify="right")
         for p in s.points:
@@ -413,9 +440,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         _print_table(out, table)
     out.print("capacity in blocks; hit rate = hit tokens / all prompt tokens (unservable requests "
               "count as misses); vLLM rate = hits / queries of the served requests", style="dim")
+    out.print(f"computed in {wall_s:.2f} s", style="dim")
     if args.plot:
         # after the tables: the results are shown even if the plot then fails
-        plot_sweep(series, args.plot, args.title)
+        plot_sweep(series, args.plot, args.title, curves)
         out.print(f"wrote {args.plot}")
     return 0
 
@@ -545,8 +573,16 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--hash-algo", choices=ALGORITHMS, default="sha256", help="block hash (default sha256)")
     sw.add_argument("--impl", choices=("kvblock", "reference"), default="kvblock", help="KV cache manager")
     sw.add_argument("--retention", nargs="+", default=["lru"], metavar="LIST",
-                    help="eviction policies to sweep, e.g. lru,priority,pin-system-prompts,ttl (default lru; "
-                    "one series per trace and policy)")
+                    help="eviction policies to sweep, e.g. lru,optimal,fifo or lru,priority,pin-system-prompts,ttl "
+                    "(default lru; one series per trace and policy; optimal = Belady, fifo = first cached first "
+                    "evicted, both at vLLM's block granularity)")
+    sw.add_argument("--method", choices=("auto", "curve", "replay"), default="auto",
+                    help="curve: lru from one pass over the trace (stack distances), fifo and optimal replayed in "
+                    "Rust; replay: one ideal replay of the manager per capacity; auto (default): curve when every "
+                    "policy is lru, fifo or optimal and --impl is kvblock")
+    sw.add_argument("--warmup", type=_float, default=0.0, metavar="FRACTION",
+                    help="the first FRACTION of the requests warm the cache and are not counted, in [0, 1) "
+                    "(kvcache-simulator counts the last 50%%: --warmup 0.5; default 0)")
     sw.add_argument("--ttl-s", type=_float, default=300.0, metavar="S", help="the ttl policy's seconds (default 300)")
     sw.add_argument("--pin-tokens", type=_int, default=None, metavar="N",
                     help="tokens pin-system-prompts pins per prompt (default 2048)")

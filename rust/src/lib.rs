@@ -8,6 +8,7 @@
 //! * [`manager`]: the KV cache manager (per-request block tables, allocation, caching).
 //! * [`index`]: the fleet prefix index (block hash -> holding instances, from KV events).
 
+pub mod capacity;
 pub mod error;
 pub mod hashing;
 pub mod index;

@@ -8,7 +8,9 @@ hollow marker at an "∞" tick to the right and a dotted line at that trace's up
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
+
+import numpy as np
 
 from .._optional import install_hint
 from .errors import ReplayError
@@ -83,9 +85,12 @@ def check_plot_target(path: str) -> None:
         raise ReplayError(f"cannot write plot {path}: {e.strerror or e}") from None
 
 
-def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = None) -> None:
+def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = None,
+               curves: Sequence[Any] = ()) -> None:
     """Draw hit rate against capacity for every series and save it to ``path`` (PNG, SVG or
-    PDF by extension).
+    PDF by extension). ``curves``: one-pass LRU curves
+    (:class:`kvblock.replay.capacity.CapacityCurve`), drawn as thin lines over every capacity
+    where they are exact (above each trace's largest request).
 
     Raises:
         ReplayError: matplotlib is not installed, there is nothing to plot, or the file
@@ -115,6 +120,13 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
                 if pts:
                     ax.plot([pts[-1].capacity, x_inf], [100 * pts[-1].hit_rate, y], color=color,
                             linestyle="--", linewidth=1)
+    for c in curves:
+        n = len(c.hits)
+        start = max(c.max_blocks_needed + 1, int(lo))
+        stop = max(min(n - 1, int(hi)), start)
+        xs = np.unique(np.geomspace(start, stop, 400).astype(np.int64))
+        ys = [100 * c.hit_rate(int(x)) for x in xs]
+        ax.plot(xs, ys, color="black", linewidth=0.8, alpha=0.7, label=f"{c.name} (LRU, one pass)")
     ax.set_xscale("log")
     ticks = sorted(set(finite)) + ([x_inf] if has_inf else [])
 

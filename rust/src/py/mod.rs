@@ -4,6 +4,7 @@ pub mod args;
 pub mod block_ids;
 pub mod block_pool;
 pub mod call_timer;
+pub mod capacity;
 pub mod convert;
 pub mod errors;
 pub mod events;
@@ -44,6 +45,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
+    m.add_class::<capacity::PyCapacityRequests>()?;
+    m.add_class::<capacity::PyLruCurve>()?;
+    m.add_function(wrap_pyfunction!(capacity::capacity_trie_ids, m)?)?;
     m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
     m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
