@@ -15,9 +15,9 @@ __all__ = ["register"]
 
 def register() -> None:
     """Swap kvblock into vLLM when ``KVBLOCK_VLLM`` is on (``1``, ``true``, ``yes``, ``on``):
-    :func:`kvblock.vllm.patch`, in every vLLM process that loads plugins, and one INFO line in
-    vLLM's log saying so. Unset or off (``0``, ``false``, ``no``, ``off``) it does nothing.
-    Idempotent.
+    :func:`kvblock.vllm.patch`, in every vLLM process that loads plugins. Unset or off (``0``,
+    ``false``, ``no``, ``off``) it does nothing. Idempotent. (The first kvblock manager an engine
+    builds logs one INFO line, ``kvblock <version> manages the KV cache ...``, on either route.)
 
     Raises:
         kvblock.vllm.UnsupportedVllmRelease: kvblock is on and the installed vLLM is outside

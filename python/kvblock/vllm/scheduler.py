@@ -1,4 +1,4 @@
-"""vLLM 0.33.0 schedulers whose KV cache manager is kvblock's: ``--scheduler-cls
+"""vLLM's schedulers (0.32.x-0.34.x) whose KV cache manager is kvblock's: ``--scheduler-cls
 kvblock.vllm.Scheduler``, which is the scheduler vLLM itself picks for the configuration
 (its ``AsyncScheduler`` with async scheduling on, vLLM's default; its synchronous
 ``Scheduler`` where async scheduling is off, as vLLM's CPU platform sets it), or
