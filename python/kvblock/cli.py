@@ -367,6 +367,18 @@ def _policy_list(specs: Sequence[str]) -> list[str]:
     return out or ["lru"]
 
 
+def _model_names() -> list[str]:
+    from .replay.memory import CATALOG
+
+    return list(CATALOG)
+
+
+def _speedup(hit_rate: float) -> float:
+    """Prefill tokens saved as a speedup: ``1 / (1 - hit rate)`` (capped at 1000x, as
+    kvcache-simulator caps it)."""
+    return min(1000.0, 1.0 / max(1.0 - hit_rate, 0.001))
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -379,7 +391,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     if args.instances is not None:
         return _cmd_fleet_sweep(args, out, err)
-    capacities = parse_capacities(args.capacities)
+    from .replay.memory import load_sizing, resolve_capacities
+
+    sizing = load_sizing(args.model, args.kv_dtype) if args.model else None
+    if args.kv_dtype != "auto" and sizing is None:
+        raise ReplayError("--kv-dtype sizes budgets in bytes: give --model too")
+    capacities, cap_labels = resolve_capacities(args.capacities, sizing, args.block_size)
     policies = _policy_list(args.retention)
     from .replay.capacity import POLICIES as CURVE_POLICIES, capacity_sweep, warm_from
 
@@ -423,23 +440,48 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.json:
         if args.plot:
             plot_sweep(series, args.plot, args.title, curves)
-        print(json.dumps({"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
-                          "method": "curve" if use_curve else "replay", "warmup": args.warmup,
-                          "wall_s": wall_s, "plot": args.plot, "series": [s.to_dict() for s in series]}, indent=2))
+        doc: dict[str, Any] = {"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
+                               "method": "curve" if use_curve else "replay", "warmup": args.warmup,
+                               "wall_s": wall_s, "plot": args.plot, "capacities": cap_labels,
+                               "series": [s.to_dict() for s in series]}
+        if sizing is not None:
+            doc["model"] = {**sizing.to_dict(), "bytes_per_block": sizing.bytes_per_block(args.block_size)}
+            for sd in doc["series"]:
+                for pd in sd["points"]:
+                    pd["memory_bytes"] = sizing.budget_of(pd["num_blocks"], args.block_size)
+                    pd["cached_tokens"] = (pd["num_blocks"] - 1) * args.block_size
+                    pd["prefill_speedup"] = _speedup(pd["hit_rate"])
+        print(json.dumps(doc, indent=2))
         return 0
+    if sizing is not None:
+        out.print(sizing.describe(args.block_size))
     for s in series:
         how = ("one-pass LRU curve (points it cannot give replayed)" if use_curve and "(" not in s.name
                else "replays") + (f", first {args.warmup:g} of requests as warmup" if args.warmup else "")
         table = Table(title=f"{s.name}: hit rate vs capacity", caption=f"{how}, {s.block_size}-token blocks")
-        for col in ("capacity", "hit rate", "vLLM rate", "missed tokens", "unservable", "evictions"):
+        cols = ["capacity", "hit rate", "vLLM rate", "missed tokens", "unservable", "evictions"]
+        if sizing is not None:
+            cols[1:1] = ["blocks", "tokens", "memory"]
+            cols.insert(6, "prefill speedup")
+        for col in cols:
             table.add_column(col, justify="right")
-        for p in s.points:
-            cap = "unlimited" if p.capacity is None else f"{p.capacity:,}"
-            table.add_row(cap, f"{100 * p.hit_rate:.2f}%", f"{100 * p.token_hit_rate:.2f}%", _si(p.misses),
-                          f"{p.unservable:,}", _si(p.evictions))
+        for label, p in zip(cap_labels, s.points):
+            row = [label, f"{100 * p.hit_rate:.2f}%", f"{100 * p.token_hit_rate:.2f}%", _si(p.misses),
+                   f"{p.unservable:,}", _si(p.evictions)]
+            if sizing is not None:
+                from .replay.memory import format_bytes
+
+                row[1:1] = [f"{p.num_blocks:,}", _si((p.num_blocks - 1) * s.block_size),
+                            format_bytes(sizing.budget_of(p.num_blocks, s.block_size))]
+                row.insert(6, f"{_speedup(p.hit_rate):.2f}x")
+            table.add_row(*row)
         _print_table(out, table)
-    out.print("capacity in blocks; hit rate = hit tokens / all prompt tokens (unservable requests "
-              "count as misses); vLLM rate = hits / queries of the served requests", style="dim")
+    out.print("capacity in blocks" + (" or bytes (blocks = bytes // bytes per block, null block included; "
+                                      "tokens = (blocks - 1) x block size)" if sizing is not None else "")
+              + "; hit rate = hit tokens / all prompt tokens (unservable requests "
+              "count as misses); vLLM rate = hits / queries of the served requests"
+              + ("; prefill speedup = 1 / (1 - hit rate), the ideal prefill-only bound kvcache-simulator "
+                 "reports" if sizing is not None else ""), style="dim")
     out.print(f"computed in {wall_s:.2f} s", style="dim")
     if args.plot:
         # after the tables: the results are shown even if the plot then fails
@@ -566,7 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sw.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files, or builtin:NAME")
     sw.add_argument("--capacities", nargs="+", default=["1k,2k,5k,10k,20k,50k,100k,inf"], metavar="LIST",
-                    help="cache sizes in blocks, e.g. 1k,10k,100k,inf (default 1k,2k,5k,10k,20k,50k,100k,inf)")
+                    help="cache sizes in blocks, e.g. 1k,10k,100k,inf, or in bytes with --model, e.g. 8GiB,512MiB "
+                    "(default 1k,2k,5k,10k,20k,50k,100k,inf)")
     sw.add_argument("--plot", default=None, metavar="OUT.png", help="write the plot to this file")
     sw.add_argument("--title", default=None, help="plot title")
     sw.add_argument("--block-size", type=_int, default=16, metavar="N", help="tokens per block (default 16)")
@@ -583,6 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--warmup", type=_float, default=0.0, metavar="FRACTION",
                     help="the first FRACTION of the requests warm the cache and are not counted, in [0, 1) "
                     "(kvcache-simulator counts the last 50%%: --warmup 0.5; default 0)")
+    sw.add_argument("--model", default=None, metavar="NAME|config.json",
+                    help="size budgets in bytes (--capacities 8GiB,512MiB) for this model: a Hugging Face "
+                    "config.json (or its folder), or one of " + ", ".join(_model_names()) + "; prints bytes/token "
+                    "as vLLM sizes the KV cache, and tokens, memory and prefill speedup per capacity")
+    sw.add_argument("--kv-dtype", default="auto", metavar="DTYPE",
+                    help="KV cache dtype for --model: auto (the model's, 2 bytes), bf16, fp16, fp8, fp8_e4m3, "
+                    "fp8_e5m2, fp32 (default auto)")
     sw.add_argument("--ttl-s", type=_float, default=300.0, metavar="S", help="the ttl policy's seconds (default 300)")
     sw.add_argument("--pin-tokens", type=_int, default=None, metavar="N",
                     help="tokens pin-system-prompts pins per prompt (default 2048)")
