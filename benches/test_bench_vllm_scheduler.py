@@ -46,10 +46,10 @@ EXPECTED: dict[tuple[str, str, int], tuple[str | None, int | None, int, int | No
     ("0.33", "chat", 16): (None, None, 384, None, None),
     ("0.33", "shared", 64): (None, None, 1000, None, None),
     ("0.33", "chat", 64): (None, None, 384, None, None),
-    ("0.34", "shared", 16): (None, None, 1000, None, None),
-    ("0.34", "chat", 16): (None, None, 384, None, None),
-    ("0.34", "shared", 64): (None, None, 1000, None, None),
-    ("0.34", "chat", 64): (None, None, 384, None, None),
+    ("0.34", "shared", 16): ("740dba4dba4250bf", 2048, 1000, 1_150_464, 2_048_000),
+    ("0.34", "chat", 16): ("2fec43bc74c9eae7", 2088, 384, 800_992, 915_722),
+    ("0.34", "shared", 64): ("c4a73d5c5177dea3", 2048, 1000, 1_150_464, 2_048_000),
+    ("0.34", "chat", 64): ("ffa669266923ddb6", 2088, 384, 793_664, 915_722),
 }
 FACTORIES = {"shared": S.shared_workload, "chat": S.chat_workload}
 BLOCK_SIZES = (16, 64)
@@ -164,7 +164,13 @@ def test_request_hashing(record_measured, report_line, kind, block_size):
     hasher vs kvblock's (swapped in by ``kvblock.vllm.patch()``), in interleaved rounds (stock,
     kvblock, kvblock, stock, ...) so that a noisy neighbour hits both alike. Each side gets its
     own fresh copy of the round's prompts. The same prompts give the same block hashes on both
-    (checked on every round)."""
+    (checked on every round).
+
+    Two times per request: the whole ``Request(...)`` (the engine core's cost; on 0.34 it
+    includes about 40 µs of ``Request`` set-up, the ``TokenBuffer`` copy of the prompt among
+    it, that neither hasher changes) and the hasher's own call on a request built without one
+    (``hasher(request)``: the request hashing, which the >= 8x target is about), on other
+    prompts of the same kind so that no memo has seen them."""
     _check_version()
     hashers = {}
     for impl in ("vllm", "kvblock"):
@@ -176,6 +182,7 @@ def test_request_hashing(record_measured, report_line, kind, block_size):
     params.update_from_generation_config({}, S.EOS_TOKEN_ID)
     clock = time.perf_counter_ns
     samples: dict[str, list[float]] = {"vllm": [], "kvblock": []}
+    calls: dict[str, list[float]] = {"vllm": [], "kvblock": []}
     reqs: list = []
     # as vLLM's engine core does once started (freeze_gc_heap): the startup heap is frozen, so
     # the collection before each round walks only this bench's own objects (a full collection
@@ -201,12 +208,24 @@ def test_request_hashing(record_measured, report_line, kind, block_size):
                 if last:
                     assert digests == last, "kvblock's request hashes differ from vLLM's"
                 last = digests
+                bare = [Request(f"b-{rnd}-{j}", p, params, None) for j, p in enumerate(_prompts(kind, 500 + rnd))]
+                gc.collect()
+                t0 = clock()
+                for r in bare:
+                    hasher(r)
+                dt = clock() - t0
+                if rnd:
+                    calls[impl].append(dt / len(bare) / 1e9)
     finally:
         gc.unfreeze()
     for impl, s in samples.items():
         record_measured(f"{HASH_GROUP} [{kind} prompts, block size {block_size}]", impl, s)
-    ratio = statistics.median(samples["vllm"]) / statistics.median(samples["kvblock"])
-    report_line(f"request hashing [{kind} prompts, block size {block_size}, vLLM {SERIES}]: "
-                f"{statistics.median(samples['vllm']) * 1e6:.1f} µs stock, "
-                f"{statistics.median(samples['kvblock']) * 1e6:.1f} µs kvblock per request (medians): {ratio:.1f}x; "
-                f"target >= 8x: {'met' if ratio >= 8 else 'NOT met'}")
+        record_measured(f"request hasher call {SERIES}, 2,048-token request [{kind} prompts, block size {block_size}]",
+                        impl, calls[impl])
+    med = {impl: (statistics.median(samples[impl]), statistics.median(calls[impl])) for impl in samples}
+    ratio = med["vllm"][1] / med["kvblock"][1]
+    report_line(f"request hashing [{kind} prompts, block size {block_size}, vLLM {SERIES}]: hasher call "
+                f"{med['vllm'][1] * 1e6:.1f} µs stock, {med['kvblock'][1] * 1e6:.1f} µs kvblock per request "
+                f"(medians): {ratio:.1f}x, target >= 8x: {'met' if ratio >= 8 else 'NOT met'}; whole Request(...) "
+                f"{med['vllm'][0] * 1e6:.1f} vs {med['kvblock'][0] * 1e6:.1f} µs: "
+                f"{med['vllm'][0] / med['kvblock'][0]:.1f}x")
