@@ -100,10 +100,22 @@ lint:
 	cargo clippy --features python --all-targets -- -D warnings
 
 # The pytest benchmarks (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
-# then their kvblock-vs-vLLM table in Markdown (benches/summary.py) and the criterion benches.
+# then their kvblock-vs-vLLM table in Markdown (benches/summary.py); the vLLM benches again under
+# vLLM 0.34 (.venv-vllm/0.34, made by make install: its scheduler at block sizes 16 and 64, and
+# request hashing from its TokenBuffers), with their own table; then the criterion benches.
+VLLM034_PY ?= .venv-vllm/0.34/bin/python
+VLLM034_SUMMARY ?= .benchmarks/kvblock-summary-vllm-0.34.json
 bench: install
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
 	$(BIN)/python benches/summary.py
+	@if [ -x "$(VLLM034_PY)" ]; then \
+		echo "== the vLLM benches under vLLM 0.34 ($(VLLM034_PY))"; \
+		KVBLOCK_BENCH_SUMMARY=$(VLLM034_SUMMARY) $(VLLM034_PY) -m pytest benches/test_bench_vllm_scheduler.py \
+			benches/test_bench_token_buffer.py -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name \
+			&& $(VLLM034_PY) benches/summary.py $(VLLM034_SUMMARY); \
+	else \
+		echo "== $(VLLM034_PY) is missing (make install makes it): the vLLM 0.34 benches are skipped"; \
+	fi
 	cargo bench --bench core
 	cargo bench --bench index
 	cargo bench --bench retention

@@ -101,6 +101,14 @@ def record_measured():
 SUMMARY_JSON = Path(os.environ.get("KVBLOCK_BENCH_SUMMARY", REPO / ".benchmarks" / "kvblock-summary.json"))
 
 
+def _vllm_version() -> str:
+    """The vLLM the vLLM benches ran (the summary's baseline), "0.33.0" where none is loaded."""
+    import sys
+
+    vllm = sys.modules.get("vllm")
+    return str(getattr(vllm, "__version__", "0.33.0"))
+
+
 def _write_summary() -> None:
     import json
     import platform
@@ -108,6 +116,7 @@ def _write_summary() -> None:
     SUMMARY_JSON.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "vllm": _vllm_version(),
         "results": {g: {impl: {"min_s": v[0], "median_s": v[1]} for impl, v in r.items()} for g, r in _RESULTS.items()},
         "lines": _LINES,
     }
@@ -137,7 +146,7 @@ def pytest_terminal_summary(terminalreporter):
     vllm_groups = [g for g in sorted(_RESULTS) if "vllm" in _RESULTS[g] and "kvblock" in _RESULTS[g]]
     if vllm_groups:
         # test_bench_vllm.py ran vLLM itself (when installed) on the same workload
-        tr.section("kvblock vs vLLM 0.33.0 itself (ratio = vLLM / kvblock)")
+        tr.section(f"kvblock vs vLLM {_vllm_version()} itself (ratio = vLLM / kvblock)")
         tr.write_line(f"{'group':58s} {'kvblock min':>14s} {'vLLM min':>14s} {'ratio(min)':>10s} {'ratio(median)':>13s}")
         for group in vllm_groups:
             (kmin, kmed, _), (vmin, vmed, _) = _RESULTS[group]["kvblock"], _RESULTS[group]["vllm"]

@@ -36,7 +36,7 @@ def table(data: dict, baseline: str) -> list[str]:
                     f"{b['min_s'] / k['min_s']:.1f}x | {b['median_s'] / k['median_s']:.1f}x |")
     if not rows:
         return []
-    name = "vLLM 0.33.0" if baseline == "vllm" else "reference"
+    name = f"vLLM {data.get('vllm', '0.33.0')}" if baseline == "vllm" else "reference"
     return [f"| measurement | {name} (median) | kvblock (median) | ratio (min) | ratio (median) |",
             "| --- | ---: | ---: | ---: | ---: |", *rows]
 

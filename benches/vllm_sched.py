@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's real ``AsyncScheduler`` driven without a model, stock or with kvblock.
+"""vLLM's real ``AsyncScheduler`` driven without a model, stock or with kvblock (whichever of
+vLLM 0.33.x and 0.34.x this interpreter has: :data:`SERIES`).
 
 The engine core's loop, minus the model: requests are built as the engine core builds them
 (``Request`` with the request block hasher attached, so their prompt blocks are hashed at
@@ -25,6 +26,7 @@ far, earlier outputs included, plus a new user message).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import os
@@ -37,8 +39,22 @@ from typing import Any
 
 from kvblock import workload as W
 
+#: the vLLM release series this bench drives (0.34's ``Request`` holds its token ids in a
+#: ``TokenBuffer``, its ``ModelRunnerOutput`` has no ``req_id_to_index``, and its
+#: ``VllmConfig`` needs ``shared/vllm/cpu-harness/triton_shim.py`` on a CPU without triton-cpu)
+SERIES = ("0.33", "0.34")
+#: the release the hybrid bench (test_bench_hybrid.py) drives
 VLLM_VERSION = "0.33.0"
 EOS_TOKEN_ID = 2
+
+
+def vllm_series() -> str:
+    """The installed vLLM's release series ("0.33"), or "" when it is not installed."""
+    try:
+        import vllm
+    except ImportError:
+        return ""
+    return ".".join(vllm.__version__.split("+")[0].split(".")[:2])
 
 
 @dataclass
@@ -63,28 +79,30 @@ class Workload:
     follow_up: Callable[[str], list[RequestSpec]] = field(default=lambda rid: [])
 
 
-def shared_workload(num_requests: int = W.NUM_REQUESTS) -> Workload:
+def shared_workload(num_requests: int = W.NUM_REQUESTS, block_size: int = W.BLOCK_SIZE) -> Workload:
     """The shared workload's requests (README §1) under vLLM's scheduler: 64 running, a token
     budget that admits a whole wave of 64 prefills in one step, as the workload's loop does
-    (its first ``num_requests`` requests)."""
+    (its first ``num_requests`` requests); blocks of ``block_size`` tokens, as many tokens of
+    KV cache at any block size."""
     specs = []
     for i in range(num_requests):
         prompt, outputs = W.e2e_request_tokens(i)
         specs.append(RequestSpec(f"req-{i}", prompt, outputs))
-    return Workload("shared", W.NUM_BLOCKS, W.BLOCK_SIZE, W.MAX_MODEL_LEN, W.MAX_RUNNING,
+    return Workload("shared", W.NUM_BLOCKS * W.BLOCK_SIZE // block_size, block_size, W.MAX_MODEL_LEN, W.MAX_RUNNING,
                     W.MAX_RUNNING * W.PROMPT_LEN, specs)
 
 
 CHAT_SEED = 20261202
 
 
-def chat_workload(conversations: int = 64, concurrent: int = 32, turns: int = 6) -> Workload:
+def chat_workload(conversations: int = 64, concurrent: int = 32, turns: int = 6, block_size: int = 16) -> Workload:
     """Seeded multi-turn chat: ``concurrent`` conversations at a time (a finished one is
     replaced by the next), ``turns`` turns each. Every conversation starts with the same
     1,024-token system prompt; turn ``t``'s prompt is turn ``t-1``'s prompt + its outputs + a
     new user message of 64-512 tokens; 32-256 outputs per turn. The next turn is sent as soon
-    as the previous one finishes. 8,192-token chunked-prefill budget, 8,192 blocks of 16
-    tokens (less than the conversations' total footprint, so cached blocks get evicted)."""
+    as the previous one finishes. 8,192-token chunked-prefill budget, 131,072 tokens of KV
+    cache (8,192 blocks of 16 tokens, 2,048 of 64: less than the conversations' total
+    footprint, so cached blocks get evicted)."""
     rng = random.Random(CHAT_SEED)
     plan = [[(rng.randint(64, 512), rng.randint(32, 256)) for _ in range(turns)] for _ in range(conversations)]
     system = W.tokens(600_000, 0, 1024)
@@ -111,13 +129,14 @@ def chat_workload(conversations: int = 64, concurrent: int = 32, turns: int = 6)
             return [turn(next_conv[0] - 1, 0)]
         return []
 
-    return Workload("chat", 8192, 16, 8192, 64, 8192, [turn(c, 0) for c in range(concurrent)], follow_up)
+    return Workload("chat", 8192 * 16 // block_size, block_size, 8192, 64, 8192,
+                    [turn(c, 0) for c in range(concurrent)], follow_up)
 
 
 @contextmanager
-def engine(impl: str) -> Iterator[dict[str, Any]]:
+def engine(impl: str, block_size: int = W.BLOCK_SIZE) -> Iterator[dict[str, Any]]:
     """The engine core's pieces for ``impl`` ("vllm" or "kvblock"): ``scheduler_cls``,
-    ``hasher`` (``get_request_block_hasher(16, sha256)`` with ``NONE_HASH`` initialised under
+    ``hasher`` (``get_request_block_hasher(block_size, sha256)`` with ``NONE_HASH`` initialised under
     ``PYTHONHASHSEED=0``), ``Request``, ``SamplingParams`` and ``ModelRunnerOutput``."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils import hashing as vhash
@@ -142,7 +161,7 @@ def engine(impl: str) -> Iterator[dict[str, Any]]:
                 os.environ.pop("PYTHONHASHSEED", None)
             else:
                 os.environ["PYTHONHASHSEED"] = saved
-        hasher = vku.get_request_block_hasher(W.BLOCK_SIZE, vhash.sha256)
+        hasher = vku.get_request_block_hasher(block_size, vhash.sha256)
         yield {"scheduler_cls": AsyncScheduler, "hasher": hasher, "Request": Request,
                "SamplingParams": SamplingParams, "ModelRunnerOutput": ModelRunnerOutput}
     finally:
@@ -154,6 +173,8 @@ def make_scheduler(eng: dict[str, Any], wl: Workload) -> Any:
     """vLLM's ``AsyncScheduler`` (async scheduling is vLLM's default) with prefix caching on,
     chunked prefill on, one full-attention group, ``wl``'s limits."""
     import torch
+
+    _cpu_harness()
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -174,6 +195,22 @@ def make_scheduler(eng: dict[str, Any], wl: Workload) -> Any:
     register_all_kvcache_specs(vllm_config)
     return eng["scheduler_cls"](vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=wl.block_size,
                                 log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config))
+
+
+def _cpu_harness() -> None:
+    """On vLLM 0.34 without triton-cpu, ``VllmConfig`` refuses an x86 CPU: import the shared
+    test harness that lets it build (``shared/vllm/cpu-harness/triton_shim.py``, as the vLLM
+    judge runs 0.34's own tests), once."""
+    import sys
+
+    import vllm.triton_utils as tu
+
+    if vllm_series() != "0.34" or tu.HAS_TRITON or "triton_shim" in sys.modules:
+        return
+    harness = os.path.join(os.environ.get("KVBLOCK_SHARED", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                          "shared")), "vllm", "cpu-harness")
+    sys.path.insert(0, harness)
+    import triton_shim  # noqa: F401
 
 
 def make_request(eng: dict[str, Any], spec: RequestSpec) -> Any:
@@ -271,8 +308,8 @@ class ManagerTimer:
 
 def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = False) -> SchedRun:
     """Drive one fresh scheduler through a fresh copy of the workload to the end."""
-    with engine(impl) as eng:
-        wl = wl_factory()
+    wl = wl_factory()
+    with engine(impl, wl.block_size) as eng:
         sched = make_scheduler(eng, wl)
         kind = type(sched.kv_cache_manager).__module__
         outputs = {s.req_id: s.outputs for s in wl.initial}
@@ -280,6 +317,7 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
             sched.add_request(make_request(eng, spec))
         timer = ManagerTimer(sched.kv_cache_manager) if time_manager else None
         mro_cls = eng["ModelRunnerOutput"]
+        with_index = "req_id_to_index" in {f.name for f in dataclasses.fields(mro_cls)}
         requests = sched.requests
         fp = hashlib.sha256()
         step_ns: list[int] = []
@@ -300,8 +338,11 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
                         sampled.append([])  # a prefill chunk samples nothing
                     else:
                         sampled.append([outputs[rid][len(req.output_token_ids)]])
-                mro = mro_cls(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
-                              sampled_token_ids=sampled)
+                if with_index:  # 0.33; 0.34's ModelRunnerOutput has no req_id_to_index
+                    mro = mro_cls(req_ids=ids, req_id_to_index={r: j for j, r in enumerate(ids)},
+                                  sampled_token_ids=sampled)
+                else:
+                    mro = mro_cls(req_ids=ids, sampled_token_ids=sampled)
                 t2 = clock()
                 eco = sched.update_from_output(out, mro)
                 t3 = clock()

@@ -45,6 +45,20 @@ impl<T: pyo3::buffer::Element + Copy> TokenBuf<T> {
 }
 
 impl Tokens {
+    /// 32-bit ids widened to `i64` where the CPU has the SIMD token encoder (it reads `i64`
+    /// slices; 32-bit ones take the scalar path): a copy of 8 bytes a token, cheaper than
+    /// encoding them one by one. Anything else is returned as it is.
+    pub fn widened_for_simd(self) -> Tokens {
+        if !crate::hashing::token_simd::available() {
+            return self;
+        }
+        match self {
+            Tokens::I32(b) => Tokens::I64(TokenBuf::Owned(b.as_slice().iter().map(|&t| i64::from(t)).collect())),
+            Tokens::U32(b) => Tokens::I64(TokenBuf::Owned(b.as_slice().iter().map(|&t| i64::from(t)).collect())),
+            t => t,
+        }
+    }
+
     /// Number of token ids.
     pub fn len(&self) -> usize {
         match self {
@@ -348,6 +362,44 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
     };
     let end = check(seq.len())?;
     from_items(py, seq.into_iter().take(end).skip(start).map(Ok), arg, start)
+}
+
+/// `obj[start:end]` as owned `i64` token ids, read without a Python object per token: a list
+/// of ints that fit in `i64` (exact ints of up to 62 bits read in place, [`list_i64`]), or a 1-D integer buffer (vLLM 0.34's
+/// `TokenBuffer`, an `array('i')`; numpy arrays; `array('q')`...) read in place and widened.
+/// `Ok(None)`: some other input (a tuple, ints beyond 62 bits in a list, `uint64` ids beyond
+/// `i64`): the caller takes the general path ([`extract_token_range`]), which reads them
+/// exactly. A buffer of floats or bools, or one not 1-D, is the same error as there.
+pub fn owned_i64_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end: usize) -> PyResult<Option<Vec<i64>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        if end > list.len() || start > end {
+            return Ok(None); // the general path raises the error
+        }
+        if let Some(v) = list_i64(list, start, end) {
+            return Ok(Some(v));
+        }
+        // integer-likes (numpy scalars) in the list: read one by one, as before
+        return Ok(match extract_token_range(obj, arg, start, Some(end))? {
+            Tokens::I64(TokenBuf::Owned(v)) => Some(v),
+            _ => None,
+        });
+    }
+    // SAFETY: `obj` is a live object; PyObject_CheckBuffer only reads its type.
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 || obj.is_instance_of::<PyBytes>() {
+        return Ok(None);
+    }
+    let Ok(raw) = PyUntypedBuffer::get(obj) else { return Ok(None) };
+    let toks = from_buffer(obj.py(), raw, arg)?;
+    if end > toks.len() || start > end {
+        return Ok(None);
+    }
+    Ok(match &toks {
+        Tokens::I32(b) => Some(b.as_slice()[start..end].iter().map(|&t| i64::from(t)).collect()),
+        Tokens::I64(b) => Some(b.as_slice()[start..end].to_vec()),
+        Tokens::U32(b) => Some(b.as_slice()[start..end].iter().map(|&t| i64::from(t)).collect()),
+        Tokens::U64(b) => b.as_slice()[start..end].iter().map(|&t| i64::try_from(t).ok()).collect(),
+        Tokens::Big(_) => None,
+    })
 }
 
 /// `list[start:end]` as i64 if every item is an exact int of at most 62 bits (the common

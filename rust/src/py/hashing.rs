@@ -204,7 +204,8 @@ pub fn hash_blocks<'py>(
     if end.is_some_and(|e| e < 0) {
         return Err(value_err("end", "must be >= 0"));
     }
-    let tokens = extract_token_range(token_ids, "token_ids", start as usize, end.map(|e| e as usize))?;
+    let tokens =
+        extract_token_range(token_ids, "token_ids", start as usize, end.map(|e| e as usize))?.widened_for_simd();
     let n_blocks = tokens.len() / block_size;
     let extras: Option<Vec<Option<Value>>> = match extra_keys {
         None => None,

@@ -603,7 +603,8 @@ impl ManagerState {
         if !events_enabled {
             return Ok(None);
         }
-        let tokens = self.fields.get_opt(request, Field::AllTokenIds)?.and_then(|t| t.cast_into::<PyList>().ok());
+        // a list, or vLLM 0.34's TokenBuffer (read in place); anything else is read by `read`
+        let tokens = self.fields.get_opt(request, Field::AllTokenIds)?;
         EventInputs::read(&self.fields, request, tokens.as_ref()).map(Some)
     }
 

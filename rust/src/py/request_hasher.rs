@@ -1,7 +1,7 @@
 //! Bindings of the request-side hashing: vLLM's request block hasher (`RequestBlockHasher`,
 //! with its digest memo) and the batch form for a scheduler step (`hash_requests`).
 
-use super::convert::{bytes_object, extract_token_range, TokenBuf, Tokens};
+use super::convert::{bytes_object, owned_i64_range};
 use super::errors::{type_err, value_err, IntoPy};
 use super::fields::{Field, RequestFields};
 use super::gil_cell::GilCell;
@@ -332,11 +332,11 @@ impl PyRequestBlockHasher {
         let has_extra = self.has_extra(fields, request)?;
         if self.memoizes(start, has_extra) {
             if let Ok(parent) = parent.cast::<PyBytes>() {
-                // owned ids only (a list's): a borrowed buffer could change while the chain
-                // hashes without the GIL, and the memo would key digests by the new values
-                let toks = extract_token_range(&tokens, "request._all_token_ids", start, Some(end))?;
-                if let Tokens::I64(TokenBuf::Owned(ids)) = &toks {
-                    return PyList::new(py, self.chain_with_memo(py, parent, ids)?);
+                // owned ids only (a list's, or a copy of a buffer's, e.g. vLLM 0.34's
+                // TokenBuffer): a borrowed buffer could change while the chain hashes without
+                // the GIL, and the memo would key digests by the new values
+                if let Some(ids) = owned_i64_range(&tokens, "request._all_token_ids", start, end)? {
+                    return PyList::new(py, self.chain_with_memo(py, parent, &ids)?);
                 }
             }
         }
@@ -503,10 +503,9 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         } else {
             None
         };
-        let Tokens::I64(TokenBuf::Owned(toks)) =
-            extract_token_range(&tokens, "request._all_token_ids", start, Some(start + num_new * bs))?
-        else {
-            // rare: tokens beyond 64 bits or a buffer; hash this request on its own
+        // a list, or an integer buffer (vLLM 0.34's TokenBuffer), copied out without Python ints
+        let Some(toks) = owned_i64_range(&tokens, "request._all_token_ids", start, start + num_new * bs)? else {
+            // rare: tokens beyond 62 bits or another sequence; hash this request on its own
             deferred.push(r);
             continue;
         };
