@@ -8,6 +8,9 @@
                      ``--instances N --router POLICY`` a fleet of N engines behind a router.
 ``kvblock sweep``    hit rate against cache capacity for one or more traces, with a plot; with
                      ``--instances``, fleet hit rate against instance count per routing policy.
+``kvblock index serve``  the fleet prefix index as an HTTP service: subscribes to engines'
+                     ZMQ KV-event streams, answers ``POST /score`` (see
+                     ``kvblock.cluster.service``; needs the ``cluster`` extra).
 ``kvblock demo``     a tiny paged-attention model served with prefix caching on and off: the
                      outputs are identical (needs the ``torch`` extra).
 
@@ -447,6 +450,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvblock: error: {message} (see {self.prog} --help)\n")
 
 
+def _cmd_index_serve(args: argparse.Namespace) -> int:
+    from .cluster.service import ServiceConfig, parse_engine, serve
+
+    engines = [parse_engine(e) for e in args.engine]
+    config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
+                           hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s)
+    import logging
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
+    serve(config, engines, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .hashing import ALGORITHMS
     from .replay.workloads import WORKLOADS
@@ -564,6 +580,36 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw.set_defaults(func=_cmd_sweep)
+
+    ix = sub.add_parser("index", help="the fleet prefix index as a service (kvblock index serve)")
+    ixsub = ix.add_subparsers(dest="index_command", required=True)
+    sv = ixsub.add_parser(
+        "serve",
+        help="HTTP service: subscribe to engines' KV events, answer POST /score",
+        description="Subscribe to engines' ZMQ KV-event streams (vLLM's --kv-events-config publisher) and "
+        "answer POST /score (block hashes or token ids -> each engine's cached-prefix length), GET /health, "
+        "GET /metrics (Prometheus), GET/POST/DELETE /engines. API: docs/index_service.md.",
+    )
+    sv.add_argument("--engine", action="append", default=[], metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+                    help="an engine's PUB endpoint (and replay ROUTER endpoint); repeat per engine (more can be "
+                    "added with POST /engines)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=_int, default=8000, metavar="N", help="port to listen on (default 8000)")
+    sv.add_argument("--model", default=None, help="the model served; queries naming another are refused (404)")
+    sv.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                    help="the engines' tokens per block (default 16)")
+    sv.add_argument("--hash-algo", choices=ALGORITHMS, default="sha256",
+                    help="the engines' --prefix-caching-hash-algo, for token_ids queries (default sha256)")
+    sv.add_argument("--hash-seed", default=None, metavar="SEED",
+                    help="the engines' PYTHONHASHSEED (default: vLLM's fixed root for sha256*; xxhash* engines "
+                    "without one have random roots, so token_ids queries are refused)")
+    sv.add_argument("--redis", default=None, metavar="URL",
+                    help="keep the index in Redis: redis://host:port or redis+cluster://host:port")
+    sv.add_argument("--redis-ttl-s", type=_float, default=300.0, metavar="S",
+                    help="a silent engine's entries expire from Redis after S seconds (default 300)")
+    sv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                    help="logging level (default info)")
+    sv.set_defaults(func=_cmd_index_serve)
     return p
 
 
