@@ -253,7 +253,8 @@ def _fleet_config(args: argparse.Namespace, instances: int, router: str) -> Any:
     from .replay.fleet import FleetConfig
 
     return FleetConfig(instances=instances, router=router, index=args.index or "memory",
-                       load_weight=args.load_weight, transport=args.transport).validate()
+                       load_weight=args.load_weight, transport=args.transport,
+                       speculative_ttl_ms=getattr(args, "speculative_ttl_ms", 0.0)).validate()
 
 
 def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err: Any) -> int:
@@ -537,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache-aware score = cached tokens - W * load tokens (default 0.5)")
     fl.add_argument("--transport", choices=("direct", "zmq"), default="direct",
                     help="events to the index directly, or through ZMQ publisher/subscriber sockets")
+    fl.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="cache-aware: also count blocks just routed to an instance (speculative entries) until "
+                    "its events confirm them or MS pass on the simulated clock (default 0: off)")
     o = rp.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="run kvblock and the reference on the same input; print both and the speedup")
@@ -575,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--index", default=None, metavar="URL", help="prefix index (default in-process)")
     fs.add_argument("--load-weight", type=_float, default=0.5, metavar="W", help="cache-aware load weight")
     fs.add_argument("--transport", choices=("direct", "zmq"), default="direct", help="how events reach the index")
+    fs.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="cache-aware: speculative entries living MS on the simulated clock (default 0: off)")
     fs.add_argument("--time-scale", type=_float, default=1.0, metavar="X",
                     help="multiply arrival times by X (default 1)")
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
