@@ -475,3 +475,38 @@ def test_cli_serve_from_the_readme_example():
         e.close()
     assert proc.returncode == 0, err
     assert "kvblock index serve:" in out
+
+
+def test_speculative_entries_through_the_api():
+    e = Engine("engine-a")
+    svc = IndexService(ServiceConfig(block_size=BS, hash_seed=SEED, idle_sync_s=0.2, speculative_ttl_ms=60_000),
+                       [e.spec])
+    try:
+        with ServiceThread(svc) as st:
+            e.serve(prompts(13, 1)[0])  # the stream is live (its first contact clears the engine)
+            wait_applied(st.url, [e])
+            toks = prompts(12, 1)[0][-9 * BS:]  # no block in common with the first
+            n = len(toks) // BS
+            status, got = call(st.url + "/score", "POST", {"token_ids": toks})
+            assert got["instances"] == {"engine-a": 0} and got["speculative"] == {"engine-a": 0}
+            assert call(st.url + "/speculate", "POST", {"engine": "engine-a", "token_ids": toks}) == (200, {"added": n})
+            status, got = call(st.url + "/score", "POST", {"token_ids": toks})
+            # speculated, never reported as cached
+            assert got["instances"] == {"engine-a": 0} and got["speculative"] == {"engine-a": n * BS}
+            assert call(st.url + "/speculate", "POST", {"engine": "nope", "token_ids": toks})[0] == 404
+            assert call(st.url + "/speculate", "POST", {"engine": "engine-a", "tokens": toks})[0] == 422
+            e.serve(toks)  # the engine computes it: its events confirm the entries
+            wait_applied(st.url, [e])
+            status, got = call(st.url + "/score", "POST", {"token_ids": toks})
+            assert got["instances"] == got["speculative"] == {"engine-a": n * BS}
+            m = metrics(st.url)
+            assert m["kvblock_index_speculative_blocks_total{outcome=added}"] == n
+            assert m["kvblock_index_speculative_blocks_total{outcome=confirmed}"] == n
+            assert m["kvblock_index_speculative_live{}"] == 0
+    finally:
+        e.close()
+    off = IndexService(ServiceConfig(block_size=BS))
+    with ServiceThread(off) as st:
+        status, got = call(st.url + "/speculate", "POST", {"engine": "x", "token_ids": [1, 2, 3, 4]})
+        assert status == 409 and "--speculative-ttl-ms" in got["error"]
+        assert "speculative" not in call(st.url + "/score", "POST", {"token_ids": [1, 2, 3, 4]})[1]

@@ -456,7 +456,8 @@ def _cmd_index_serve(args: argparse.Namespace) -> int:
 
     engines = [parse_engine(e) for e in args.engine]
     config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
-                           hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s)
+                           hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
+                           speculative_ttl_ms=args.speculative_ttl_ms)
     import logging
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
@@ -613,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the index in Redis: redis://host:port or redis+cluster://host:port")
     sv.add_argument("--redis-ttl-s", type=_float, default=300.0, metavar="S",
                     help="a silent engine's entries expire from Redis after S seconds (default 300)")
+    sv.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="keep speculative entries (POST /speculate) MS milliseconds unless the engines' events "
+                    "confirm or drop them first (default 0: off)")
     sv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                     help="logging level (default info)")
     sv.set_defaults(func=_cmd_index_serve)

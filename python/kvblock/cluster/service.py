@@ -21,7 +21,9 @@ status, and changes nothing)::
       200       {"model": STR | null, "block_size": INT,
                  "blocks": INT,                              # full blocks in the query
                  "instances": {ENGINE: CACHED_TOKENS, ...},  # every engine, 0 included
-                 "cached_blocks": {ENGINE: CACHED_BLOCKS, ...}}
+                 "cached_blocks": {ENGINE: CACHED_BLOCKS, ...},
+                 "speculative": {ENGINE: TOKENS, ...}}       # with --speculative-ttl-ms only:
+                                                             # cached, then speculated, tokens
       400 body is not JSON; 404 unknown model; 413 body or query too large;
       422 body of the wrong shape, both or neither of block_hashes / token_ids, another
           block size or hash algorithm, token_ids for xxhash without --hash-seed;
@@ -37,6 +39,11 @@ status, and changes nothing)::
                              "replay_endpoint": "tcp://HOST:PORT" | null, "topic": STR}
                     201 the engine as in GET /engines; 409 name taken; 422 bad body
     DELETE /engines/{name}   200 {"removed": NAME, "pairs": INT}; 404 unknown engine
+    POST /speculate request {"engine": STR, "block_hashes" | "token_ids": as /score}
+                    (a request with this prefix was just sent to the engine: its blocks count
+                    in "speculative" until the engine's events confirm or drop them, or
+                    --speculative-ttl-ms passes; "instances" never counts them).
+                    200 {"added": INT}; 404 unknown engine; 409 speculation is off
     POST /feedback  request {"engine": STR, "claimed_tokens": INT, "cached_tokens": INT}
                     (what /score claimed for the engine a request went to, and what the
                     engine then reported cached, e.g. vLLM's ``usage.prompt_tokens_details.
@@ -128,6 +135,17 @@ class EngineRequest(msgspec.Struct, forbid_unknown_fields=True):
     topic: str = ""
 
 
+class SpeculateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of ``POST /speculate``."""
+
+    engine: str
+    block_hashes: Union[list[Union[str, U64]], None] = None
+    token_ids: Union[list[int], None] = None
+    model: Union[str, None] = None
+    block_size: Union[int, None] = None
+    hash_algo: Union[str, None] = None
+
+
 class FeedbackRequest(msgspec.Struct, forbid_unknown_fields=True):
     """The body of ``POST /feedback``."""
 
@@ -215,6 +233,8 @@ class ServiceConfig:
         redis_ttl_s: lifetime of a silent engine's entries in Redis.
         idle_sync_s: an engine silent this long is asked for what it published since.
         max_query_blocks: most blocks per query.
+        speculative_ttl_ms: > 0: keep speculative entries (``POST /speculate``) this long
+            unless the engines' events confirm or drop them first; 0: off.
     """
 
     model: str | None = None
@@ -225,6 +245,7 @@ class ServiceConfig:
     redis_ttl_s: float = 300.0
     idle_sync_s: float | None = 1.0
     max_query_blocks: int = MAX_QUERY_BLOCKS
+    speculative_ttl_ms: float = 0.0
 
     def check(self) -> "ServiceConfig":
         """Self, or ValueError naming the bad field."""
@@ -232,6 +253,8 @@ class ServiceConfig:
             raise ValueError(f"block_size: must be an int > 0, got {self.block_size!r}")
         if self.hash_algo not in hashing.ALGORITHMS:
             raise ValueError(f"hash_algo: {self.hash_algo!r} is not one of {', '.join(hashing.ALGORITHMS)}")
+        if not self.speculative_ttl_ms >= 0:
+            raise ValueError(f"speculative_ttl_ms: must be >= 0, got {self.speculative_ttl_ms}")
         if self.max_query_blocks <= 0:
             raise ValueError("max_query_blocks: must be > 0")
         if self.model is not None and not self.model:
@@ -324,6 +347,11 @@ class IndexService:
                                           block_size=config.block_size)
         else:
             self.index = PrefixIndex(config.block_size)
+        self.speculative = config.speculative_ttl_ms > 0
+        if self.speculative:
+            from .speculative import SpeculativeIndex
+
+            self.index = SpeculativeIndex(self.index, config.speculative_ttl_ms, lambda: time.time() * 1000)
         self.sink = _LockedSink(self.index, self.lock)
         self.subscriber = KVEventSubscriber(self.sink, idle_sync_s=config.idle_sync_s)
         self.engines: dict[str, EngineSpec] = {}
@@ -434,7 +462,7 @@ class IndexService:
             self.index.close()
 
     # -- lookups ----------------------------------------------------------------------------
-    def _hashes(self, req: ScoreRequest) -> tuple[Any, str | None]:
+    def _hashes(self, req: ScoreRequest | SpeculateRequest) -> tuple[Any, str | None]:
         """The query's block hashes (bytes / ints), and None or a reason to hash off-loop."""
         cfg = self.config
         if req.model is not None and cfg.model is not None and req.model != cfg.model:
@@ -446,7 +474,7 @@ class IndexService:
         if (req.block_hashes is None) == (req.token_ids is None):
             raise RequestError(422, "bad_body", "give exactly one of block_hashes and token_ids")
         if req.block_hashes is not None:
-            if req.hash_algo is not None:
+            if req.hash_algo is not None:  # hash_algo names how token_ids are hashed
                 raise RequestError(422, "bad_body", "hash_algo goes with token_ids only")
             if len(req.block_hashes) > cfg.max_query_blocks:
                 raise RequestError(413, "too_large", f"{len(req.block_hashes)} block hashes: at most "
@@ -488,16 +516,21 @@ class IndexService:
         self.hash_seconds.observe(time.perf_counter() - t0)
         return out
 
-    def lookup(self, hashes: Any, medium: str | None = None) -> dict[str, int]:
+    def lookup(self, hashes: Any, medium: str | None = None) -> tuple[dict[str, int], dict[str, int] | None]:
         """Cached-prefix blocks per engine (every subscribed engine, 0 included; with Redis,
-        also the other writers' live instances with a hit).
+        also the other writers' live instances with a hit), and with speculation on the
+        same counting speculative entries too (else None).
 
         Raises:
             RequestError: malformed hashes (422), the index unavailable (503)."""
         t0 = time.perf_counter()
+        spec: dict[str, int] | None = None
         try:
             with self.lock:
-                hits = self.index.match(hashes, medium)
+                if self.speculative:
+                    hits, spec = self.index.match_both(hashes, medium)
+                else:
+                    hits = self.index.match(hashes, medium)
         except IndexUnavailable as e:
             raise RequestError(503, "unavailable", f"the index is unavailable: {e}") from None
         except (TypeError, ValueError, OverflowError) as e:
@@ -505,12 +538,38 @@ class IndexService:
         self.lookup_seconds.observe(time.perf_counter() - t0)
         out = {name: 0 for name in self.engines}
         out.update(hits)
-        return out
+        if spec is not None:
+            spec = {**{name: 0 for name in self.engines}, **spec}
+        return out, spec
 
-    def score_response(self, n_blocks: int, hits: dict[str, int]) -> dict[str, Any]:
+    def speculate(self, engine: str, hashes: Any) -> int:
+        """Record that ``engine`` will hold ``hashes`` (past what it holds now); returns the
+        entries added.
+
+        Raises:
+            RequestError: speculation off (409), unknown engine (404), bad hashes (422)."""
+        if not self.speculative:
+            raise RequestError(409, "speculation_off", "speculation is off: start the service with "
+                               "--speculative-ttl-ms")
+        if engine not in self.engines:
+            raise RequestError(404, "unknown_engine", f"unknown engine {engine!r}")
+        try:
+            with self.lock:
+                held = self.index.match(hashes).get(engine, 0)
+                return int(self.index.speculate(engine, hashes, held))
+        except IndexUnavailable as e:
+            raise RequestError(503, "unavailable", f"the index is unavailable: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            raise RequestError(422, "bad_body", str(e)) from None
+
+    def score_response(self, n_blocks: int, hits: dict[str, int],
+                       spec: dict[str, int] | None = None) -> dict[str, Any]:
         bs = self.config.block_size
-        return {"model": self.config.model, "block_size": bs, "blocks": n_blocks,
-                "instances": {k: v * bs for k, v in hits.items()}, "cached_blocks": hits}
+        out = {"model": self.config.model, "block_size": bs, "blocks": n_blocks,
+               "instances": {k: v * bs for k, v in hits.items()}, "cached_blocks": hits}
+        if spec is not None:
+            out["speculative"] = {k: v * bs for k, v in spec.items()}
+        return out
 
     def engine_view(self, name: str) -> dict[str, Any]:
         spec = self.engines[name]
@@ -589,10 +648,23 @@ class IndexService:
                 else:
                     hashes = svc.hash_tokens(hashes)
             if svc.config.redis is not None:
-                hits = await asyncio.to_thread(svc.lookup, hashes, req.medium)
+                hits, spec = await asyncio.to_thread(svc.lookup, hashes, req.medium)
             else:
-                hits = svc.lookup(hashes, req.medium)
-            return json_response(svc.score_response(len(hashes), hits))
+                hits, spec = svc.lookup(hashes, req.medium)
+            return json_response(svc.score_response(len(hashes), hits, spec))
+
+        async def speculate(request: web.Request) -> web.Response:
+            req = await body_of(request, SpeculateRequest)
+            if not svc.speculative:  # before hashing anything
+                svc.speculate(req.engine, [])
+            hashes, tokens = svc._hashes(req)
+            if tokens is not None:
+                hashes = await asyncio.to_thread(svc.hash_tokens, hashes)
+            if svc.config.redis is not None:
+                added = await asyncio.to_thread(svc.speculate, req.engine, hashes)
+            else:
+                added = svc.speculate(req.engine, hashes)
+            return json_response({"added": added})
 
         async def health(request: web.Request) -> web.Response:
             ok = svc.available()
@@ -660,6 +732,7 @@ class IndexService:
         app.router.add_post("/engines", add_engine)
         app.router.add_delete("/engines/{name}", delete_engine)
         app.router.add_post("/feedback", feedback)
+        app.router.add_post("/speculate", speculate)
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
@@ -720,6 +793,16 @@ class _StreamCollector:
         yield GaugeMetricFamily("kvblock_index_pairs", "(block, engine) pairs held.", value=svc.pairs())
         yield GaugeMetricFamily("kvblock_index_memory_bytes", "Bytes of the in-process index (with Redis: "
                                 "the writer's mirror).", value=svc.memory_bytes())
+        if svc.speculative:
+            st = svc.index.stats
+            fam = CounterMetricFamily("kvblock_index_speculative_blocks", "Speculative entries (blocks) by "
+                                      "outcome: added, then confirmed (stored by the engine), dropped (removed "
+                                      "or cleared first) or expired; refused: not added (cap).",
+                                      labels=["outcome"])
+            for outcome in ("added", "confirmed", "dropped", "expired", "refused"):
+                fam.add_metric([outcome], getattr(st, outcome))
+            yield fam
+            yield GaugeMetricFamily("kvblock_index_speculative_live", "Speculative entries live.", value=st.live)
         yield CounterMetricFamily("kvblock_index_subscriber_errors", "Errors of the subscriber loop (logged).",
                                   value=svc.loop_errors)
 
