@@ -589,7 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(func=_cmd_sweep)
 
     ix = sub.add_parser("index", help="the fleet prefix index as a service (kvblock index serve)")
-    ixsub = ix.add_subparsers(dest="index_command", required=True)
+    ixsub = ix.add_subparsers(dest="index_command", required=True, metavar="COMMAND")
     sv = ixsub.add_parser(
         "serve",
         help="HTTP service: subscribe to engines' KV events, answer POST /score",

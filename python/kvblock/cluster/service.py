@@ -104,7 +104,7 @@ MAX_BODY_BYTES = 32 << 20
 #: Token-id queries longer than this are hashed off the event loop.
 _INLINE_TOKENS = 1 << 14
 _ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-*]+):([0-9]{1,5})|ipc://\S+|inproc://\S+)$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/\-]{0,127}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@\-]{0,127}$")
 _HEX = re.compile(r"^(0x)?([0-9A-Fa-f]{2}){1,64}$")
 #: Lookup latency buckets (seconds): 5 µs .. 1 s.
 LATENCY_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
@@ -176,10 +176,10 @@ class EngineSpec:
     topic: str = ""
 
     def check(self) -> "EngineSpec":
-        """Self, or ValueError naming the bad field (name: letters, digits, ``._:@/-``, at
+        """Self, or ValueError naming the bad field (name: letters, digits, ``._:@-``, at
         most 128; endpoints ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``)."""
         if not _NAME.match(self.name):
-            raise ValueError(f"engine name {self.name!r}: 1-128 characters of letters, digits and ._:@/- "
+            raise ValueError(f"engine name {self.name!r}: 1-128 characters of letters, digits and ._:@- "
                              "(starting with a letter or digit)")
         for field, ep in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
             if ep is None:
@@ -608,13 +608,11 @@ class IndexService:
             except web.HTTPRequestEntityTooLarge:
                 raise RequestError(413, "too_large", f"body over {MAX_BODY_BYTES} bytes") from None
             try:
-                msgspec.json.decode(raw)
-            except msgspec.DecodeError as e:
-                raise RequestError(400, "bad_json", f"the body is not JSON: {e}") from None
-            try:
                 return msgspec.json.decode(raw, type=typ)
-            except msgspec.ValidationError as e:
+            except msgspec.ValidationError as e:  # JSON of the wrong shape
                 raise RequestError(422, "bad_body", str(e)) from None
+            except msgspec.DecodeError as e:  # not JSON
+                raise RequestError(400, "bad_json", f"the body is not JSON: {e}") from None
 
         @web.middleware
         async def errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
@@ -888,7 +886,7 @@ def serve(config: ServiceConfig, engines: Sequence[EngineSpec], host: str = "127
 
     svc = IndexService(config, engines)
     if print_fn is not None:
-        print_fn(f"kvblock index serve: model {config.model or '(any)'}, block size {config.block_size}, "
+        print_fn(f"kvblock index serve: starting: model {config.model or '(any)'}, block size {config.block_size}, "
                  f"{config.hash_algo}, index {'redis ' + config.redis if config.redis else 'in process'}, "
                  f"{len(svc.engines)} engine(s); http://{host}:{port}", flush=True)
     web.run_app(svc.app(), host=host, port=port, print=None, access_log=None)
