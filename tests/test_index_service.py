@@ -362,7 +362,7 @@ def test_engines_added_and_removed_through_the_api(fleet):
     try:
         status, view = call(st.url + "/engines", "POST",
                             {"name": "engine-c", "endpoint": c.pub.endpoint, "replay_endpoint": c.pub.replay_endpoint})
-        assert status == 201 and view["name"] == "engine-c"
+        assert status == 201 and [v["name"] for v in view["engines"]] == ["engine-c"]
         ps = prompts(9, 6)
         for p in ps:
             c.serve(p)
@@ -400,9 +400,16 @@ def test_xxhash_without_a_seed_takes_block_hashes_only():
 
 
 def test_config_and_engine_specs_are_checked():
-    assert parse_engine("a=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558") == EngineSpec(
-        "a", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
-    for bad in ["a", "a=", "=tcp://h:1", "a=tcp://h", "a=tcp://h:1,replay", "a=tcp://h:1,foo=bar", "a=tcp://h:0"]:
+    assert parse_engine("a=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558") == [EngineSpec(
+        "a", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")]
+    # data-parallel ranks on vLLM's offset endpoints (ZmqEventPublisher.offset_endpoint_port)
+    assert parse_engine("a=tcp://10.0.0.1:5557,replay=tcp://10.0.0.1:5600,dp=3,topic=kv") == [
+        EngineSpec("a@dp0", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5600", "kv"),
+        EngineSpec("a@dp1", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5601", "kv"),
+        EngineSpec("a@dp2", "tcp://10.0.0.1:5559", "tcp://10.0.0.1:5602", "kv")]
+    assert [e.endpoint for e in parse_engine("a=inproc://ev,dp=2")] == ["inproc://ev", "inproc://ev_dp1"]
+    for bad in ["a", "a=", "=tcp://h:1", "a=tcp://h", "a=tcp://h:1,replay", "a=tcp://h:1,foo=bar", "a=tcp://h:0",
+                "a=tcp://h:1,dp=0", "a=tcp://h:1,dp=x", "a=tcp://h:65535,dp=2", "a=ipc:///tmp/x,dp=2"]:
         with pytest.raises(ValueError):
             parse_engine(bad)
     for cfg in [ServiceConfig(block_size=0), ServiceConfig(hash_algo="md5"), ServiceConfig(model="")]:
@@ -510,3 +517,52 @@ def test_speculative_entries_through_the_api():
         status, got = call(st.url + "/speculate", "POST", {"engine": "x", "token_ids": [1, 2, 3, 4]})
         assert status == 409 and "--speculative-ttl-ms" in got["error"]
         assert "speculative" not in call(st.url + "/score", "POST", {"token_ids": [1, 2, 3, 4]})[1]
+
+
+def free_port_pair() -> tuple[int, int]:
+    """Ports ``p`` and ``p + 1``, both free now (vLLM offsets rank r's port by r)."""
+    import socket
+
+    for _ in range(200):
+        p = free_port()
+        try:
+            with socket.socket() as a:
+                a.bind(("127.0.0.1", p + 1))
+            return p, p + 1
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+def test_data_parallel_ranks_are_holders_of_their_own():
+    """An engine of two data-parallel ranks, each with its own cache and publisher on vLLM's
+    offset ports: the service files each rank's blocks under NAME@dpR, so a prefix cached on
+    rank 1 is never credited to rank 0."""
+    (p0, p1), (r0, r1) = free_port_pair(), free_port_pair()
+    ranks = [Engine("dp@dp0", port=p0, rport=r0), Engine("dp@dp1", port=p1, rport=r1)]
+    svc = IndexService(ServiceConfig(block_size=BS, hash_seed=SEED, idle_sync_s=0.2))
+    try:
+        with ServiceThread(svc) as st:
+            status, view = call(st.url + "/engines", "POST", {"name": "dp", "endpoint": f"tcp://127.0.0.1:{p0}",
+                                                            "replay_endpoint": f"tcp://127.0.0.1:{r0}",
+                                                            "data_parallel_size": 2})
+            assert status == 201 and [v["endpoint"] for v in view["engines"]] == [
+                f"tcp://127.0.0.1:{p0}", f"tcp://127.0.0.1:{p1}"]
+            ps = prompts(14, 6)
+            ranks[0].serve(ps[0])
+            ranks[1].serve(ps[1])
+            wait_applied(st.url, ranks)
+            ref = reference(ranks)
+            for toks in ps[:2]:
+                hashes = hashing.hash_blocks(toks, BS, algo="sha256", parent=root())
+                status, got = call(st.url + "/score", "POST", {"token_ids": toks})
+                assert got["instances"] == expected_score(ref, ["dp@dp0", "dp@dp1"], hashes)
+            assert call(st.url + "/score", "POST", {"token_ids": ps[1]})[1]["instances"]["dp@dp0"] < len(ps[1]) // BS * BS
+            # a second subscription of a rank is refused as a whole
+            assert call(st.url + "/engines", "POST", {"name": "dp", "endpoint": f"tcp://127.0.0.1:{p0}",
+                                                      "data_parallel_size": 2})[0] == 409
+            assert call(st.url + "/engines", "POST", {"name": "z", "endpoint": "tcp://127.0.0.1:5",
+                                                      "data_parallel_size": 0})[0] == 422
+    finally:
+        for e in ranks:
+            e.close()

@@ -454,7 +454,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_index_serve(args: argparse.Namespace) -> int:
     from .cluster.service import ServiceConfig, parse_engine, serve
 
-    engines = [parse_engine(e) for e in args.engine]
+    engines = [spec for e in args.engine for spec in parse_engine(e)]
     config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
                            hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
                            speculative_ttl_ms=args.speculative_ttl_ms)
@@ -599,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--engine", action="append", default=[], metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
                     help="an engine's PUB endpoint (and replay ROUTER endpoint); repeat per engine (more can be "
-                    "added with POST /engines)")
+                    "added with POST /engines); ',dp=N': N data-parallel ranks NAME@dp0.. on vLLM's offset ports")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_int, default=8000, metavar="N", help="port to listen on (default 8000)")
     sv.add_argument("--model", default=None, help="the model served; queries naming another are refused (404)")

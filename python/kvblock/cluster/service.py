@@ -36,8 +36,10 @@ status, and changes nothing)::
                                       "stats": {"applied", "gaps", "replayed", "lost",
                                                 "malformed", "restarts", "resyncs"}}]}
     POST /engines   request {"name": STR, "endpoint": "tcp://HOST:PORT",
-                             "replay_endpoint": "tcp://HOST:PORT" | null, "topic": STR}
-                    201 the engine as in GET /engines; 409 name taken; 422 bad body
+                             "replay_endpoint": "tcp://HOST:PORT" | null, "topic": STR,
+                             "data_parallel_size": INT (default 1; N: ranks NAME@dp0..N-1
+                             on vLLM's offset ports, each its own holder)}
+                    201 {"engines": [as in GET /engines]}; 409 name taken; 422 bad body
     DELETE /engines/{name}   200 {"removed": NAME, "pairs": INT}; 404 unknown engine
     POST /speculate request {"engine": STR, "block_hashes" | "token_ids": as /score}
                     (a request with this prefix was just sent to the engine: its blocks count
@@ -133,6 +135,7 @@ class EngineRequest(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str
     replay_endpoint: Union[str, None] = None
     topic: str = ""
+    data_parallel_size: int = 1
 
 
 class SpeculateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -193,12 +196,57 @@ class EngineSpec:
         return self
 
 
-def parse_engine(text: str) -> EngineSpec:
-    """``NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC]`` (the CLI's
-    ``--engine``) as an :class:`EngineSpec`.
+#: Most data-parallel ranks of one engine.
+MAX_DP = 256
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint data-parallel rank ``rank`` of an engine publishes on, by vLLM's rule
+    (``ZmqEventPublisher.offset_endpoint_port``): ``tcp://HOST:PORT`` -> port + rank (a
+    port of 0 is kept), ``inproc://NAME`` -> ``inproc://NAME_dpRANK``; rank 0 unchanged.
 
     Raises:
-        ValueError: not of that form, or a bad name or endpoint.
+        ValueError: another scheme (vLLM refuses it too) or a port past 65535."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
+        base, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"endpoint {endpoint!r}: the port is not a number")
+        if int(port) == 0:
+            return endpoint
+        if int(port) + rank > 65535:
+            raise ValueError(f"endpoint {endpoint!r}: rank {rank}'s port {int(port) + rank} is past 65535")
+        return f"{base}:{int(port) + rank}"
+    raise ValueError(f"endpoint {endpoint!r}: data-parallel engines publish on tcp:// or inproc:// endpoints")
+
+
+def data_parallel(spec: EngineSpec, size: int) -> list[EngineSpec]:
+    """One spec per data-parallel rank (each rank has its own KV cache and publisher):
+    ``NAME@dpR`` on vLLM's offset endpoints (:func:`offset_endpoint`); ``[spec]`` for
+    ``size == 1``. The index then files each rank's blocks under its own name, so an answer
+    never credits one rank with another's blocks.
+
+    Raises:
+        ValueError: ``size`` not in 1..256, or an endpoint that cannot be offset."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_DP:
+        raise ValueError(f"data-parallel size: must be an int in 1..{MAX_DP}, got {size!r}")
+    if size == 1:
+        return [spec.check()]
+    return [EngineSpec(f"{spec.name}@dp{r}", offset_endpoint(spec.endpoint, r),
+                       None if spec.replay_endpoint is None else offset_endpoint(spec.replay_endpoint, r),
+                       spec.topic).check() for r in range(size)]
+
+
+def parse_engine(text: str) -> list[EngineSpec]:
+    """``NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC][,dp=N]`` (the CLI's
+    ``--engine``) as :class:`EngineSpec`\\ s: one, or with ``dp=N`` one per data-parallel
+    rank (:func:`data_parallel`).
+
+    Raises:
+        ValueError: not of that form, or a bad name, endpoint or size.
     """
     name, sep, rest = text.partition("=")
     if not sep or not rest:
@@ -206,15 +254,18 @@ def parse_engine(text: str) -> EngineSpec:
     endpoint, *opts = rest.split(",")
     replay: str | None = None
     topic = ""
+    dp = 1
     for opt in opts:
         key, sep, value = opt.partition("=")
         if key == "replay" and sep and value:
             replay = value
         elif key == "topic" and sep:
             topic = value
+        elif key == "dp" and sep and value.isdigit():
+            dp = int(value)
         else:
-            raise ValueError(f"--engine {text!r}: unknown option {opt!r} (replay=URL, topic=TOPIC)")
-    return EngineSpec(name, endpoint, replay, topic).check()
+            raise ValueError(f"--engine {text!r}: unknown option {opt!r} (replay=URL, topic=TOPIC, dp=N)")
+    return data_parallel(EngineSpec(name, endpoint, replay, topic), dp)
 
 
 @dataclass(frozen=True)
@@ -683,17 +734,25 @@ class IndexService:
         async def add_engine(request: web.Request) -> web.Response:
             req = await body_of(request, EngineRequest)
             try:
-                spec = EngineSpec(req.name, req.endpoint, req.replay_endpoint, req.topic).check()
+                specs = data_parallel(EngineSpec(req.name, req.endpoint, req.replay_endpoint, req.topic),
+                                      req.data_parallel_size)
             except ValueError as e:
                 raise RequestError(422, "bad_body", str(e)) from None
-            try:
-                await asyncio.wrap_future(svc.add_engine(spec))
-            except KeyError:
-                raise RequestError(409, "engine_exists", f"engine {spec.name!r} is already subscribed") from None
-            except Exception as e:  # zmq refused the address
-                raise RequestError(422, "bad_endpoint", f"cannot subscribe to {spec.endpoint!r}: {e}") from None
-            log.info("kvblock index serve: subscribed to %s at %s", spec.name, spec.endpoint)
-            return json_response(svc.engine_view(spec.name), 201)
+            taken = [s.name for s in specs if s.name in svc.engines]
+            if taken:
+                raise RequestError(409, "engine_exists", f"engine {taken[0]!r} is already subscribed")
+            for i, spec in enumerate(specs):
+                try:
+                    await asyncio.wrap_future(svc.add_engine(spec))
+                except Exception as e:  # a name taken meanwhile, or zmq refused the address
+                    for done in specs[:i]:  # all ranks or none
+                        await asyncio.wrap_future(svc.remove_engine(done.name))
+                    if isinstance(e, KeyError):
+                        raise RequestError(409, "engine_exists", f"engine {spec.name!r} is already subscribed") \
+                            from None
+                    raise RequestError(422, "bad_endpoint", f"cannot subscribe to {spec.endpoint!r}: {e}") from None
+                log.info("kvblock index serve: subscribed to %s at %s", spec.name, spec.endpoint)
+            return json_response({"engines": [svc.engine_view(s.name) for s in specs]}, 201)
 
         async def delete_engine(request: web.Request) -> web.Response:
             name = request.match_info["name"]
