@@ -31,6 +31,7 @@ import pytest
 
 from cluster_helpers import free_port, rebind
 from conftest import require_module
+from redis_fixtures import redis_node  # noqa: F401  (the fixture)
 
 require_module("zmq")
 require_module("aiohttp")
@@ -443,9 +444,6 @@ def test_redis_backed_service_answers_as_the_in_process_one(redis_node):
     finally:
         for e in engines:
             e.close()
-
-
-from redis_fixtures import redis_node  # noqa: E402,F401
 
 
 def test_cli_serve_from_the_readme_example():
