@@ -15,6 +15,8 @@ from types import ModuleType
 PIP_PACKAGES: dict[str, str] = {
     "zmq": "pyzmq",
     "redis": "redis",
+    "aiohttp": "aiohttp",
+    "prometheus_client": "prometheus-client",
     "matplotlib": "matplotlib",
     "torch": "torch",
     "vllm": "'vllm>=0.32,<0.35'",

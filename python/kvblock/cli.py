@@ -8,6 +8,9 @@
                      ``--instances N --router POLICY`` a fleet of N engines behind a router.
 ``kvblock sweep``    hit rate against cache capacity for one or more traces, with a plot; with
                      ``--instances``, fleet hit rate against instance count per routing policy.
+``kvblock index serve``  the fleet prefix index as an HTTP service: subscribes to engines'
+                     ZMQ KV-event streams, answers ``POST /score`` (see
+                     ``kvblock.cluster.service``; needs the ``cluster`` extra).
 ``kvblock demo``     a tiny paged-attention model served with prefix caching on and off: the
                      outputs are identical (needs the ``torch`` extra).
 
@@ -250,7 +253,8 @@ def _fleet_config(args: argparse.Namespace, instances: int, router: str) -> Any:
     from .replay.fleet import FleetConfig
 
     return FleetConfig(instances=instances, router=router, index=args.index or "memory",
-                       load_weight=args.load_weight, transport=args.transport).validate()
+                       load_weight=args.load_weight, transport=args.transport,
+                       speculative_ttl_ms=getattr(args, "speculative_ttl_ms", 0.0)).validate()
 
 
 def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err: Any) -> int:
@@ -517,6 +521,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvblock: error: {message} (see {self.prog} --help)\n")
 
 
+def _cmd_index_serve(args: argparse.Namespace) -> int:
+    from .cluster.service import ServiceConfig, parse_engine, serve
+
+    engines = [spec for e in args.engine for spec in parse_engine(e)]
+    config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
+                           hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
+                           speculative_ttl_ms=args.speculative_ttl_ms)
+    import logging
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
+    serve(config, engines, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .hashing import ALGORITHMS
     from .replay.workloads import WORKLOADS
@@ -591,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cache-aware score = cached tokens - W * load tokens (default 0.5)")
     fl.add_argument("--transport", choices=("direct", "zmq"), default="direct",
                     help="events to the index directly, or through ZMQ publisher/subscriber sockets")
+    fl.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="cache-aware: also count blocks just routed to an instance (speculative entries) until "
+                    "its events confirm them or MS pass on the simulated clock (default 0: off)")
     o = rp.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="run kvblock and the reference on the same input; print both and the speedup")
@@ -645,11 +666,46 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--index", default=None, metavar="URL", help="prefix index (default in-process)")
     fs.add_argument("--load-weight", type=_float, default=0.5, metavar="W", help="cache-aware load weight")
     fs.add_argument("--transport", choices=("direct", "zmq"), default="direct", help="how events reach the index")
+    fs.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="cache-aware: speculative entries living MS on the simulated clock (default 0: off)")
     fs.add_argument("--time-scale", type=_float, default=1.0, metavar="X",
                     help="multiply arrival times by X (default 1)")
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw.set_defaults(func=_cmd_sweep)
+
+    ix = sub.add_parser("index", help="the fleet prefix index as a service (kvblock index serve)")
+    ixsub = ix.add_subparsers(dest="index_command", required=True, metavar="COMMAND")
+    sv = ixsub.add_parser(
+        "serve",
+        help="HTTP service: subscribe to engines' KV events, answer POST /score",
+        description="Subscribe to engines' ZMQ KV-event streams (vLLM's --kv-events-config publisher) and "
+        "answer POST /score (block hashes or token ids -> each engine's cached-prefix length), GET /health, "
+        "GET /metrics (Prometheus), GET/POST/DELETE /engines. API: docs/index_service.md.",
+    )
+    sv.add_argument("--engine", action="append", default=[], metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+                    help="an engine's PUB endpoint (and replay ROUTER endpoint); repeat per engine (more can be "
+                    "added with POST /engines); ',dp=N': N data-parallel ranks NAME@dp0.. on vLLM's offset ports")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=_int, default=8000, metavar="N", help="port to listen on (default 8000)")
+    sv.add_argument("--model", default=None, help="the model served; queries naming another are refused (404)")
+    sv.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
+                    help="the engines' tokens per block (default 16)")
+    sv.add_argument("--hash-algo", choices=ALGORITHMS, default="sha256",
+                    help="the engines' --prefix-caching-hash-algo, for token_ids queries (default sha256)")
+    sv.add_argument("--hash-seed", default=None, metavar="SEED",
+                    help="the engines' PYTHONHASHSEED (default: vLLM's fixed root for sha256*; xxhash* engines "
+                    "without one have random roots, so token_ids queries are refused)")
+    sv.add_argument("--redis", default=None, metavar="URL",
+                    help="keep the index in Redis: redis://host:port or redis+cluster://host:port")
+    sv.add_argument("--redis-ttl-s", type=_float, default=300.0, metavar="S",
+                    help="a silent engine's entries expire from Redis after S seconds (default 300)")
+    sv.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+                    help="keep speculative entries (POST /speculate) MS milliseconds unless the engines' events "
+                    "confirm or drop them first (default 0: off)")
+    sv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                    help="logging level (default info)")
+    sv.set_defaults(func=_cmd_index_serve)
     return p
 
 

@@ -10,7 +10,11 @@
 * :class:`KVEventSubscriber` / :class:`KVEventPublisher` — vLLM 0.33.0's ZMQ event stream
   (PUB + replay ROUTER), both ends (need ``pyzmq``);
 * :class:`EventStream` — sequence numbers, gaps, replays and restarts of one engine's stream;
-* :class:`Router` — round-robin, least-loaded and cache-aware routing over the index.
+* :class:`Router` — round-robin, least-loaded and cache-aware routing over the index;
+* :class:`SpeculativeIndex` — an index plus speculative entries (blocks just routed to an
+  engine) that the engine's events confirm or drop, or a TTL expires;
+* ``kvblock.cluster.service`` — ``kvblock index serve``, the index as an HTTP service (needs
+  ``aiohttp`` and ``prometheus-client``).
 
 ``import kvblock`` imports none of this; ``kvblock.cluster`` imports zmq and redis only when
 the classes that need them are used.
@@ -21,6 +25,7 @@ from __future__ import annotations
 from .index import PrefixIndex, parent_tag
 from .reference import DictIndex
 from .router import POLICIES, Decision, Router
+from .speculative import SpeculationStats, SpeculativeIndex
 from .stream import EventStream, StreamStats
 
 __all__ = [
@@ -33,6 +38,8 @@ __all__ = [
     "PrefixIndex",
     "RedisPrefixIndex",
     "Router",
+    "SpeculationStats",
+    "SpeculativeIndex",
     "StreamStats",
     "parent_tag",
 ]

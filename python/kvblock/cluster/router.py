@@ -12,6 +12,11 @@ Policies:
   length is the same on every instance, so it drops out). ``load_weight = 0`` routes on the
   cache alone (ties by load), large weights approach least-loaded.
 
+With a :class:`~kvblock.cluster.speculative.SpeculativeIndex` as the index, ``cache-aware``
+scores each instance with its speculative prefix (blocks it holds, then blocks it was just
+sent and will compute) and records the chosen instance's speculative entries; the decision's
+``cached_blocks`` stays the exact count.
+
 While the index cannot answer (:class:`~kvblock.cluster.errors.IndexUnavailable`, e.g. Redis
 down) ``cache-aware`` routes by load alone, logs one warning per outage and tries the index
 again on every request, so it resumes as soon as the index is back.
@@ -44,6 +49,8 @@ class Decision:
             the index was not asked or not available).
         cached_tokens: the same in tokens (at most the request's length).
         index_available: False when cache-aware routing fell back to load alone.
+        speculative_blocks: with a speculative index, the chosen instance's prefix counting
+            speculative entries too (>= ``cached_blocks``); else ``cached_blocks``.
     """
 
     instance: str
@@ -51,6 +58,7 @@ class Decision:
     cached_blocks: int = 0
     cached_tokens: int = 0
     index_available: bool = True
+    speculative_blocks: int = 0
 
 
 class Router:
@@ -150,6 +158,7 @@ class Router:
             ld = self._running[name] + self._waiting[name]
             if best_load is None or ld < best_load:
                 best, best_load = name, ld
+        assert best is not None  # there is always an instance
         self._next = (self._pos[best] + 1) % n
         return best
 
@@ -164,13 +173,17 @@ class Router:
             return Decision(self._turn(), "round-robin")
         if self.policy == "least-loaded":
             return Decision(self._least_loaded(), "least-loaded")
+        speculative = getattr(self.index, "speculative", False)
         try:
+            kw = {"instances": self.instances} if getattr(self.index, "wants_instances", False) else {}
             if not len(block_hashes):
-                hits = {}
-            elif getattr(self.index, "wants_instances", False):  # a shared index: ask for ours
-                hits = self.index.match(block_hashes, self.medium, instances=self.instances)
+                hits: dict[str, int] = {}
+                scored = hits
+            elif speculative:
+                hits, scored = self.index.match_both(block_hashes, self.medium, **kw)
             else:
-                hits = self.index.match(block_hashes, self.medium)
+                hits = self.index.match(block_hashes, self.medium, **kw)
+                scored = hits
         except IndexUnavailable as e:
             self.fallbacks += 1
             if self.index_available:
@@ -188,11 +201,15 @@ class Router:
         best_key = None
         for k in range(n):
             name = self.instances[(start + k) % n]
-            cached = min(hits.get(name, 0) * b, num_tokens)
+            cached = min(scored.get(name, 0) * b, num_tokens)
             ld = self._running[name] + self._waiting[name]
             key = (cached - w * ld, -ld)
             if best_key is None or key > best_key:
                 best, best_key = name, key
+        assert best is not None
         self._next = (self._pos[best] + 1) % n
         blocks = hits.get(best, 0)
-        return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens))
+        if speculative and len(block_hashes):
+            self.index.speculate(best, block_hashes, blocks)
+        return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens),
+                        speculative_blocks=scored.get(best, 0))

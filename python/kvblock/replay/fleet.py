@@ -77,6 +77,9 @@ class FleetConfig:
         transport: ``"direct"`` (payloads applied to the index) or ``"zmq"``.
         check: compare every routing claim with the chosen engine's pool.
         check_all: compare the index's claims for every instance, not only the chosen one.
+        speculative_ttl_ms: > 0: the cache-aware router also records speculative entries
+            (:class:`~kvblock.cluster.speculative.SpeculativeIndex`) living this long on the
+            simulated clock unless the engines' events confirm or drop them first; 0: off.
     """
 
     instances: int = 4
@@ -86,6 +89,7 @@ class FleetConfig:
     transport: str = "direct"
     check: bool = True
     check_all: bool = False
+    speculative_ttl_ms: float = 0.0
 
     def validate(self) -> "FleetConfig":
         from ..cluster.router import POLICIES
@@ -94,6 +98,8 @@ class FleetConfig:
             raise ReplayError(f"--instances must be >= 1, got {self.instances}")
         if self.router not in POLICIES:
             raise ReplayError(f"unknown --router {self.router!r}; choose from {', '.join(POLICIES)}")
+        if not self.speculative_ttl_ms >= 0:
+            raise ReplayError(f"--speculative-ttl-ms must be >= 0, got {self.speculative_ttl_ms}")
         if not self.load_weight >= 0:
             raise ReplayError(f"--load-weight must be >= 0, got {self.load_weight}")
         if self.transport not in TRANSPORTS:
@@ -159,6 +165,8 @@ class FleetResult:
     sim_time_s: float = 0.0
     wall_s: float = 0.0
     index_s: float = 0.0
+    #: :class:`~kvblock.cluster.speculative.SpeculationStats` as a dict (speculative runs).
+    speculation: dict[str, int] | None = None
 
     @property
     def routing(self) -> str:
@@ -201,6 +209,7 @@ class FleetResult:
                       "batches": self.batches, "seconds": self.index_s},
             "per_instance": [s.to_dict() for s in self.per_instance],
             "steps": self.steps, "sim_time_s": self.sim_time_s, "wall_s": self.wall_s,
+            "speculation": self.speculation,
         }
 
 
@@ -311,12 +320,18 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
     hasher.start_run()
     namespace = f"fleet-{int(time.time() * 1000)}-{id(engines):x}"
     index = _make_index(fleet.index, cfg.block_size, namespace)
+    now = 0.0
+    if fleet.speculative_ttl_ms > 0 and fleet.router == "cache-aware":
+        from ..cluster.speculative import SpeculativeIndex
+
+        index = SpeculativeIndex(index, fleet.speculative_ttl_ms, lambda: now)
     transport = _Transport(fleet.transport, names, index)
     router = Router(names, index if fleet.router == "cache-aware" else None, fleet.router,
                     block_size=cfg.block_size, load_weight=fleet.load_weight)
     out = FleetResult(workload=trace.name, config=cfg.describe(trace),
                       fleet={"instances": fleet.instances, "router": fleet.router, "index": fleet.index,
-                             "load_weight": fleet.load_weight, "transport": fleet.transport},
+                             "load_weight": fleet.load_weight, "transport": fleet.transport,
+                             "speculative_ttl_ms": fleet.speculative_ttl_ms},
                       requests=len(trace.requests), prompt_tokens=trace.num_prompt_tokens)
     step_ms = cfg.step_ms
 
@@ -334,7 +349,6 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
         e.on_first_token = first_token
     pending = deque(trace.requests)
     scale = cfg.time_scale
-    now = 0.0
     done = 0
     index_s = 0.0
     try:
@@ -414,6 +428,10 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
         out.unservable += len(r.unservable)
         out.unservable_requests += [(name, u) for u in r.unservable]
     out.index_fallbacks = max(out.index_fallbacks, router.fallbacks)
+    if getattr(index, "speculative", False):
+        index.expire(now)
+        out.speculation = index.stats.to_dict()
+        index = index.index
     mirror = getattr(index, "mirror", index)
     out.index_pairs = mirror.num_pairs()
     out.index_bytes = mirror.memory_bytes() if hasattr(mirror, "memory_bytes") else 0
@@ -451,6 +469,10 @@ def render_fleet(r: FleetResult, console: Any) -> None:
     t.add_row("routing claims over / under the engine's truth", f"{r.over_reports:,} / {r.under_reports:,}")
     if r.index_fallbacks:
         t.add_row("routed by load (index unavailable)", f"{r.index_fallbacks:,}")
+    if r.speculation is not None:
+        sp = r.speculation
+        t.add_row(f"speculative blocks (TTL {f['speculative_ttl_ms']:g} ms) added: confirmed / dropped / expired",
+                  f"{sp['added']:,}: {sp['confirmed']:,} / {sp['dropped']:,} / {sp['expired']:,}")
     t.add_row("simulated time / wall time", f"{r.sim_time_s:,.1f} s / {r.wall_s:,.1f} s (index {r.index_s:.1f} s)")
     print_table(console, t)
     pi = Table(title="per instance")
