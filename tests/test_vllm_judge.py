@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import IN_CI, REPO, require_module, shared_path
+from conftest import REPO, require_module, shared_path
 
 sys.path.insert(0, str(REPO / "tests" / "vllm_judge"))
 import judge  # noqa: E402
@@ -40,22 +40,11 @@ def test_exclusions_have_reasons(release):
         assert "::" in test and sep and len(reason.strip()) > 20, ln
 
 
-def _release_python(release: str):
-    python = judge.release_python(release)
-    installed = judge.installed_release(python)
-    if installed != release:
-        msg = f"vLLM {release} is not installed ({python} has {installed}); run scripts/vllm_envs.sh"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return python
-
-
 @pytest.mark.parametrize("release", judge.RELEASES)
 def test_vllm_own_tests_pass_with_kvblock(tmp_path, release):
     require_module("vllm")
     shared_path("vllm", f"tests-{release}.0", "tests")
-    python = _release_python(release)
+    python = judge.python_with_release(release)
     report = tmp_path / "report.json"
     rc = judge.run_judge(report, python=python, release=release)
     summary = json.loads(report.read_text())

@@ -487,3 +487,20 @@ def test_an_empty_pool_is_vllms_assertion(num_blocks):
         kv.BlockPool(num_blocks, True, 16)
     with pytest.raises(AssertionError, match="num_gpu_blocks"):
         kv.KVCacheManager(_config([_full()], num_blocks), 256, 16, 16)
+
+
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_free_blocks_forwards_blocks_of_vllms_own_pool(evict_first):
+    """Deferred frees may mix pools (vLLM forwards another pool's blocks to it): a block of
+    vLLM's own pool (0.34: it holds that pool through a weakref) goes back to that pool, with
+    0.34's evict_first passed on."""
+    theirs = getattr(vbp, "_kvblock_original_BlockPool", vbp.BlockPool)(4, True, 16)
+    ours = kvbp.BlockPool(4, True, 16)
+    (block,) = theirs.get_new_blocks(1)
+    free_before = theirs.get_num_free_blocks()
+    kwargs = {"evict_first": evict_first} if "evict_first" in inspect.signature(theirs.free_blocks).parameters else {}
+    if evict_first and not kwargs:
+        pytest.skip("this vLLM has no evict_first")
+    ours.free_blocks([block], **kwargs)
+    assert block.ref_cnt == 0 and theirs.get_num_free_blocks() == free_before + 1
+    assert ours.get_num_free_blocks() == 3

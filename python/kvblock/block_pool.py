@@ -16,6 +16,7 @@ with vLLM's shapes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -496,10 +497,19 @@ class BlockPool(_core.BlockPoolCore):
         others: dict[int, tuple[Any, list[Any]]] = {}
         for b in ordered_blocks:
             pool = getattr(b, "pool", None)
-            if isinstance(b, KVCacheBlock) and pool is not self:
+            if isinstance(pool, weakref.ref):
+                # vLLM 0.34's blocks hold their pool weakly; a block of a pool that is gone is
+                # skipped, as vLLM skips it
+                pool = pool()
+                if pool is None:
+                    continue
+            if isinstance(b, int):
+                own.append(b)
+            elif pool is not None and pool is not self and callable(getattr(pool, "free_blocks", None)):
+                # a block of another pool (kvblock's, or vLLM's own, e.g. a HiSparse host pool)
                 others.setdefault(id(pool), (pool, []))[1].append(b)
-            elif isinstance(b, KVCacheBlock) or isinstance(b, int):
-                own.append(b if isinstance(b, int) else b.block_id)
+            elif isinstance(b, KVCacheBlock) and pool is self:
+                own.append(b.block_id)
             else:
                 raise TypeError(
                     f"ordered_blocks: {b!r} is not a block of this pool (kvblock's blocks are views of "

@@ -75,6 +75,22 @@ def release_python(release: str) -> Path:
     return Path(sys.executable)
 
 
+def python_with_release(release: str) -> Path:
+    """:func:`release_python` of ``release`` for a pytest test: skips when that Python does not
+    hold vLLM ``release`` (``scripts/vllm_envs.sh`` makes it), and fails instead under
+    ``CI=true``."""
+    import pytest
+
+    python = release_python(release)
+    installed = installed_release(python)
+    if installed != release:
+        msg = f"vLLM {release} is not installed ({python} has {installed}); run scripts/vllm_envs.sh"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return python
+
+
 def installed_release(python: Path) -> str | None:
     """The vLLM series (``"0.34"``) ``python`` imports, or None without vLLM."""
     out = subprocess.run(

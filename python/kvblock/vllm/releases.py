@@ -12,7 +12,7 @@ refuse a release outside the window before any engine state exists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = ["Release", "UnsupportedVllmRelease", "WINDOW", "check", "current", "model_runner_output", "window_text"]
@@ -40,11 +40,8 @@ class Release:
         block_hash_map_ids: ``BlockHashToBlockMap`` is built on the pool's blocks and stores
             block ids (``_cache``: one id per key, ``_dup_ids``: the duplicates), with
             ``clear()`` (0.34); before, it stored blocks.
-        weak_block_pool: ``KVCacheBlock.pool`` is a ``weakref.ref`` to the pool (0.34).
         token_buffer: request token ids are a ``vllm.v1.token_buffer.TokenBuffer`` (an
             ``array('i')`` subclass) rather than a list (0.34).
-        frontend_block_hashes: ``Request(block_hashes=...)`` takes prompt block hashes the
-            frontend computed (0.34).
         common_prefix_blocks: ``KVCacheManager.get_num_common_prefix_blocks`` exists
             (deprecated in 0.33, removed in 0.34).
         eagle_groups_drop_always: a group flagged ``is_eagle_group`` drops the EAGLE block from
@@ -68,68 +65,50 @@ class Release:
     free_evict_first: bool
     public_pool_helpers: bool
     block_hash_map_ids: bool
-    weak_block_pool: bool
     token_buffer: bool
-    frontend_block_hashes: bool
     common_prefix_blocks: bool
     mamba_none_prefix_caching: bool
     runner_output_index: bool
     eagle_groups_drop_always: bool
 
 
-_RELEASES = {
-    "0.32": Release(
-        series="0.32",
-        hit_limit_field="skip_reading_prefix_cache",
-        hash_lookahead=False,
-        lookup_bound=False,
-        num_cached_tokens_probe=False,
-        free_evict_first=False,
-        public_pool_helpers=False,
-        block_hash_map_ids=False,
-        weak_block_pool=False,
-        token_buffer=False,
-        frontend_block_hashes=False,
-        common_prefix_blocks=True,
-        mamba_none_prefix_caching=True,
-        runner_output_index=True,
-        eagle_groups_drop_always=True,
-    ),
-    "0.33": Release(
-        series="0.33",
-        hit_limit_field="skip_reading_prefix_cache",
-        hash_lookahead=True,
-        lookup_bound=True,
-        num_cached_tokens_probe=False,
-        free_evict_first=False,
-        public_pool_helpers=False,
-        block_hash_map_ids=False,
-        weak_block_pool=False,
-        token_buffer=False,
-        frontend_block_hashes=False,
-        common_prefix_blocks=True,
-        mamba_none_prefix_caching=False,
-        runner_output_index=True,
-        eagle_groups_drop_always=False,
-    ),
-    "0.34": Release(
-        series="0.34",
-        hit_limit_field="prefix_cache_hit_limit",
-        hash_lookahead=True,
-        lookup_bound=True,
-        num_cached_tokens_probe=True,
-        free_evict_first=True,
-        public_pool_helpers=True,
-        block_hash_map_ids=True,
-        weak_block_pool=True,
-        token_buffer=True,
-        frontend_block_hashes=True,
-        common_prefix_blocks=False,
-        mamba_none_prefix_caching=False,
-        runner_output_index=False,
-        eagle_groups_drop_always=False,
-    ),
-}
+_V032 = Release(
+    series="0.32",
+    hit_limit_field="skip_reading_prefix_cache",
+    hash_lookahead=False,
+    lookup_bound=False,
+    num_cached_tokens_probe=False,
+    free_evict_first=False,
+    public_pool_helpers=False,
+    block_hash_map_ids=False,
+    token_buffer=False,
+    common_prefix_blocks=True,
+    mamba_none_prefix_caching=True,
+    runner_output_index=True,
+    eagle_groups_drop_always=True,
+)
+# each release as what it changed from the one before
+_V033 = replace(
+    _V032,
+    series="0.33",
+    hash_lookahead=True,
+    lookup_bound=True,
+    mamba_none_prefix_caching=False,
+    eagle_groups_drop_always=False,
+)
+_V034 = replace(
+    _V033,
+    series="0.34",
+    hit_limit_field="prefix_cache_hit_limit",
+    num_cached_tokens_probe=True,
+    free_evict_first=True,
+    public_pool_helpers=True,
+    block_hash_map_ids=True,
+    token_buffer=True,
+    common_prefix_blocks=False,
+    runner_output_index=False,
+)
+_RELEASES = {r.series: r for r in (_V032, _V033, _V034)}
 
 #: The vLLM release series kvblock supports, oldest first.
 WINDOW: tuple[str, ...] = tuple(_RELEASES)
