@@ -96,6 +96,17 @@ impl Slab {
         &mut self.bits[slot as usize * w..(slot as usize + 1) * w]
     }
 
+    /// Start loading the bitset of `set` (nothing for an inline holder).
+    #[inline(always)]
+    pub fn prefetch(&self, set: u32) {
+        if set & MULTI != 0 && set != u32::MAX {
+            let i = (set & !MULTI) as usize * self.words;
+            if let Some(w) = self.bits.get(i) {
+                crate::prefetch::prefetch_bytes(w as *const u64 as *const u8, self.words * 8);
+            }
+        }
+    }
+
     /// Whether the set `set` holds `inst`.
     #[inline]
     pub fn contains(&self, set: u32, inst: u32) -> bool {

@@ -72,6 +72,15 @@ pub struct PrefixIndex {
     stats: ApplyStats,
 }
 
+/// Media a pipelined walk handles (more fall back to the plain walk).
+const MAX_MEDIA: usize = 4;
+/// How far ahead of the walk a block's home slot is requested.
+const PF: usize = 24;
+/// How far ahead of the walk a block's node is read (and its holder bitset requested).
+const PS: usize = 12;
+/// Probed nodes waiting for the walk (a power of two above `PS`).
+const RING: usize = 16;
+
 /// The answer of a lookup: for each instance with a hit, its id and prefix length (blocks).
 pub type Matches = Vec<(u32, usize)>;
 
@@ -375,45 +384,100 @@ impl PrefixIndex {
             return;
         }
         let w = self.slab.words();
-        if w == 1 {
-            self.walk_one_word(hashes, tables, out);
-        } else {
-            self.walk_words(hashes, tables, w, out);
+        if tables.len() > MAX_MEDIA {
+            return self.walk_words(hashes, tables, w, out);
+        }
+        match w {
+            1 => self.walk::<1>(hashes, tables, out),
+            2 => self.walk::<2>(hashes, tables, out),
+            3 | 4 => self.walk::<4>(hashes, tables, out),
+            5..=8 => self.walk::<8>(hashes, tables, out),
+            9..=16 => self.walk::<16>(hashes, tables, out),
+            _ => self.walk_words(hashes, tables, w, out),
         }
     }
 
+    /// The holders of one block (its set words in each table, [`table::EMPTY`] for none) as a
+    /// bitset.
     #[inline(always)]
-    fn word_of(&self, tables: &[Table], key: u64, tag: u32) -> u64 {
-        let mut acc = 0u64;
-        for t in tables {
-            if let Some(set) = t.get(key, tag) {
-                if set & holders::MULTI == 0 {
-                    acc |= 1 << set;
-                } else {
-                    acc |= self.slab.slot(set & !holders::MULTI)[0];
+    fn gather<const W: usize>(&self, sets: &[u32], acc: &mut [u64; W]) {
+        *acc = [0; W];
+        for &s in sets {
+            if s == table::EMPTY {
+                continue;
+            }
+            if s & holders::MULTI == 0 {
+                if let Some(a) = acc.get_mut(s as usize / 64) {
+                    *a |= 1 << (s % 64);
+                }
+            } else {
+                for (a, b) in acc.iter_mut().zip(self.slab.slot(s & !holders::MULTI)) {
+                    *a |= *b;
                 }
             }
         }
-        acc
     }
 
-    fn walk_one_word(&self, hashes: &[u64], tables: &[Table], out: &mut [u32]) {
-        let mut alive = self.word_of(tables, hashes[0], ROOT_TAG);
-        let mut i = 1;
-        while alive != 0 && i < hashes.len() {
-            let cur = self.word_of(tables, hashes[i], parent_tag(Some(hashes[i - 1])));
-            let mut dead = alive & !cur;
-            while dead != 0 {
-                out[dead.trailing_zeros() as usize] = i as u32;
-                dead &= dead - 1;
+    /// The chain walk, its probes pipelined: every key is in the query, so block `j`'s home
+    /// slot is requested [`PF`] blocks before the walk reaches it, its node read (and a shared
+    /// holder set's bitset requested) [`PS`] blocks before; the walk itself then finds both in
+    /// cache. Nothing allocated; stops at the first block no instance still matching holds.
+    fn walk<const W: usize>(&self, hashes: &[u64], tables: &[Table], out: &mut [u32]) {
+        let n = hashes.len();
+        let nt = tables.len();
+        let mut ring = [[table::EMPTY; MAX_MEDIA]; RING];
+        let probe = |j: usize, ring: &mut [[u32; MAX_MEDIA]; RING]| {
+            let tag = if j == 0 { ROOT_TAG } else { parent_tag(Some(hashes[j - 1])) };
+            let slot = &mut ring[j % RING];
+            for (k, t) in tables.iter().enumerate() {
+                let s = t.get(hashes[j], tag).unwrap_or(table::EMPTY);
+                self.slab.prefetch(s);
+                slot[k] = s;
             }
-            alive &= cur;
+        };
+        // the first block alone decides a miss: no prefetch traffic for it
+        probe(0, &mut ring);
+        let mut alive = [0u64; W];
+        self.gather(&ring[0][..nt], &mut alive);
+        if alive == [0; W] {
+            return;
+        }
+        for &h in &hashes[1..n.min(PF)] {
+            for t in tables {
+                t.prefetch(h);
+            }
+        }
+        for j in 1..n.min(PS) {
+            probe(j, &mut ring);
+        }
+        let mut cur = [0u64; W];
+        let mut i = 1;
+        while i < n {
+            if let Some(&h) = hashes.get(i + PF - 1) {
+                for t in tables {
+                    t.prefetch(h);
+                }
+            }
+            if i + PS - 1 < n {
+                probe(i + PS - 1, &mut ring);
+            }
+            self.gather(&ring[i % RING][..nt], &mut cur);
+            let mut any = 0;
+            for k in 0..W {
+                let mut dead = alive[k] & !cur[k];
+                while dead != 0 {
+                    out[k * 64 + dead.trailing_zeros() as usize] = i as u32;
+                    dead &= dead - 1;
+                }
+                alive[k] &= cur[k];
+                any |= alive[k];
+            }
             i += 1;
+            if any == 0 {
+                return;
+            }
         }
-        while alive != 0 {
-            out[alive.trailing_zeros() as usize] = i as u32;
-            alive &= alive - 1;
-        }
+        mark(&alive, out, i as u32);
     }
 
     fn walk_words(&self, hashes: &[u64], tables: &[Table], w: usize, out: &mut [u32]) {
@@ -563,5 +627,84 @@ mod tests {
         ix.touch("b", 5_000).unwrap();
         assert_eq!(ix.expire(6_000, 2_000), vec!["a".to_string()]);
         assert_eq!(ix.instances(), vec!["b"]);
+    }
+
+    /// The pipelined walk against a plain reference, on chains longer than its look-ahead,
+    /// 1 to 4 bitset words, two media, holes, re-stores under other parents and removals.
+    #[test]
+    fn walk_matches_a_reference() {
+        use std::collections::HashMap as Map;
+        let mut x = 0x1234_5678u64;
+        let mut rnd = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        for &ninst in &[3usize, 70, 150, 250] {
+            let mut ix = PrefixIndex::new(None, 0);
+            let media = [Some("GPU"), Some("CPU")];
+            let fams: Vec<Vec<u64>> =
+                (0..12).map(|f| (0..1 + rnd(90)).map(|b| (f << 32) + b * 7919 + 1).collect()).collect();
+            // (medium, instance, hash) -> parent tag
+            let mut held: Map<(usize, usize, u64), u32> = Map::new();
+            for _ in 0..3000 {
+                let inst = rnd(ninst as u64) as usize;
+                let name = format!("i{inst}");
+                let m = rnd(2) as usize;
+                let fam = &fams[rnd(fams.len() as u64) as usize];
+                let a = if rnd(3) == 0 { rnd(fam.len() as u64) as usize } else { 0 };
+                let b = (a + 1 + rnd(fam.len() as u64) as usize).min(fam.len());
+                match rnd(10) {
+                    0..=6 => {
+                        // a store under the chain's parent, or now and then a wrong one
+                        let parent = if a == 0 {
+                            None
+                        } else if rnd(8) == 0 {
+                            Some(99)
+                        } else {
+                            Some(fam[a - 1])
+                        };
+                        ix.store(&name, &fam[a..b], parent, media[m]).unwrap();
+                        let mut tag = parent_tag(parent);
+                        for &h in &fam[a..b] {
+                            held.insert((m, inst, h), tag);
+                            tag = parent_tag(Some(h));
+                        }
+                    }
+                    _ => {
+                        ix.remove(&name, &fam[a..b], media[m]).unwrap();
+                        for h in &fam[a..b] {
+                            held.remove(&(m, inst, *h));
+                        }
+                    }
+                }
+            }
+            for (qi, fam) in fams.iter().enumerate() {
+                for q in [&fam[..], &fam[..fam.len() / 2 + 1], &fam[1..]] {
+                    for (mi, filter) in [(None, None), (Some(0), Some(media[0])), (Some(1), Some(media[1]))] {
+                        let mut want = Vec::new();
+                        for inst in 0..ninst {
+                            let mut k = 0;
+                            while k < q.len() {
+                                let tag = if k == 0 { ROOT_TAG } else { parent_tag(Some(q[k - 1])) };
+                                let ok = (0..2)
+                                    .filter(|m| mi.is_none_or(|x| x == *m))
+                                    .any(|m| held.get(&(m, inst, q[k])) == Some(&tag));
+                                if !ok {
+                                    break;
+                                }
+                                k += 1;
+                            }
+                            if k > 0 {
+                                let id = ix.instance_id(&format!("i{inst}")).unwrap();
+                                want.push((id, k));
+                            }
+                        }
+                        want.sort_unstable();
+                        let got = ix.match_prefix(q, filter);
+                        assert_eq!(got, want, "instances {ninst}, family {qi}, medium {mi:?}");
+                    }
+                }
+            }
+        }
     }
 }
