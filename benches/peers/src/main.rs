@@ -263,6 +263,24 @@ fn run_side(side: &str, shape_name: &str) {
             p99s[ci].push(pct(&lat, 0.99));
         }
     }
+    if std::env::var_os("PEERS_DEBUG").is_some() {
+        // ns per block of the deep queries (>= 300 blocks), per cell
+        for cell in &cells {
+            s.prepare(cell);
+            let (mut ns, mut blocks, mut hits) = (0u128, 0usize, 0usize);
+            for i in 0..cell.keys.len() {
+                let t = Instant::now();
+                s.query(cell, i);
+                let e = t.elapsed().as_nanos();
+                if cell.keys[i].len() >= 300 {
+                    ns += e;
+                    blocks += cell.keys[i].len();
+                    hits += s.answer().len();
+                }
+            }
+            println!("DEBUG {}: {} deep blocks, {:.1} ns/block, {hits} holder hits", cell.name, blocks, ns as f64 / blocks.max(1) as f64);
+        }
+    }
     for ci in 0..cells.len() {
         println!(
             "RESULT cell{ci} {} {} {} {}",

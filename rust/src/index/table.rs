@@ -41,7 +41,7 @@ pub fn parent_tag(parent: Option<u64>) -> u32 {
 /// a lookup probes one random slot per block, and on 4 KiB pages each probe of a table of
 /// hundreds of MB is a TLB miss (a page walk) on top of its cache miss. A hint: nothing
 /// changes if the kernel declines (THP off, no huge page free).
-fn huge_pages(addr: usize, len: usize) {
+pub(crate) fn huge_pages(addr: usize, len: usize) {
     const HUGE: usize = 2 << 20;
     if len < 4 * HUGE {
         return;
