@@ -278,6 +278,11 @@ fn run_side(side: &str, shape_name: &str) {
                     hits += s.answer().len();
                 }
             }
+            let t = Instant::now();
+            for i in 0..cell.keys.len() {
+                s.query(cell, i);
+            }
+            println!("DEBUG {}: {:.0} ns/query back to back", cell.name, t.elapsed().as_nanos() as f64 / cell.keys.len() as f64);
             println!("DEBUG {}: {} deep blocks, {:.1} ns/block, {hits} holder hits", cell.name, blocks, ns as f64 / blocks.max(1) as f64);
         }
     }
