@@ -5,7 +5,7 @@ use crate::index::wire::event_int_of_digest;
 use crate::index::{tag_of_parent, PrefixIndex};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 /// A block hash as the 64-bit int vLLM's events publish (an int in [0, 2**64) as is; digest
 /// bytes by their last 8 bytes, big-endian).
@@ -70,6 +70,9 @@ pub struct PyPrefixIndex {
     inner: PrefixIndex,
     hashes: Vec<u64>,
     dense: Vec<u32>,
+    /// Instance names as Python strings, by id, made once (`match` answers with them);
+    /// emptied when an instance goes (its id may come back under another name).
+    names: Vec<Option<Py<PyString>>>,
 }
 
 #[pymethods]
@@ -88,7 +91,12 @@ impl PyPrefixIndex {
         if group_idx < 0 {
             return Err(value_err("group_idx", "must be >= 0"));
         }
-        Ok(PyPrefixIndex { inner: PrefixIndex::new(block_size, group_idx), hashes: Vec::new(), dense: Vec::new() })
+        Ok(PyPrefixIndex {
+            inner: PrefixIndex::new(block_size, group_idx),
+            hashes: Vec::new(),
+            dense: Vec::new(),
+            names: Vec::new(),
+        })
     }
 
     #[getter]
@@ -106,6 +114,7 @@ impl PyPrefixIndex {
     }
 
     fn remove_instance(&mut self, name: &str) -> PyResult<usize> {
+        self.names.clear();
         self.inner.remove_instance(name).py_err()
     }
 
@@ -118,6 +127,7 @@ impl PyPrefixIndex {
     }
 
     fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> Vec<String> {
+        self.names.clear();
         self.inner.expire(now_ms, ttl_ms)
     }
 
@@ -182,10 +192,20 @@ impl PyPrefixIndex {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
         let d = PyDict::new(py);
+        if self.names.len() < self.dense.len() {
+            self.names.resize_with(self.dense.len(), || None);
+        }
         for (id, n) in self.dense.iter().enumerate() {
             if *n > 0 {
-                if let Some(name) = self.inner.instance_name(id as u32) {
-                    d.set_item(name, *n)?;
+                let cached = &mut self.names[id];
+                if cached.is_none() {
+                    match self.inner.instance_name(id as u32) {
+                        Some(name) => *cached = Some(PyString::new(py, name).unbind()),
+                        None => continue,
+                    }
+                }
+                if let Some(name) = cached {
+                    d.set_item(name.bind(py), *n)?;
                 }
             }
         }
