@@ -232,3 +232,21 @@ def test_memory_bytes_counts_the_instance_table():
     for i in range(500):
         ix.remove_instance(f"instance-{i:04d}")
     assert ix.memory_bytes() >= empty  # capacity kept, never negative
+
+
+def test_match_names_follow_reused_ids():
+    """``match`` caches instance names by id: a removed instance's id, reused, answers with
+    the new name."""
+    ix = PrefixIndex()
+    ix.store("a", [1, 2], None, "GPU")
+    ix.store("b", [1], None, "GPU")
+    assert ix.match([1, 2]) == {"a": 2, "b": 1}
+    ix.remove_instance("a")
+    ix.store("c", [1, 2, 3], None, "GPU")
+    assert ix.instance_id("c") == 0
+    assert ix.match([1, 2, 3]) == {"b": 1, "c": 3}
+    ix.touch("b", 10)
+    ix.touch("c", 1_000)
+    assert ix.expire(1_000, 100) == ["b"]
+    ix.store("d", [1], None, "GPU")
+    assert ix.match([1, 2, 3]) == {"c": 3, "d": 1}

@@ -2,9 +2,13 @@
 //!
 //! A block held by one instance (most blocks of a fleet) stores that instance's id inline.
 //! A block held by several points into a [`Slab`] of bitsets, `words` 64-bit words per set
-//! (`ceil(instance ids / 64)`), so a 64-instance fleet spends 8 bytes on a shared block.
+//! (`ceil(instance ids / 64)`). Sets are interned: every block held by the same instances
+//! shares one bitset (reference counted), so the blocks of a prefix shared by a group of
+//! instances cost no bitset each, and a lookup walking such a prefix reads one bitset that
+//! stays in cache instead of one cache miss per block.
 
 use crate::error::{Error, Result};
+use hashbrown::HashTable;
 
 /// The high bit of a set word: the low 31 bits are a slab slot, not an instance id.
 pub const MULTI: u32 = 1 << 31;
@@ -12,17 +16,30 @@ pub const MULTI: u32 = 1 << 31;
 /// Largest instance id (the high bit of a set word tells slab slots from ids).
 pub const MAX_INSTANCE: u32 = MULTI - 1;
 
-/// Bitsets of the blocks held by more than one instance, all `words` long, with a free list.
+fn hash_words(words: &[u64]) -> u64 {
+    let mut h = 0x9E37_79B9_7F4A_7C15u64;
+    for w in words {
+        h = (h ^ w).wrapping_mul(0xbf58_476d_1ce4_e5b9).rotate_left(29);
+    }
+    h
+}
+
+/// Interned bitsets of the blocks held by more than one instance, all `words` long.
 #[derive(Debug, Default)]
 pub struct Slab {
     words: usize,
     bits: Vec<u64>,
+    /// Blocks pointing at each slot (0: free).
+    refs: Vec<u32>,
     free: Vec<u32>,
+    /// The live slots, by their bitsets.
+    index: HashTable<u32>,
+    tmp: Vec<u64>,
 }
 
 impl Slab {
     pub fn new() -> Self {
-        Slab { words: 1, bits: Vec::new(), free: Vec::new() }
+        Slab { words: 1, ..Slab::default() }
     }
 
     /// Words per set.
@@ -33,12 +50,16 @@ impl Slab {
 
     /// Bytes allocated.
     pub fn allocation_size(&self) -> usize {
-        self.bits.capacity() * 8 + self.free.capacity() * 4
+        self.bits.capacity() * 8
+            + self.refs.capacity() * 4
+            + self.free.capacity() * 4
+            + self.index.capacity() * (4 + 1)
+            + self.tmp.capacity() * 8
     }
 
-    /// Sets in use.
+    /// Distinct sets in use.
     pub fn live(&self) -> usize {
-        self.bits.len() / self.words - self.free.len()
+        self.refs.len() - self.free.len()
     }
 
     /// Make room for instance id `id` (re-strides every set when it needs more words).
@@ -47,7 +68,7 @@ impl Slab {
         if need <= self.words {
             return Ok(());
         }
-        let slots = self.bits.len() / self.words;
+        let slots = self.refs.len();
         let mut bits = Vec::new();
         bits.try_reserve_exact(slots * need).map_err(|_| Error::Memory("cannot grow the holder sets".into()))?;
         for s in 0..slots {
@@ -56,30 +77,71 @@ impl Slab {
         }
         self.bits = bits;
         self.words = need;
+        // every hash changes with the stride
+        self.index.clear();
+        for s in 0..slots as u32 {
+            if self.refs[s as usize] > 0 {
+                let h = hash_words(self.slot(s));
+                let (bits, w) = (&self.bits, self.words);
+                self.index.insert_unique(h, s, |&x| hash_words(&bits[x as usize * w..(x as usize + 1) * w]));
+            }
+        }
         Ok(())
     }
 
     /// Reserve room for `n` more sets, so that `n` set insertions cannot fail.
     pub fn reserve(&mut self, n: usize) -> Result<()> {
         // slot 2**31 - 1 is never handed out: its set word is the table's EMPTY
-        if self.bits.len() / self.words + n.saturating_sub(self.free.len()) >= MAX_INSTANCE as usize {
+        if self.refs.len() + n.saturating_sub(self.free.len()) >= MAX_INSTANCE as usize {
             return Err(Error::Memory("too many shared blocks".into()));
         }
-        let extra = n.saturating_sub(self.free.len()) * self.words;
-        self.bits.try_reserve(extra).map_err(|_| Error::Memory("cannot grow the holder sets".into()))
+        let extra = n.saturating_sub(self.free.len());
+        let err = || Error::Memory("cannot grow the holder sets".into());
+        self.bits.try_reserve(extra * self.words).map_err(|_| err())?;
+        self.refs.try_reserve(extra).map_err(|_| err())?;
+        self.tmp.try_reserve(self.words).map_err(|_| err())?;
+        let (bits, w) = (&self.bits, self.words);
+        self.index.try_reserve(n, |&x| hash_words(&bits[x as usize * w..(x as usize + 1) * w])).map_err(|_| err())
     }
 
-    fn alloc(&mut self) -> u32 {
-        if let Some(s) = self.free.pop() {
+    /// The slot holding the set in `self.tmp` (a reference taken), interned if new.
+    fn intern(&mut self) -> u32 {
+        let w = self.words;
+        let h = hash_words(&self.tmp);
+        let (bits, tmp) = (&self.bits, &self.tmp);
+        if let Some(&s) = self.index.find(h, |&x| bits[x as usize * w..(x as usize + 1) * w] == tmp[..]) {
+            self.refs[s as usize] += 1;
             return s;
         }
-        let s = (self.bits.len() / self.words) as u32;
-        self.bits.resize(self.bits.len() + self.words, 0);
+        let s = match self.free.pop() {
+            Some(s) => {
+                self.bits[s as usize * w..(s as usize + 1) * w].copy_from_slice(&self.tmp);
+                self.refs[s as usize] = 1;
+                s
+            }
+            None => {
+                self.bits.extend_from_slice(&self.tmp);
+                self.refs.push(1);
+                (self.refs.len() - 1) as u32
+            }
+        };
+        let bits = &self.bits;
+        self.index.insert_unique(h, s, |&x| hash_words(&bits[x as usize * w..(x as usize + 1) * w]));
         s
     }
 
-    fn release(&mut self, slot: u32) {
+    /// Drop one reference to `slot`, freeing it with its last.
+    fn unref(&mut self, slot: u32) {
+        let r = &mut self.refs[slot as usize];
+        *r -= 1;
+        if *r > 0 {
+            return;
+        }
         let w = self.words;
+        let h = hash_words(self.slot(slot));
+        if let Ok(e) = self.index.find_entry(h, |&x| x == slot) {
+            e.remove();
+        }
         self.bits[slot as usize * w..(slot as usize + 1) * w].fill(0);
         self.free.push(slot);
     }
@@ -90,10 +152,15 @@ impl Slab {
         &self.bits[slot as usize * w..(slot as usize + 1) * w]
     }
 
-    #[inline]
-    fn slot_mut(&mut self, slot: u32) -> &mut [u64] {
-        let w = self.words;
-        &mut self.bits[slot as usize * w..(slot as usize + 1) * w]
+    /// Start loading the bitset of `set` (nothing for an inline holder).
+    #[inline(always)]
+    pub fn prefetch(&self, set: u32) {
+        if set & MULTI != 0 && set != u32::MAX {
+            let i = (set & !MULTI) as usize * self.words;
+            if let Some(w) = self.bits.get(i) {
+                crate::prefetch::prefetch_bytes(w as *const u64 as *const u8, self.words * 8);
+            }
+        }
     }
 
     /// Whether the set `set` holds `inst`.
@@ -108,21 +175,27 @@ impl Slab {
 
     /// Add `inst` to `set`: the new set word and whether it was added.
     pub fn insert(&mut self, set: u32, inst: u32) -> (u32, bool) {
+        let (w, b) = (inst as usize / 64, inst % 64);
+        self.tmp.clear();
         if set & MULTI == 0 {
             if set == inst {
                 return (set, false);
             }
-            let slot = self.alloc();
-            let words = self.slot_mut(slot);
-            words[set as usize / 64] |= 1 << (set % 64);
-            words[inst as usize / 64] |= 1 << (inst % 64);
-            return (slot | MULTI, true);
+            self.tmp.resize(self.words, 0);
+            self.tmp[set as usize / 64] |= 1 << (set % 64);
+            self.tmp[w] |= 1 << b;
+            return (self.intern() | MULTI, true);
         }
-        let words = self.slot_mut(set & !MULTI);
-        let (w, b) = (inst as usize / 64, inst % 64);
-        let added = words[w] >> b & 1 == 0;
-        words[w] |= 1 << b;
-        (set, added)
+        let old = set & !MULTI;
+        if self.slot(old)[w] >> b & 1 == 1 {
+            return (set, false);
+        }
+        let (bits, words) = (&self.bits, self.words);
+        self.tmp.extend_from_slice(&bits[old as usize * words..(old as usize + 1) * words]);
+        self.tmp[w] |= 1 << b;
+        let new = self.intern();
+        self.unref(old);
+        (new | MULTI, true)
     }
 
     /// Remove `inst` from `set`: the new set word (None: now empty) and whether it was held.
@@ -131,32 +204,30 @@ impl Slab {
         if set & MULTI == 0 {
             return if set == inst { (None, true) } else { (Some(set), false) };
         }
-        let slot = set & !MULTI;
-        let words = self.slot_mut(slot);
+        let old = set & !MULTI;
         let (w, b) = (inst as usize / 64, inst % 64);
-        if words.get(w).is_none_or(|x| x >> b & 1 == 0) {
+        if self.slot(old).get(w).is_none_or(|x| x >> b & 1 == 0) {
             return (Some(set), false);
         }
-        words[w] &= !(1 << b);
+        self.tmp.clear();
+        let (bits, words) = (&self.bits, self.words);
+        self.tmp.extend_from_slice(&bits[old as usize * words..(old as usize + 1) * words]);
+        self.tmp[w] &= !(1 << b);
         let mut count = 0;
         let mut last = 0;
-        for (i, x) in words.iter().enumerate() {
+        for (i, x) in self.tmp.iter().enumerate() {
             if *x != 0 {
                 count += x.count_ones();
                 last = i as u32 * 64 + x.trailing_zeros();
             }
         }
-        match count {
-            0 => {
-                self.release(slot);
-                (None, true)
-            }
-            1 => {
-                self.release(slot);
-                (Some(last), true)
-            }
-            _ => (Some(set), true),
-        }
+        let out = match count {
+            0 => None,
+            1 => Some(last),
+            _ => Some(self.intern() | MULTI),
+        };
+        self.unref(old);
+        (out, true)
     }
 
     /// Number of holders of `set`.
@@ -185,7 +256,7 @@ impl Slab {
     /// Release the set (when its block is dropped).
     pub fn drop_set(&mut self, set: u32) {
         if set & MULTI != 0 {
-            self.release(set & !MULTI);
+            self.unref(set & !MULTI);
         }
     }
 }
@@ -207,6 +278,19 @@ mod tests {
         assert!(held);
         assert_eq!(set2, Some(7));
         assert_eq!(s.live(), 0);
+        // equal sets share one slot
+        let (x, _) = s.insert(1, 2);
+        let (y, _) = s.insert(2, 1);
+        assert_eq!(x, y);
+        assert_eq!(s.live(), 1);
+        let (x2, _) = s.insert(x, 5);
+        assert_ne!(x2, y);
+        assert_eq!(s.live(), 2);
+        assert_eq!(s.remove(y, 1), (Some(2), true));
+        let (z, held) = s.remove(x2, 5);
+        let z = z.unwrap();
+        assert!(held && s.contains(z, 1) && s.contains(z, 2) && !s.contains(z, 5));
+        assert_eq!(s.live(), 1);
         assert_eq!(s.remove(7, 7), (None, true));
         assert_eq!(s.remove(7, 8), (Some(7), false));
     }

@@ -63,6 +63,10 @@ pub struct PrefixIndex {
     group: i64,
     media: Vec<Option<String>>,
     tables: Vec<Table>,
+    /// Per medium, the chains' first blocks (parent tag [`ROOT_TAG`]) apart from the rest: a
+    /// small table that stays in cache, so a lookup that misses at its first block (most
+    /// misses) costs no memory access, and every walk starts without one.
+    roots: Vec<Roots>,
     slab: Slab,
     instances: Vec<Option<Instance>>,
     by_name: HashMap<String, u32>,
@@ -70,6 +74,97 @@ pub struct PrefixIndex {
     pairs: usize,
     scratch: Vec<u64>,
     stats: ApplyStats,
+}
+
+/// Media a pipelined walk handles (more fall back to the plain walk).
+const MAX_MEDIA: usize = 4;
+/// How far ahead of the walk a block's home slot is requested.
+const PF: usize = 24;
+/// How far ahead of the walk a block's node is read (and its holder bitset requested).
+const PS: usize = 12;
+/// Probed nodes waiting for the walk (a power of two above `PS`).
+const RING: usize = 16;
+
+/// One medium's chain-first blocks: their table, and in front of it a filter of one
+/// saturating count per hash bucket (at least 4 buckets a node), a few hundred KB that stays
+/// in cache, so that a query whose first block no instance holds (most misses) is answered
+/// without touching the table. Exact: a zero count means no node of that bucket.
+#[derive(Debug, Default)]
+struct Roots {
+    table: Table,
+    filter: Vec<u8>,
+}
+
+impl Roots {
+    #[inline(always)]
+    fn bucket(&self, key: u64) -> usize {
+        (table::mix(key) as usize) & (self.filter.len() - 1)
+    }
+
+    /// The holder set of `key` as a chain's first block ([`table::EMPTY`]: none).
+    #[inline(always)]
+    fn get(&self, key: u64) -> u32 {
+        if self.filter.is_empty() || self.filter[self.bucket(key)] == 0 {
+            return table::EMPTY;
+        }
+        self.table.get(key, ROOT_TAG).unwrap_or(table::EMPTY)
+    }
+
+    /// Follow a change of `delta` nodes of `key`.
+    fn count(&mut self, key: u64, delta: isize) {
+        if delta == 0 || self.filter.is_empty() {
+            return;
+        }
+        let b = self.bucket(key);
+        let c = &mut self.filter[b];
+        // a saturated count stays (it may only over-state: a probe, never a wrong answer)
+        if *c != u8::MAX {
+            *c = (*c as isize + delta).clamp(0, u8::MAX as isize) as u8;
+        }
+    }
+
+    fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> isize {
+        let n = self.table.len();
+        let d = self.table.store(key, ROOT_TAG, inst, slab);
+        self.count(key, self.table.len() as isize - n as isize);
+        d
+    }
+
+    fn remove(&mut self, key: u64, inst: u32, slab: &mut Slab) -> usize {
+        if self.table.is_empty() {
+            return 0;
+        }
+        let n = self.table.len();
+        let d = self.table.remove(key, inst, slab);
+        self.count(key, self.table.len() as isize - n as isize);
+        d
+    }
+
+    /// Room in the filter for the table's nodes (after [`Table::reserve`]).
+    fn reserve(&mut self) -> Result<()> {
+        let want = (self.table.len() + 16).next_power_of_two() * 4;
+        if self.filter.len() < want {
+            let mut f = Vec::new();
+            f.try_reserve_exact(want * 2).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            f.resize(want * 2, 0);
+            self.filter = f;
+            self.refilter();
+        }
+        Ok(())
+    }
+
+    /// Recount the filter from the table (after nodes went unseen, or a new size).
+    fn refilter(&mut self) {
+        self.filter.fill(0);
+        if self.filter.is_empty() {
+            return;
+        }
+        let mask = self.filter.len() - 1;
+        for n in self.table.iter() {
+            let c = &mut self.filter[table::mix(n.key) as usize & mask];
+            *c = c.saturating_add(1);
+        }
+    }
 }
 
 /// The answer of a lookup: for each instance with a hit, its id and prefix length (blocks).
@@ -84,6 +179,7 @@ impl PrefixIndex {
             group,
             media: Vec::new(),
             tables: Vec::new(),
+            roots: Vec::new(),
             slab: Slab::new(),
             instances: Vec::new(),
             by_name: HashMap::new(),
@@ -165,6 +261,10 @@ impl PrefixIndex {
         for t in &mut self.tables {
             removed += t.clear_instance(id, &mut self.slab);
         }
+        for r in &mut self.roots {
+            removed += r.table.clear_instance(id, &mut self.slab);
+            r.refilter();
+        }
         self.pairs -= removed;
         if let Some(Some(inst)) = self.instances.get_mut(id as usize) {
             inst.pairs = 0;
@@ -221,6 +321,7 @@ impl PrefixIndex {
             None => {
                 self.media.push(medium.map(str::to_owned));
                 self.tables.push(Table::default());
+                self.roots.push(Roots::default());
                 self.media.len() - 1
             }
         }
@@ -251,15 +352,20 @@ impl PrefixIndex {
     pub fn apply_batch(&mut self, name: &str, batch: &Batch<'_>, now_ms: u64) -> Result<ApplyStats> {
         let id = self.add_instance(name)?;
         // reserve first: nothing below can fail
-        let mut new_stored = 0;
+        let (mut new_stored, mut new_roots) = (0, 0);
         for ev in &batch.events {
-            if let Event::Stored { start, end, medium, .. } = ev {
+            if let Event::Stored { start, end, medium, parent, .. } = ev {
                 new_stored += end - start;
+                new_roots += usize::from(parent.is_none() && end > start);
                 self.medium_or_add(*medium);
             }
         }
         for t in &mut self.tables {
             t.reserve(new_stored)?;
+        }
+        for r in &mut self.roots {
+            r.table.reserve(new_roots)?;
+            r.reserve()?;
         }
         self.slab.reserve(new_stored)?;
         let mut st = ApplyStats::default();
@@ -276,10 +382,15 @@ impl PrefixIndex {
                         continue;
                     }
                     let Some(m) = self.medium_id(medium) else { continue };
-                    let table = &mut self.tables[m];
+                    let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
                     let mut tag = parent_tag(parent);
                     for &h in &batch.hashes[start..end] {
-                        let d = table.store(h, tag, id, &mut self.slab);
+                        // stored under one tag: the other table loses it
+                        let d = if tag == ROOT_TAG {
+                            roots.store(h, id, &mut self.slab) - table.remove(h, id, &mut self.slab) as isize
+                        } else {
+                            table.store(h, tag, id, &mut self.slab) - roots.remove(h, id, &mut self.slab) as isize
+                        };
                         if d > 0 {
                             added += d as usize;
                         } else {
@@ -294,9 +405,9 @@ impl PrefixIndex {
                         continue;
                     }
                     let Some(m) = self.medium_id(medium) else { continue };
-                    let table = &mut self.tables[m];
+                    let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
                     for &h in &batch.hashes[start..end] {
-                        dropped += table.remove(h, id, &mut self.slab);
+                        dropped += table.remove(h, id, &mut self.slab) + roots.remove(h, id, &mut self.slab);
                     }
                 }
             }
@@ -311,7 +422,7 @@ impl PrefixIndex {
             inst.last_seen_ms = inst.last_seen_ms.max(now_ms);
         }
         if st.removed > 0 {
-            for t in &mut self.tables {
+            for t in self.tables.iter_mut().chain(self.roots.iter_mut().map(|r| &mut r.table)) {
                 t.maybe_shrink();
             }
         }
@@ -364,10 +475,10 @@ impl PrefixIndex {
     pub fn match_dense(&self, hashes: &[u64], medium: Option<Option<&str>>, out: &mut Vec<u32>) {
         out.clear();
         out.resize(self.instances.len(), 0);
-        let tables: &[Table] = match medium {
-            None => &self.tables,
+        let (tables, roots): (&[Table], &[Roots]) = match medium {
+            None => (&self.tables, &self.roots),
             Some(m) => match self.medium_id(m) {
-                Some(i) => std::slice::from_ref(&self.tables[i]),
+                Some(i) => (std::slice::from_ref(&self.tables[i]), std::slice::from_ref(&self.roots[i])),
                 None => return,
             },
         };
@@ -375,50 +486,116 @@ impl PrefixIndex {
             return;
         }
         let w = self.slab.words();
-        if w == 1 {
-            self.walk_one_word(hashes, tables, out);
-        } else {
-            self.walk_words(hashes, tables, w, out);
+        if tables.len() > MAX_MEDIA {
+            return self.walk_words(hashes, roots, tables, w, out);
+        }
+        match w {
+            1 => self.walk::<1>(hashes, roots, tables, out),
+            2 => self.walk::<2>(hashes, roots, tables, out),
+            3 | 4 => self.walk::<4>(hashes, roots, tables, out),
+            5..=8 => self.walk::<8>(hashes, roots, tables, out),
+            9..=16 => self.walk::<16>(hashes, roots, tables, out),
+            _ => self.walk_words(hashes, roots, tables, w, out),
         }
     }
 
+    /// The holders of one block (its set words in each table, [`table::EMPTY`] for none) as a
+    /// bitset.
     #[inline(always)]
-    fn word_of(&self, tables: &[Table], key: u64, tag: u32) -> u64 {
-        let mut acc = 0u64;
-        for t in tables {
-            if let Some(set) = t.get(key, tag) {
-                if set & holders::MULTI == 0 {
-                    acc |= 1 << set;
-                } else {
-                    acc |= self.slab.slot(set & !holders::MULTI)[0];
+    fn gather<const W: usize>(&self, sets: &[u32], acc: &mut [u64; W]) {
+        *acc = [0; W];
+        for &s in sets {
+            if s == table::EMPTY {
+                continue;
+            }
+            if s & holders::MULTI == 0 {
+                if let Some(a) = acc.get_mut(s as usize / 64) {
+                    *a |= 1 << (s % 64);
+                }
+            } else {
+                for (a, b) in acc.iter_mut().zip(self.slab.slot(s & !holders::MULTI)) {
+                    *a |= *b;
                 }
             }
         }
-        acc
     }
 
-    fn walk_one_word(&self, hashes: &[u64], tables: &[Table], out: &mut [u32]) {
-        let mut alive = self.word_of(tables, hashes[0], ROOT_TAG);
-        let mut i = 1;
-        while alive != 0 && i < hashes.len() {
-            let cur = self.word_of(tables, hashes[i], parent_tag(Some(hashes[i - 1])));
-            let mut dead = alive & !cur;
-            while dead != 0 {
-                out[dead.trailing_zeros() as usize] = i as u32;
-                dead &= dead - 1;
+    /// The chain walk, its probes pipelined: every key is in the query, so block `j`'s home
+    /// slot is requested [`PF`] blocks before the walk reaches it, its node read (and a shared
+    /// holder set's bitset requested) [`PS`] blocks before; the walk itself then finds both in
+    /// cache. Nothing allocated; stops at the first block no instance still matching holds.
+    fn walk<const W: usize>(&self, hashes: &[u64], roots: &[Roots], tables: &[Table], out: &mut [u32]) {
+        let n = hashes.len();
+        let nt = tables.len();
+        let mut ring = [[table::EMPTY; MAX_MEDIA]; RING];
+        let probe = |j: usize, ring: &mut [[u32; MAX_MEDIA]; RING]| {
+            let tag = parent_tag(Some(hashes[j - 1]));
+            let slot = &mut ring[j % RING];
+            for (k, t) in tables.iter().enumerate() {
+                let s = t.get(hashes[j], tag).unwrap_or(table::EMPTY);
+                self.slab.prefetch(s);
+                slot[k] = s;
             }
-            alive &= cur;
+        };
+        // the first block alone decides a miss: no prefetch traffic for it
+        for (k, r) in roots.iter().enumerate() {
+            ring[0][k] = r.get(hashes[0]);
+        }
+        let mut alive = [0u64; W];
+        self.gather(&ring[0][..nt], &mut alive);
+        if alive == [0; W] {
+            return;
+        }
+        for &h in &hashes[1..n.min(PF)] {
+            for t in tables {
+                t.prefetch(h);
+            }
+        }
+        for j in 1..n.min(PS) {
+            probe(j, &mut ring);
+        }
+        let mut cur = [0u64; W];
+        let mut i = 1;
+        while i < n {
+            if let Some(&h) = hashes.get(i + PF - 1) {
+                for t in tables {
+                    t.prefetch(h);
+                }
+            }
+            if i + PS - 1 < n {
+                probe(i + PS - 1, &mut ring);
+            }
+            self.gather(&ring[i % RING][..nt], &mut cur);
+            let mut any = 0;
+            for k in 0..W {
+                let mut dead = alive[k] & !cur[k];
+                while dead != 0 {
+                    out[k * 64 + dead.trailing_zeros() as usize] = i as u32;
+                    dead &= dead - 1;
+                }
+                alive[k] &= cur[k];
+                any |= alive[k];
+            }
             i += 1;
+            if any == 0 {
+                return;
+            }
         }
-        while alive != 0 {
-            out[alive.trailing_zeros() as usize] = i as u32;
-            alive &= alive - 1;
-        }
+        mark(&alive, out, i as u32);
     }
 
-    fn walk_words(&self, hashes: &[u64], tables: &[Table], w: usize, out: &mut [u32]) {
+    fn walk_words(&self, hashes: &[u64], roots: &[Roots], tables: &[Table], w: usize, out: &mut [u32]) {
         let fill = |acc: &mut [u64], key: u64, tag: u32| {
             acc.fill(0);
+            if tag == ROOT_TAG {
+                for r in roots {
+                    let set = r.get(key);
+                    if set != table::EMPTY {
+                        self.slab.or_into(set, acc);
+                    }
+                }
+                return;
+            }
             for t in tables {
                 if let Some(set) = t.get(key, tag) {
                     self.slab.or_into(set, acc);
@@ -453,7 +630,11 @@ impl PrefixIndex {
     pub fn blocks_of(&self, name: &str, medium: Option<&str>) -> Result<Vec<(u64, u32)>> {
         let id = self.known(name)?;
         Ok(match self.medium_id(medium) {
-            Some(m) => self.tables[m].blocks_of(id, &self.slab),
+            Some(m) => {
+                let mut v = self.roots[m].table.blocks_of(id, &self.slab);
+                v.extend(self.tables[m].blocks_of(id, &self.slab));
+                v
+            }
             None => Vec::new(),
         })
     }
@@ -467,14 +648,15 @@ impl PrefixIndex {
 
     /// Distinct (medium, block, parent) nodes.
     pub fn num_nodes(&self) -> usize {
-        self.tables.iter().map(Table::len).sum()
+        self.tables.iter().chain(self.roots.iter().map(|r| &r.table)).map(Table::len).sum()
     }
 
     /// Heap bytes held by the tables, the holder sets and the instance registry (its
     /// records, the names twice, the name map's buckets and the free ids; the name map's
     /// control bytes are counted as one byte a bucket).
     pub fn memory_bytes(&self) -> usize {
-        self.tables.iter().map(Table::allocation_size).sum::<usize>()
+        self.tables.iter().chain(self.roots.iter().map(|r| &r.table)).map(Table::allocation_size).sum::<usize>()
+            + self.roots.iter().map(|r| r.filter.capacity()).sum::<usize>()
             + self.slab.allocation_size()
             + self.registry_bytes()
     }
@@ -588,5 +770,82 @@ mod tests {
         ix.touch("b", 5_000).unwrap();
         assert_eq!(ix.expire(6_000, 2_000), vec!["a".to_string()]);
         assert_eq!(ix.instances(), vec!["b"]);
+    }
+
+    /// The pipelined walk against a plain reference, on chains longer than its look-ahead,
+    /// 1 to 4 bitset words, two media, holes, re-stores under other parents and removals.
+    #[test]
+    fn walk_matches_a_reference() {
+        use std::collections::HashMap as Map;
+        let mut x = 0x1234_5678u64;
+        let mut rnd = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        for &ninst in &[3usize, 70, 150, 250] {
+            let mut ix = PrefixIndex::new(None, 0);
+            let media = [Some("GPU"), Some("CPU")];
+            let fams: Vec<Vec<u64>> =
+                (0..12).map(|f| (0..1 + rnd(90)).map(|b| (f << 32) + b * 7919 + 1).collect()).collect();
+            // (medium, instance, hash) -> parent tag
+            let mut held: Map<(usize, usize, u64), u32> = Map::new();
+            for _ in 0..3000 {
+                let inst = rnd(ninst as u64) as usize;
+                let name = format!("i{inst}");
+                let m = rnd(2) as usize;
+                let fam = &fams[rnd(fams.len() as u64) as usize];
+                let a = if rnd(3) == 0 { rnd(fam.len() as u64) as usize } else { 0 };
+                let b = (a + 1 + rnd(fam.len() as u64) as usize).min(fam.len());
+                match rnd(10) {
+                    0..=6 => {
+                        // a store under the chain's parent, or now and then a wrong one or none (a root)
+                        let parent = match (a, rnd(8)) {
+                            (0, _) | (_, 1) => None,
+                            (_, 0) => Some(99),
+                            _ => Some(fam[a - 1]),
+                        };
+                        ix.store(&name, &fam[a..b], parent, media[m]).unwrap();
+                        let mut tag = parent_tag(parent);
+                        for &h in &fam[a..b] {
+                            held.insert((m, inst, h), tag);
+                            tag = parent_tag(Some(h));
+                        }
+                    }
+                    _ => {
+                        ix.remove(&name, &fam[a..b], media[m]).unwrap();
+                        for h in &fam[a..b] {
+                            held.remove(&(m, inst, *h));
+                        }
+                    }
+                }
+            }
+            for (qi, fam) in fams.iter().enumerate() {
+                for q in [&fam[..], &fam[..fam.len() / 2 + 1], &fam[1..]] {
+                    for (mi, filter) in [(None, None), (Some(0), Some(media[0])), (Some(1), Some(media[1]))] {
+                        let mut want = Vec::new();
+                        for inst in 0..ninst {
+                            let mut k = 0;
+                            while k < q.len() {
+                                let tag = if k == 0 { ROOT_TAG } else { parent_tag(Some(q[k - 1])) };
+                                let ok = (0..2)
+                                    .filter(|m| mi.is_none_or(|x| x == *m))
+                                    .any(|m| held.get(&(m, inst, q[k])) == Some(&tag));
+                                if !ok {
+                                    break;
+                                }
+                                k += 1;
+                            }
+                            if k > 0 {
+                                let id = ix.instance_id(&format!("i{inst}")).unwrap();
+                                want.push((id, k));
+                            }
+                        }
+                        want.sort_unstable();
+                        let got = ix.match_prefix(q, filter);
+                        assert_eq!(got, want, "instances {ninst}, family {qi}, medium {mi:?}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -37,6 +37,34 @@ pub fn parent_tag(parent: Option<u64>) -> u32 {
     }
 }
 
+/// Ask the kernel to back a large, not yet touched slot array with transparent huge pages:
+/// a lookup probes one random slot per block, and on 4 KiB pages each probe of a table of
+/// hundreds of MB is a TLB miss (a page walk) on top of its cache miss. A hint: nothing
+/// changes if the kernel declines (THP off, no huge page free).
+pub(crate) fn huge_pages(addr: usize, len: usize) {
+    const HUGE: usize = 2 << 20;
+    if len < 4 * HUGE {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: std::ffi::c_int) -> std::ffi::c_int;
+        }
+        const MADV_HUGEPAGE: std::ffi::c_int = 14;
+        // the whole 2 MiB pages inside the allocation
+        let start = (addr + HUGE - 1) & !(HUGE - 1);
+        let end = (addr + len) & !(HUGE - 1);
+        if end > start {
+            // SAFETY: the range lies inside an allocation this table owns; MADV_HUGEPAGE
+            // only changes how the kernel backs it, never its contents or validity.
+            unsafe { madvise(start as *mut std::ffi::c_void, end - start, MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = addr;
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Node {
     pub key: u64,
@@ -100,6 +128,7 @@ impl Table {
         let cap = cap.max(MIN_CAP);
         let mut slots = Vec::new();
         slots.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+        huge_pages(slots.as_ptr() as usize, cap * std::mem::size_of::<Node>());
         slots.resize(cap, FREE);
         let old = std::mem::replace(&mut self.slots, slots);
         for n in old.into_iter().filter(|n| n.set != EMPTY) {
@@ -155,6 +184,14 @@ impl Table {
                 return Some(n.set);
             }
             i = self.next(i);
+        }
+    }
+
+    /// Start loading the home slot of `key` (a hint: see [`crate::prefetch`]).
+    #[inline(always)]
+    pub fn prefetch(&self, key: u64) {
+        if !self.slots.is_empty() {
+            crate::prefetch::prefetch(&self.slots[self.home(key)]);
         }
     }
 

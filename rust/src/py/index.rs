@@ -71,6 +71,9 @@ pub struct PyPrefixIndex {
     inner: PrefixIndex,
     hashes: Vec<u64>,
     dense: Vec<u32>,
+    /// Instance names as Python strings, by id, made once (`match` answers with them);
+    /// emptied when an instance goes (its id may come back under another name).
+    names: Vec<Option<Py<PyString>>>,
 }
 
 #[pymethods]
@@ -89,7 +92,12 @@ impl PyPrefixIndex {
         if group_idx < 0 {
             return Err(value_err("group_idx", "must be >= 0"));
         }
-        Ok(PyPrefixIndex { inner: PrefixIndex::new(block_size, group_idx), hashes: Vec::new(), dense: Vec::new() })
+        Ok(PyPrefixIndex {
+            inner: PrefixIndex::new(block_size, group_idx),
+            hashes: Vec::new(),
+            dense: Vec::new(),
+            names: Vec::new(),
+        })
     }
 
     #[getter]
@@ -109,6 +117,7 @@ impl PyPrefixIndex {
 
     fn remove_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<usize> {
         let name = utf8(name, "name")?;
+        self.names.clear();
         self.inner.remove_instance(name).py_err()
     }
 
@@ -123,6 +132,7 @@ impl PyPrefixIndex {
     }
 
     fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> Vec<String> {
+        self.names.clear();
         self.inner.expire(now_ms, ttl_ms)
     }
 
@@ -201,10 +211,20 @@ impl PyPrefixIndex {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
         let d = PyDict::new(py);
+        if self.names.len() < self.dense.len() {
+            self.names.resize_with(self.dense.len(), || None);
+        }
         for (id, n) in self.dense.iter().enumerate() {
             if *n > 0 {
-                if let Some(name) = self.inner.instance_name(id as u32) {
-                    d.set_item(name, *n)?;
+                let cached = &mut self.names[id];
+                if cached.is_none() {
+                    match self.inner.instance_name(id as u32) {
+                        Some(name) => *cached = Some(PyString::new(py, name).unbind()),
+                        None => continue,
+                    }
+                }
+                if let Some(name) = cached {
+                    d.set_item(name.bind(py), *n)?;
                 }
             }
         }
