@@ -114,11 +114,11 @@ def translate(
             assert isinstance(spec, MambaSpec)
             if spec.mamba_cache_mode not in ("none", "align"):
                 return Path("vllm", f"kv_cache_groups[{i}]: mamba_cache_mode {spec.mamba_cache_mode!r}")
-            if spec.mamba_cache_mode == "none" and enable_caching and current().mamba_none_prefix_caching:
+            if enable_caching and current().mamba_none_prefix_caching:
                 return Path(
                     "vllm",
-                    f"kv_cache_groups[{i}]: prefix caching with mamba_cache_mode 'none' (vLLM "
-                    f"{current().series} caches such groups; kvblock implements 0.33's 'align'-only Mamba caching)",
+                    f"kv_cache_groups[{i}]: Mamba prefix caching (mamba_cache_mode {spec.mamba_cache_mode!r}) as vLLM "
+                    f"{current().series} does it; kvblock implements 0.33's ('align' only, null blocks skipped)",
                 )
             g.update(
                 mamba_cache_mode=spec.mamba_cache_mode,

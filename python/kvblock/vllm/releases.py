@@ -49,12 +49,20 @@ class Release:
             real engine flags draft groups only with EAGLE on; kvblock implements 0.33's rule,
             so on 0.32 a flagged group without ``use_eagle`` is a configuration it does not
             manage.
+        null_blocks_counted: ``pop_blocks_for_free`` and ``get_blocks`` return a table's leading
+            null blocks, and freeing counts the null block's ``ref_cnt`` down (0.32; from 0.33
+            both skip the null block, "never pooled; its ref_cnt is not maintained"). The blocks
+            freed are the same; kvblock follows 0.33 on every release (a deliberate
+            difference on 0.32, listed in the docs).
         runner_output_index: ``ModelRunnerOutput`` takes ``req_id_to_index`` (0.32, 0.33; 0.34
             dropped it): see :func:`model_runner_output`.
         mamba_none_prefix_caching: a Mamba group in ``mamba_cache_mode="none"`` takes part in
-            prefix caching (0.32). From 0.33 vLLM asserts that Mamba prefix caching uses
-            "align"; kvblock implements those semantics, so on 0.32 such a configuration
-            (caching on, a "none" Mamba group) is one kvblock does not manage.
+            prefix caching, and Mamba prefix caching keeps the null blocks of its tables
+            differently (0.32: ``pop_blocks_for_free`` returns them, freeing counts the null
+            block's references down). From 0.33 vLLM asserts that Mamba prefix caching uses
+            "align" and skips null blocks; kvblock implements 0.33's semantics, so on 0.32 a
+            Mamba group with prefix caching on is a configuration kvblock does not manage
+            (found by the lockstep against vLLM 0.32 from random seeds).
     """
 
     series: str
@@ -70,6 +78,7 @@ class Release:
     mamba_none_prefix_caching: bool
     runner_output_index: bool
     eagle_groups_drop_always: bool
+    null_blocks_counted: bool
 
 
 _V032 = Release(
@@ -86,6 +95,7 @@ _V032 = Release(
     mamba_none_prefix_caching=True,
     runner_output_index=True,
     eagle_groups_drop_always=True,
+    null_blocks_counted=True,
 )
 # each release as what it changed from the one before
 _V033 = replace(
@@ -95,6 +105,7 @@ _V033 = replace(
     lookup_bound=True,
     mamba_none_prefix_caching=False,
     eagle_groups_drop_always=False,
+    null_blocks_counted=False,
 )
 _V034 = replace(
     _V033,
