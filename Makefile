@@ -61,7 +61,7 @@ test-services:
 	fi
 
 py-test: install test-services
-	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 3 minutes on 2 cores)"
+	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 20 minutes on 2 cores: the three vLLM releases' judges, kvblock's vLLM tests under 0.32 and 0.34, a real vLLM engine)"
 	$(BIN)/python -m pytest -q
 
 # mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
