@@ -95,7 +95,7 @@ HIT_LIMIT = _current_release().hit_limit_field == "prefix_cache_hit_limit"
 #: vLLM 0.33+ hashes blocks with lookahead tokens; 0.32 has no such parameter.
 HASH_LOOKAHEAD = _current_release().hash_lookahead
 #: vLLM 0.32's Mamba prefix caching (mode "none" too; null blocks kept): kvblock does not manage it.
-MAMBA_NONE_CACHING = _current_release().mamba_none_prefix_caching
+MAMBA_PREFIX_CACHING_DIFFERS = _current_release().mamba_prefix_caching_differs
 #: vLLM 0.32 returns leading null blocks from pop_blocks_for_free / get_blocks and counts the
 #: null block's ref_cnt down; 0.33 skips it ("not maintained"): compared without the null block.
 NULL_BLOCKS_COUNTED = _current_release().null_blocks_counted
@@ -176,7 +176,7 @@ def configs(draw) -> dict:
             max_size=n,
         )
     )
-    if caching and MAMBA_NONE_CACHING:
+    if caching and MAMBA_PREFIX_CACHING_DIFFERS:
         # vLLM 0.32's Mamba prefix caching is a configuration kvblock hands to vLLM
         kinds = ["sw" if k == "mamba" else k for k in kinds]
     if caching and not wild:

@@ -170,7 +170,15 @@ def test_describe_names_the_path():
     sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
     assert str(kv.describe(_config([_full(), sw], 64))) == "kvblock"
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
-    assert kv.describe(_config([_full(), mamba], 64)).on_kvblock
+    from kvblock.vllm.releases import current
+
+    path = kv.describe(_config([_full(), mamba], 64))
+    if current().mamba_prefix_caching_differs:
+        # vLLM 0.32's Mamba prefix caching is handed to vLLM's own manager, with its reason
+        assert not path.on_kvblock and "Mamba prefix caching" in path.reason
+        assert kv.describe(_config([_full(), mamba], 64), enable_caching=False).on_kvblock
+    else:
+        assert path.on_kvblock
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
     path = kv.describe(_config([_full()], 64), metrics_collector=KVCacheMetricsCollector())

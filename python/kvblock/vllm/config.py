@@ -114,7 +114,7 @@ def translate(
             assert isinstance(spec, MambaSpec)
             if spec.mamba_cache_mode not in ("none", "align"):
                 return Path("vllm", f"kv_cache_groups[{i}]: mamba_cache_mode {spec.mamba_cache_mode!r}")
-            if enable_caching and current().mamba_none_prefix_caching:
+            if enable_caching and current().mamba_prefix_caching_differs:
                 return Path(
                     "vllm",
                     f"kv_cache_groups[{i}]: Mamba prefix caching (mamba_cache_mode {spec.mamba_cache_mode!r}) as vLLM "

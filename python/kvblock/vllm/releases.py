@@ -56,7 +56,7 @@ class Release:
             difference on 0.32, listed in the docs).
         runner_output_index: ``ModelRunnerOutput`` takes ``req_id_to_index`` (0.32, 0.33; 0.34
             dropped it): see :func:`model_runner_output`.
-        mamba_none_prefix_caching: a Mamba group in ``mamba_cache_mode="none"`` takes part in
+        mamba_prefix_caching_differs: a Mamba group in ``mamba_cache_mode="none"`` takes part in
             prefix caching, and Mamba prefix caching keeps the null blocks of its tables
             differently (0.32: ``pop_blocks_for_free`` returns them, freeing counts the null
             block's references down). From 0.33 vLLM asserts that Mamba prefix caching uses
@@ -75,7 +75,7 @@ class Release:
     block_hash_map_ids: bool
     token_buffer: bool
     common_prefix_blocks: bool
-    mamba_none_prefix_caching: bool
+    mamba_prefix_caching_differs: bool
     runner_output_index: bool
     eagle_groups_drop_always: bool
     null_blocks_counted: bool
@@ -92,7 +92,7 @@ _V032 = Release(
     block_hash_map_ids=False,
     token_buffer=False,
     common_prefix_blocks=True,
-    mamba_none_prefix_caching=True,
+    mamba_prefix_caching_differs=True,
     runner_output_index=True,
     eagle_groups_drop_always=True,
     null_blocks_counted=True,
@@ -103,7 +103,7 @@ _V033 = replace(
     series="0.33",
     hash_lookahead=True,
     lookup_bound=True,
-    mamba_none_prefix_caching=False,
+    mamba_prefix_caching_differs=False,
     eagle_groups_drop_always=False,
     null_blocks_counted=False,
 )
