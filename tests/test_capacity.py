@@ -61,6 +61,16 @@ def test_curve_equals_rust_replays_where_exact() -> None:
             assert curve.point(c) == s, c
 
 
+@pytest.mark.parametrize("name", ["mooncake_fast25_conversation_trace.jsonl", "mooncake_fast25_synthetic_trace.jsonl"])
+def test_optimal_over_runs_equals_block_by_block(name: str) -> None:
+    """The optimal replay over runs of blocks equals the block-by-block one, unservable
+    capacities and warmup included."""
+    reqs = capacity_requests(_trace(name, 1200), 16)
+    caps = [2, 40, 300, 1000, 3000, 10000, 40000, 1 << 40]
+    for warm in (0, 600):
+        assert reqs.simulate(caps, "optimal", warm, 2) == reqs.simulate(caps, "optimal", warm, 1, by_block=True)
+
+
 def test_trie_ids_equal_digest_ids() -> None:
     """Mooncake block identity from the trie of ids equals the one from vLLM's digests."""
     trace = _trace("mooncake_fast25_conversation_trace.jsonl", 200)

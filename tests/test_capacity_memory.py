@@ -133,6 +133,9 @@ def test_cli_budgets_equal_block_counts(capsys) -> None:
     (["--capacities", "8GiB"], "give --model"),
     (["--model", "Qwen3-8B", "--kv-dtype", "int3"], "unknown --kv-dtype"),
     (["--model", "Qwen3-8B", "--capacities", "1MiB"], "too small"),
+    (["--warmup", "1", "--capacities", "1k"], "--warmup must be in [0, 1), got 1.0"),
+    (["--warmup", "-0.25", "--capacities", "1k"], "--warmup must be in [0, 1), got -0.25"),
+    (["--warmup", "nan", "--capacities", "1k", "--retention", "lru,optimal"], "--warmup must be in [0, 1)"),
 ])
 def test_cli_bad_input(args: list[str], msg: str, capsys) -> None:
     trace = str(shared_path("traces", TRACE))

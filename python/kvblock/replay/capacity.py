@@ -31,7 +31,9 @@ and ``h``, so the trie of id prefixes gives the same equalities as the digests
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -83,14 +85,8 @@ def capacity_requests(trace: Trace, block_size: int = 16, hash_algo: str = "sha2
         id_offsets = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum([len(a) for a in ids], out=id_offsets[1:])
         flat = np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, np.int64)
-        offsets, blocks = _core.capacity_trie_ids(flat, id_offsets, lens, tbs, block_size)
         # a record whose ids cover fewer tokens than its length: the prompt is what they cover
-        have = np.diff(offsets)
-        short = have < lens // block_size
-        if short.any():
-            lens = np.where(short, have * block_size, lens)
-            lens = np.maximum(lens, 1)
-        return _core.CapacityRequests(block_size, lens, offsets, blocks)
+        return _core.CapacityRequests.from_trie_ids(flat, id_offsets, lens, tbs, block_size)
     from .backends import get_impl
     from .blockhash import RequestHasher
 
@@ -112,18 +108,24 @@ class CapacityCurve:
 
     Attributes:
         name: the trace's name; block_size: tokens per block; prompt_tokens: of the measured
-            requests; hits: hit tokens at every ``num_blocks`` from 0 up (the last entry holds
-            for all larger ones); max_blocks_needed: below this many blocks plus one some
-            request is unservable, and the curve there is not a replay's; inexact: other
-            ``[lo, hi)`` ranges of ``num_blocks`` where it is not.
+            requests; lru: the one-pass curve (:class:`kvblock._core.LruCurve`);
+            max_blocks_needed: below this many blocks plus one some request is unservable, and
+            the curve there is not a replay's; inexact: other ``[lo, hi)`` ranges of
+            ``num_blocks`` where it is not.
     """
 
     name: str
     block_size: int
     prompt_tokens: int
-    hits: np.ndarray
+    lru: _core.LruCurve = field(repr=False)
     max_blocks_needed: int
     inexact: list[tuple[int, int]]
+
+    @cached_property
+    def hits(self) -> np.ndarray:
+        """Hit tokens at every ``num_blocks`` from 0 up (the last entry holds for all larger
+        ones); made when first asked for (the plot), not by every sweep."""
+        return self.lru.cumulative_hits()
 
     def hit_rate(self, num_blocks: int) -> float:
         """The one-pass hit rate at ``num_blocks``."""
@@ -176,21 +178,28 @@ def capacity_sweep(
         reqs = capacity_requests(trace, block_size, hash_algo)
         unlimited = sum(-(-r.prompt_len // block_size) for r in trace.requests) + 1
         resolved = [unlimited if c is None else c for c in capacities]
-        curve = reqs.lru_curve(w)
-        hits = curve.cumulative_hits()
-        curves.append(CapacityCurve(trace.name, block_size, int(curve.point(2)[1]), hits,
+        # Below the largest request's blocks the curve is not a replay's: those lru points are
+        # replayed, and fifo / optimal everywhere, on worker threads while this one runs the
+        # curve (all release the GIL; the curve's pass is sequential).
+        early = sorted({n for n in resolved if n <= reqs.max_blocks_needed}) if "lru" in policies else []
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            pending = {p: pool.submit(reqs.simulate, resolved, p, w, nthreads) for p in policies if p != "lru"}
+            lru_early = pool.submit(reqs.simulate, early, "lru", w, nthreads) if early else None
+            curve = reqs.lru_curve(w)
+            done = {p: f.result() for p, f in pending.items()}
+            replayed = dict(zip(early, lru_early.result())) if lru_early else {}
+        curves.append(CapacityCurve(trace.name, block_size, int(curve.point(2)[1]), curve,
                                     int(curve.max_blocks_needed), [tuple(r) for r in curve.inexact_ranges()]))
         for p in policies:
             name = trace.name if p == "lru" else f"{trace.name} ({p})"
             series = SweepSeries(name, trace.source, block_size)
             if p == "lru":
-                todo = sorted({n for n in resolved if not curve.exact_at(n)})
-                replayed = dict(zip(todo, reqs.simulate(todo, "lru", w, nthreads))) if todo else {}
+                todo = sorted({n for n in resolved if not curve.exact_at(n)} - replayed.keys())
+                replayed.update(zip(todo, reqs.simulate(todo, "lru", w, nthreads)) if todo else ())
                 for cap, n in zip(capacities, resolved):
                     t = replayed[n] if n in replayed else curve.point(n)
                     series.points.append(_point(t, cap))
             else:
-                pts = reqs.simulate(resolved, p, w, nthreads)
-                series.points += [_point(t, cap) for cap, t in zip(capacities, pts)]
+                series.points += [_point(t, cap) for cap, t in zip(capacities, done[p])]
             by_policy[p].append(series)
     return [s for p in policies for s in by_policy[p]], curves

@@ -41,13 +41,18 @@
 //!   and the stack the first; the capacities in between are recorded as inexact.
 //!
 //! [`simulate`] replays one capacity exactly (the oracle of the tests, and the points the curve
-//! cannot give), and also runs the `fifo` and `optimal` (Belady) policies.
+//! cannot give), and also runs the `fifo` and `optimal` (Belady) policies, block by block;
+//! [`simulate_many`] replays `optimal` over runs of blocks instead ([`optimal`]).
 //!
 //! Stack depths come from a Fenwick tree over requests: the blocks a request stamped and no
 //! later request took over always form a suffix of its depths, so a block's depth is the count
 //! of such blocks in later requests plus its place in that suffix.
 
-use std::collections::{BinaryHeap, HashMap};
+mod optimal;
+
+use std::collections::BinaryHeap;
+
+use hashbrown::HashMap;
 
 use crate::error::{Error, Result};
 
@@ -80,6 +85,9 @@ impl Requests {
         if prompt_len.len() >= NONE as usize {
             return Err(Error::value("prompt_len", "too many requests"));
         }
+        if blocks.len() >= NONE as usize {
+            return Err(Error::value("blocks", "too many blocks (at most 2**32 - 2)"));
+        }
         for (i, &len) in prompt_len.iter().enumerate() {
             if len == 0 {
                 return Err(Error::value("prompt_len", format!("request {i} has an empty prompt")));
@@ -108,6 +116,11 @@ impl Requests {
     /// True when there are no requests.
     pub fn is_empty(&self) -> bool {
         self.prompt_len.is_empty()
+    }
+
+    /// The most blocks one request needs.
+    pub fn max_blocks_needed(&self) -> u64 {
+        (0..self.len()).map(|r| self.shape(r).2).max().unwrap_or(0)
     }
 
     /// Tokens per block.
@@ -158,7 +171,7 @@ pub fn trie_block_ids(
         ));
     }
     let k = (trace_block_size / block_size) as usize;
-    let mut nodes: HashMap<(u32, i64), u32> = HashMap::new();
+    let mut nodes: HashMap<(u32, i64), u32> = HashMap::with_capacity(hash_ids.len().min(1 << 24));
     let mut offsets = Vec::with_capacity(prompt_len.len() + 1);
     offsets.push(0usize);
     let mut blocks: Vec<u32> = Vec::new();
@@ -188,6 +201,71 @@ pub fn trie_block_ids(
         offsets.push(blocks.len());
     }
     Ok((offsets, blocks))
+}
+
+impl Requests {
+    /// The requests of a hash-id trace with [`trie_block_ids`]'s ids, without a round trip
+    /// through the caller: a record whose ids cover fewer tokens than its length is taken as
+    /// the prompt they cover (at least one token).
+    pub fn from_trie_ids(
+        hash_ids: &[i64],
+        id_offsets: &[usize],
+        prompt_len: &[u64],
+        trace_block_size: u64,
+        block_size: u64,
+    ) -> Result<Self> {
+        let (offsets, blocks) = trie_block_ids(hash_ids, id_offsets, prompt_len, trace_block_size, block_size)?;
+        let lens = prompt_len
+            .iter()
+            .zip(offsets.windows(2))
+            .map(|(&len, w)| {
+                let have = (w[1] - w[0]) as u64;
+                if have < len / block_size {
+                    (have * block_size).max(1)
+                } else {
+                    len
+                }
+            })
+            .collect();
+        Requests::new(block_size, lens, offsets, blocks)
+    }
+}
+
+/// The later copies of hashes cached more than once (rare: the last block of a prompt that
+/// fills it exactly), behind a bitset so that the common lookup costs one bit test.
+struct Copies {
+    has: Vec<u64>,
+    map: HashMap<u32, Vec<u32>>,
+}
+
+impl Copies {
+    fn new(num_ids: u32) -> Self {
+        Copies { has: vec![0; (num_ids as usize).div_ceil(64)], map: HashMap::new() }
+    }
+    #[inline]
+    fn marked(&self, h: u32) -> bool {
+        self.has[h as usize / 64] >> (h % 64) & 1 == 1
+    }
+    #[inline]
+    fn get(&self, h: u32) -> Option<&Vec<u32>> {
+        if self.marked(h) {
+            self.map.get(&h)
+        } else {
+            None
+        }
+    }
+    #[inline]
+    fn get_mut(&mut self, h: u32) -> Option<&mut Vec<u32>> {
+        if self.marked(h) {
+            self.map.get_mut(&h)
+        } else {
+            None
+        }
+    }
+    fn push(&mut self, h: u32, copy: u32) {
+        self.has[h as usize / 64] |= 1 << (h % 64);
+        self.map.entry(h).or_default().push(copy);
+    }
 }
 
 /// Fenwick tree of counts over request indices.
@@ -249,8 +327,8 @@ pub struct Curve {
     warm_from: usize,
     /// `hist[c]`: block lookups (of measured / of earlier requests) that hit at every
     /// `num_blocks >= c`.
-    hist_measured: Vec<u64>,
-    hist_warmup: Vec<u64>,
+    hist_measured: Vec<u32>,
+    hist_warmup: Vec<u32>,
     /// `[lo, hi)` ranges of `num_blocks` where duplicates make the stack inexact.
     taint: Vec<(u64, u64)>,
     max_need: u64,
@@ -294,15 +372,15 @@ impl Curve {
         self.hist_measured
             .iter()
             .map(|&h| {
-                acc += h;
+                acc += h as u64;
                 acc * self.block_size
             })
             .collect()
     }
 
-    fn block_hits(hist: &[u64], num_blocks: u64) -> u64 {
+    fn block_hits(hist: &[u32], num_blocks: u64) -> u64 {
         let end = (num_blocks as usize).saturating_add(1).min(hist.len());
-        hist[..end].iter().sum()
+        hist[..end].iter().map(|&h| h as u64).sum()
     }
 
     /// The point at `num_blocks` (meaningful where [`Curve::exact_at`]; elsewhere the stack's
@@ -335,11 +413,11 @@ pub fn lru_curve(reqs: &Requests, warm_from: usize) -> Result<Curve> {
     let n = reqs.len();
     let mut fen = Fenwick::new(n);
     let mut alive_from = vec![0u32; n]; // a_q: first depth request q still holds
-    let mut first = vec![NONE; reqs.num_ids as usize]; // hash id -> first copy (item)
-    let mut origin: Vec<u32> = Vec::new(); // item -> request holding it
-    let mut extra: HashMap<u32, Vec<u32>> = HashMap::new(); // hash id -> later copies
-    let mut hist_measured: Vec<u64> = Vec::new();
-    let mut hist_warmup: Vec<u64> = Vec::new();
+    let mut first = vec![NONE; reqs.num_ids as usize]; // hash id -> request holding its first copy
+    let mut extra = Copies::new(reqs.num_ids); // hash id -> requests holding later copies
+                                               // Counts fit: lookups are fewer than the blocks, which have u32 item ids.
+    let mut hist_measured: Vec<u32> = Vec::new();
+    let mut hist_warmup: Vec<u32> = Vec::new();
     let mut taint = Vec::new();
     let mut runs: Vec<(u32, usize, usize)> = Vec::new();
     let (mut max_need, mut prompt_tokens, mut full_warmup, mut full_all) = (0u64, 0u64, 0u64, 0u64);
@@ -358,11 +436,10 @@ pub fn lru_curve(reqs: &Requests, warm_from: usize) -> Result<Curve> {
         let mut base = 0u64;
         while m < lim {
             let h = blocks[m];
-            let it = first[h as usize];
-            if it == NONE {
+            let q = first[h as usize];
+            if q == NONE {
                 break;
             }
-            let q = origin[it as usize];
             match runs.last_mut() {
                 Some(run) if run.0 == q => run.2 = m + 1,
                 _ => {
@@ -379,9 +456,9 @@ pub fn lru_curve(reqs: &Requests, warm_from: usize) -> Result<Curve> {
             let start = runs.last().unwrap().1;
             let depth = base + (m - start) as u64 + 1;
             let mut best = depth;
-            if let Some(copies) = extra.get(&h) {
+            if let Some(copies) = extra.get(h) {
                 for &c in copies {
-                    let oq = origin[c as usize] as usize;
+                    let oq = c as usize;
                     let d = fen.suffix(oq + 1) as u64 + (m as u64 - alive_from[oq] as u64) + 1;
                     best = best.min(d);
                 }
@@ -402,19 +479,14 @@ pub fn lru_curve(reqs: &Requests, warm_from: usize) -> Result<Curve> {
             fen.add(q as usize, -((b - a) as i64));
             alive_from[q as usize] = b as u32;
             for &h in &blocks[a..b] {
-                origin[first[h as usize] as usize] = r as u32;
+                first[h as usize] = r as u32;
             }
         }
         for (j, &h) in blocks.iter().enumerate().skip(m) {
-            let it = origin.len() as u32;
-            if it == NONE {
-                return Err(Error::value("blocks", "too many blocks for the capacity curve"));
-            }
-            origin.push(r as u32);
             if first[h as usize] == NONE {
-                first[h as usize] = it;
+                first[h as usize] = r as u32;
             } else if j + 1 == k && lim < k {
-                extra.entry(h).or_default().push(it);
+                extra.push(h, r as u32);
             } else {
                 return Err(Error::State(format!(
                     "capacity curve: request {r}'s block {j} is cached although block {m} is not"
@@ -431,7 +503,6 @@ pub fn lru_curve(reqs: &Requests, warm_from: usize) -> Result<Curve> {
     }
     let len = hist_measured.len().max(hist_warmup.len());
     hist_measured.resize(len, 0);
-    hist_warmup.resize(len, 0);
     Ok(Curve {
         block_size: reqs.block_size,
         warm_from,
@@ -568,7 +639,7 @@ pub fn simulate(reqs: &Requests, num_blocks: u64, policy: Policy, warm_from: usi
         },
     };
     let mut first = vec![NONE; reqs.num_ids as usize];
-    let mut extra: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut extra = Copies::new(reqs.num_ids);
     let mut slot_hash: Vec<u32> = Vec::new();
     let mut pinned_by: Vec<u32> = Vec::new(); // request holding the slot, or NONE
     let mut spare: Vec<u32> = Vec::new(); // slots of uncached free blocks
@@ -668,11 +739,11 @@ pub fn simulate(reqs: &Requests, num_blocks: u64, policy: Policy, warm_from: usi
                 let s = victim;
                 let h = slot_hash[s as usize];
                 if first[h as usize] == s {
-                    first[h as usize] = match extra.get_mut(&h) {
+                    first[h as usize] = match extra.get_mut(h) {
                         Some(v) if !v.is_empty() => v.remove(0),
                         _ => NONE,
                     };
-                } else if let Some(v) = extra.get_mut(&h) {
+                } else if let Some(v) = extra.get_mut(h) {
                     v.retain(|&x| x != s);
                 }
                 if measured {
@@ -687,7 +758,7 @@ pub fn simulate(reqs: &Requests, num_blocks: u64, policy: Policy, warm_from: usi
                 if first[h as usize] == NONE {
                     first[h as usize] = s;
                 } else {
-                    extra.entry(h).or_default().push(s);
+                    extra.push(h, s);
                 }
                 born.push(s);
             } else {
@@ -737,7 +808,9 @@ pub fn simulate(reqs: &Requests, num_blocks: u64, policy: Policy, warm_from: usi
     Ok(pt)
 }
 
-/// [`simulate`] at several capacities, on up to `threads` threads (results in input order).
+/// [`simulate`] at several capacities, on up to `threads` threads (results in input order);
+/// `optimal` through [`optimal::replay`] (runs of blocks), falling back to [`simulate`] where
+/// the ids are not chained.
 pub fn simulate_many(
     reqs: &Requests,
     capacities: &[u64],
@@ -745,23 +818,38 @@ pub fn simulate_many(
     warm_from: usize,
     threads: usize,
 ) -> Result<Vec<Point>> {
+    // The next lookups with every request served, shared; each worker derives a capacity's
+    // where some request is unservable.
+    let all = if policy == Policy::Optimal { optimal::next_uses(reqs) } else { None };
+    let one = |c: u64, scratch: &mut optimal::Scratch| -> Result<Point> {
+        match all.as_ref() {
+            Some(all) if c >= 2 => match optimal::replay(reqs, c, warm_from, all, scratch)? {
+                Some(p) => Ok(p),
+                None => simulate(reqs, c, policy, warm_from),
+            },
+            _ => simulate(reqs, c, policy, warm_from),
+        }
+    };
     let threads = threads.clamp(1, capacities.len().max(1));
     if threads == 1 {
-        return capacities.iter().map(|&c| simulate(reqs, c, policy, warm_from)).collect();
+        let mut scratch = optimal::Scratch::default();
+        return capacities.iter().map(|&c| one(c, &mut scratch)).collect();
     }
-    // Largest first: capacities cost about the same, but this balances two threads better.
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut out: Vec<Option<Result<Point>>> = (0..capacities.len()).map(|_| None).collect();
     let results = std::sync::Mutex::new(&mut out);
     std::thread::scope(|scope| {
         for _ in 0..threads {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= capacities.len() {
-                    break;
+            scope.spawn(|| {
+                let mut scratch = optimal::Scratch::default();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= capacities.len() {
+                        break;
+                    }
+                    let p = one(capacities[i], &mut scratch);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(p);
                 }
-                let p = simulate(reqs, capacities[i], policy, warm_from);
-                results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(p);
             });
         }
     });
@@ -836,13 +924,103 @@ mod tests {
     }
 
     #[test]
+    fn optimal_runs_equal_the_block_by_block_replay() {
+        for seed in 0..60 {
+            let reqs = random_requests(seed, 80, 4);
+            for warm in [0, 30] {
+                let caps: Vec<u64> = (2..120).chain([500, u64::MAX]).collect();
+                let fast = simulate_many(&reqs, &caps, Policy::Optimal, warm, 2).unwrap();
+                for (&c, f) in caps.iter().zip(&fast) {
+                    let slow = simulate(&reqs, c, Policy::Optimal, warm).unwrap();
+                    assert_eq!(*f, slow, "seed {seed} warm {warm} capacity {c}");
+                }
+                let all = optimal::next_uses(&reqs).unwrap();
+                let mut scratch = optimal::Scratch::default();
+                for c in [8, 64] {
+                    let p = optimal::replay(&reqs, c, warm, &all, &mut scratch).unwrap();
+                    assert!(p.is_some(), "seed {seed} capacity {c}: fell back");
+                }
+            }
+        }
+    }
+
+    /// Hash-id requests (trace blocks of 4 blocks) sharing prefixes, lengths that end inside a
+    /// trace block, on a block boundary, or short of their ids.
+    fn random_trie_requests(seed: u64, n: usize) -> Requests {
+        let mut x = seed;
+        let mut rnd = move |m: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % m
+        };
+        let (tbs, b) = (8u64, 2u64);
+        let mut prefixes: Vec<Vec<i64>> = vec![vec![]];
+        let (mut ids, mut id_offsets, mut lens) = (vec![], vec![0usize], vec![]);
+        for _ in 0..n {
+            let base = &prefixes[rnd(prefixes.len() as u64) as usize];
+            let keep = rnd(base.len() as u64 + 1) as usize;
+            let mut chain = base[..keep].to_vec();
+            for _ in 0..=rnd(4) {
+                chain.push(rnd(1 << 40) as i64);
+            }
+            let full = chain.len() as u64 * tbs;
+            let len = match rnd(4) {
+                0 => full,
+                1 => full - rnd(tbs) - 1,
+                2 => full - tbs + b * (1 + rnd(tbs / b - 1)),
+                _ => full + tbs * rnd(2), // ids short of the length: the prompt is what they cover
+            };
+            ids.extend_from_slice(&chain);
+            id_offsets.push(ids.len());
+            lens.push(len.max(1));
+            prefixes.push(chain);
+        }
+        Requests::from_trie_ids(&ids, &id_offsets, &lens, tbs, b).unwrap()
+    }
+
+    #[test]
+    fn optimal_runs_equal_the_block_by_block_replay_on_trie_ids() {
+        for seed in 0..40 {
+            let reqs = random_trie_requests(seed, 70);
+            let max_need = reqs.max_blocks_needed();
+            let caps: Vec<u64> = (2..3 * max_need + 40).step_by(3).chain([u64::MAX]).collect();
+            for warm in [0, 35] {
+                let fast = simulate_many(&reqs, &caps, Policy::Optimal, warm, 2).unwrap();
+                for (&c, f) in caps.iter().zip(&fast) {
+                    assert_eq!(*f, simulate(&reqs, c, Policy::Optimal, warm).unwrap(), "seed {seed} capacity {c}");
+                }
+            }
+            let all = optimal::next_uses(&reqs).unwrap();
+            let p = optimal::replay(&reqs, max_need / 2 + 2, 0, &all, &mut optimal::Scratch::default()).unwrap();
+            assert!(p.is_some(), "seed {seed}: fell back");
+        }
+    }
+
+    #[test]
+    fn optimal_falls_back_on_ids_that_are_not_chained() {
+        // the same id at two depths: next lookups decrease along a request
+        let reqs =
+            Requests::new(4, vec![12, 12, 8, 12], vec![0, 3, 6, 8, 11], vec![0, 1, 2, 2, 1, 0, 2, 1, 1, 2, 0]).unwrap();
+        assert!(optimal::next_uses(&reqs).is_none());
+        for c in 2..16 {
+            let fast = simulate_many(&reqs, &[c], Policy::Optimal, 0, 1).unwrap();
+            assert_eq!(fast[0], simulate(&reqs, c, Policy::Optimal, 0).unwrap(), "capacity {c}");
+        }
+    }
+
+    #[test]
     fn bad_input_is_an_error() {
         assert!(Requests::new(0, vec![1], vec![0, 0], vec![]).is_err());
         assert!(Requests::new(4, vec![8], vec![0, 1], vec![0]).is_err());
         assert!(Requests::new(4, vec![0], vec![0, 0], vec![]).is_err());
         let r = Requests::new(4, vec![8], vec![0, 2], vec![0, 1]).unwrap();
         assert!(simulate(&r, 1, Policy::Lru, 0).is_err());
+        assert!(simulate_many(&r, &[2, 1], Policy::Optimal, 0, 2).is_err());
         assert!(Policy::from_name("mru").is_err());
         assert!(trie_block_ids(&[1], &[0, 1], &[8], 6, 4).is_err());
+        assert!(Requests::from_trie_ids(&[1], &[0, 1], &[8], 6, 4).is_err());
+        assert!(Requests::from_trie_ids(&[1], &[0, 2], &[8], 8, 4).is_err());
+        // ids covering fewer tokens than the length: the prompt is what they cover
+        let short = Requests::from_trie_ids(&[1], &[0, 1], &[20], 8, 4).unwrap();
+        assert_eq!((short.prompt_len.clone(), short.max_blocks_needed()), (vec![8], 2));
     }
 }

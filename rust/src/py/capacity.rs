@@ -1,7 +1,7 @@
 //! Bindings of [`crate::capacity`]: the one-pass LRU curve and the per-capacity replays.
 
 use super::errors::IntoPy;
-use crate::capacity::{lru_curve, simulate_many, trie_block_ids, Curve, Point, Policy, Requests};
+use crate::capacity::{lru_curve, simulate, simulate_many, trie_block_ids, Curve, Point, Policy, Requests};
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
@@ -39,6 +39,30 @@ impl PyCapacityRequests {
         Ok(PyCapacityRequests { inner })
     }
 
+    /// The requests of a hash-id trace with `capacity_trie_ids`'s block ids, built in Rust.
+    #[staticmethod]
+    fn from_trie_ids(
+        py: Python<'_>,
+        hash_ids: PyReadonlyArray1<'_, i64>,
+        id_offsets: PyReadonlyArray1<'_, i64>,
+        prompt_len: PyReadonlyArray1<'_, i64>,
+        trace_block_size: u64,
+        block_size: u64,
+    ) -> PyResult<Self> {
+        let ids = hash_ids.as_slice()?;
+        let offs: Vec<usize> = u64s(&id_offsets, "id_offsets")?.into_iter().map(|v| v as usize).collect();
+        let lens = u64s(&prompt_len, "prompt_len")?;
+        let inner = py.detach(|| Requests::from_trie_ids(ids, &offs, &lens, trace_block_size, block_size)).py_err()?;
+        Ok(PyCapacityRequests { inner })
+    }
+
+    /// The most blocks one request needs (below this many plus one, some request is
+    /// unservable).
+    #[getter]
+    fn max_blocks_needed(&self) -> u64 {
+        self.inner.max_blocks_needed()
+    }
+
     fn __len__(&self) -> usize {
         self.inner.len()
     }
@@ -50,7 +74,9 @@ impl PyCapacityRequests {
     }
 
     /// Replays at each capacity (`num_blocks`, null block included) with `policy`, on up to
-    /// `threads` threads: one tuple per capacity.
+    /// `threads` threads: one tuple per capacity. `by_block`: the block-by-block replay for
+    /// every policy (the oracle of `optimal`'s replay over runs), on one thread.
+    #[pyo3(signature = (capacities, policy, warm_from, threads, by_block = false))]
     fn simulate(
         &self,
         py: Python<'_>,
@@ -58,9 +84,16 @@ impl PyCapacityRequests {
         policy: &str,
         warm_from: usize,
         threads: usize,
+        by_block: bool,
     ) -> PyResult<Vec<PointTuple>> {
         let policy = Policy::from_name(policy).py_err()?;
-        let pts = py.detach(|| simulate_many(&self.inner, &capacities, policy, warm_from, threads)).py_err()?;
+        let reqs = &self.inner;
+        let pts = py
+            .detach(|| match by_block {
+                true => capacities.iter().map(|&c| simulate(reqs, c, policy, warm_from)).collect(),
+                false => simulate_many(reqs, &capacities, policy, warm_from, threads),
+            })
+            .py_err()?;
         Ok(pts.into_iter().map(tuple).collect())
     }
 }
