@@ -59,6 +59,21 @@ def test_cache_aware_beats_round_robin():
     assert ca.routed_cached_tokens > 0 and ca.over_reports == 0
 
 
+def test_capped_index_under_reports_only_and_counts_evictions(conv):
+    full = replay_fleet(conv, CFG, FleetConfig(instances=3, router="cache-aware", check_all=True))
+    cap = full.index_pairs // 4
+    r = replay_fleet(conv, CFG, FleetConfig(instances=3, router="cache-aware", check_all=True, index_max_pairs=cap))
+    assert r.over_reports == 0 and full.over_reports == 0
+    assert r.index_pairs <= cap < full.index_pairs
+    assert r.index_evicted_pairs > 0 and full.index_evicted_pairs == 0
+    assert r.to_dict()["index"]["evicted_pairs"] == r.index_evicted_pairs
+    assert r.served + r.unservable == len(conv.requests)
+    with pytest.raises(ReplayError, match="index-max-pairs"):
+        replay_fleet(conv, CFG, FleetConfig(index_max_pairs=-1))
+    with pytest.raises(ReplayError, match="in-process"):
+        replay_fleet(conv, CFG, FleetConfig(index="redis://127.0.0.1:1", index_max_pairs=10))
+
+
 def test_zmq_transport_gives_the_same_replay(conv):
     f = FleetConfig(instances=2, router="cache-aware")
     a = replay_fleet(conv, CFG, f)

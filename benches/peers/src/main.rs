@@ -31,8 +31,10 @@ fn rss_bytes() -> u64 {
 trait Side {
     fn store(&mut self, holder: usize, parent: Option<u64>, blocks: &[(u64, u64)]);
     fn remove(&mut self, holder: usize, keys: &[u64]);
-    /// Everything a query needs prepared outside the timed region (a peer taking its query by
-    /// value gets its copies made here).
+    /// Everything a query needs prepared outside the timed region: every side gets its own
+    /// fresh copy of the cell's queries here (Dynamo takes its query by value, so its copies
+    /// must be made here; the others get the same, so that no side reads its query from
+    /// memory the others find in cache).
     fn prepare(&mut self, _cell: &Cell) {}
     fn query(&mut self, cell: &Cell, i: usize);
     fn answer(&self) -> Vec<(u32, u32)>;
@@ -45,6 +47,7 @@ struct Kv {
     names: Vec<String>,
     keys: Vec<u64>,
     dense: Vec<u32>,
+    prepared: Vec<Vec<u64>>,
 }
 
 impl Kv {
@@ -54,7 +57,7 @@ impl Kv {
         for (h, n) in names.iter().enumerate() {
             assert_eq!(ix.add_instance(n).unwrap() as usize, h);
         }
-        Kv { ix, names, keys: Vec::new(), dense: Vec::new() }
+        Kv { ix, names, keys: Vec::new(), dense: Vec::new(), prepared: Vec::new() }
     }
 }
 
@@ -67,8 +70,11 @@ impl Side for Kv {
     fn remove(&mut self, holder: usize, keys: &[u64]) {
         self.ix.remove(&self.names[holder], keys, None).unwrap();
     }
-    fn query(&mut self, cell: &Cell, i: usize) {
-        self.ix.match_dense(&cell.keys[i], None, &mut self.dense);
+    fn prepare(&mut self, cell: &Cell) {
+        self.prepared = cell.keys.clone();
+    }
+    fn query(&mut self, _cell: &Cell, i: usize) {
+        self.ix.match_dense(&self.prepared[i], None, &mut self.dense);
         black_box(&self.dense);
     }
     fn answer(&self) -> Vec<(u32, u32)> {
@@ -84,6 +90,7 @@ struct Smg {
     back: HashMap<radix_tree::HolderId, u32>,
     scratch: radix_tree::OverlapScratch,
     out: Vec<radix_tree::Overlap>,
+    prepared: Vec<Vec<u64>>,
 }
 
 impl Smg {
@@ -91,7 +98,7 @@ impl Smg {
         let mut tree = radix_tree::RadixTree::new(radix_tree::Config::default());
         let ids: Vec<_> = (0..holders).map(|h| tree.create_holder(&format!("holder-{h}"))).collect();
         let back = ids.iter().enumerate().map(|(h, id)| (*id, h as u32)).collect();
-        Smg { tree, ids, back, scratch: Default::default(), out: Vec::new() }
+        Smg { tree, ids, back, scratch: Default::default(), out: Vec::new(), prepared: Vec::new() }
     }
 }
 
@@ -108,8 +115,11 @@ impl Side for Smg {
     fn remove(&mut self, holder: usize, keys: &[u64]) {
         self.tree.remove(self.ids[holder], keys);
     }
-    fn query(&mut self, cell: &Cell, i: usize) {
-        self.tree.overlap(&cell.contents[i], &mut self.scratch, &mut self.out);
+    fn prepare(&mut self, cell: &Cell) {
+        self.prepared = cell.contents.clone();
+    }
+    fn query(&mut self, _cell: &Cell, i: usize) {
+        self.tree.overlap(&self.prepared[i], &mut self.scratch, &mut self.out);
         black_box(&self.out);
     }
     fn answer(&self) -> Vec<(u32, u32)> {

@@ -23,7 +23,7 @@ the classes that need them are used.
 from __future__ import annotations
 
 from .index import PrefixIndex, parent_tag
-from .reference import DictIndex
+from .dict_index import DictIndex
 from .router import POLICIES, Decision, Router
 from .speculative import SpeculationStats, SpeculativeIndex
 from .stream import EventStream, StreamStats

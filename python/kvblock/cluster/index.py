@@ -31,9 +31,29 @@ class PrefixIndex(_core.PrefixIndexCore):
     Holder sets are sets (vLLM can cache two copies of a block; evicting one makes the index
     forget it: an under-report, never an over-report).
 
+    Memory cap (``max_pairs``): at most that many (block, instance) pairs are kept (about
+    16-30 bytes each, plus one byte a table slot for the chain depths a capped index keeps,
+    :meth:`memory_bytes`). After a batch that goes over, whole blocks (all their holders) are
+    evicted deepest first, down to 1/64 below the cap: a lookup walks a chain from its first
+    block and stops at the first one missing, so the index cuts every chain at one depth
+    ``D`` (all blocks deeper than ``D``, then blocks at ``D`` in clock order, media sharing
+    them by their counts) and each chain keeps its head, which is what tells the router
+    where the rest is. Blocks whose parent the index does not hold (unreachable) and blocks
+    over 254 deep count as deepest; chains' first blocks go last (one instance's before
+    shared). An evicted block is forgotten until its engine stores it again: the index
+    under-reports it (and the rest of its chain), never over-reports. :meth:`evicted`
+    counts what went.
+
+    Tier weights (:meth:`match_weighted`): with each medium's weight (``{"GPU": 1.0, "CPU":
+    0.75, "disk": 0.25}``), an instance's credit is its prefix on the best tier at that
+    tier's weight, plus what the next tier extends it by at the next weight, and so on (a
+    lower bound of each block's best weight).
+
     Args:
         block_size: tokens per block; events of other block sizes are skipped (None: any).
         group_idx: the KV-cache group indexed (events without ``group_idx`` are group 0).
+        max_pairs: the memory cap in (block, instance) pairs (None: none); settable later
+            (``index.max_pairs = N``; lowering it evicts at once).
 
     Methods (all from Rust; ``KeyError`` names an unknown instance; an instance name UTF-8
     cannot encode, one with a lone surrogate, is a ``ValueError`` naming ``name``, nothing
@@ -50,7 +70,15 @@ class PrefixIndex(_core.PrefixIndexCore):
         ``expire(now_ms, ttl_ms) -> removed names``, ``instances()``, ``blocks_of``,
         ``num_pairs()`` ((block, holder) pairs), ``num_nodes()``, ``memory_bytes()`` (heap
         bytes of the tables, the holder sets and the instance registry).
+        ``evicted() -> (pairs, nodes, sweeps)``: what the memory cap dropped so far.
+        ``match_weighted(block_hashes, weights) -> dict[str, (credit, blocks)]``: tier-
+            weighted prefixes (credit in blocks; ``blocks`` the prefix over every medium of
+            positive weight); a weight that is not a finite number >= 0 is a ValueError.
     """
+
+    def __init__(self, block_size: int | None = None, group_idx: int = 0, *, max_pairs: int | None = None) -> None:
+        if max_pairs is not None:
+            self.max_pairs = max_pairs
 
     def apply_events(self, instance: str, events: Sequence[KVCacheEvent], now_ms: int = 0) -> tuple[int, int, int, int]:
         """Apply ``kvblock.events`` / vLLM event structs (encoded to the wire format first)."""

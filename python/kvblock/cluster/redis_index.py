@@ -332,6 +332,19 @@ class RedisPrefixIndex:
         """False since a Redis call failed, until one succeeds."""
         return self._down_since is None
 
+    def ping(self) -> bool:
+        """Ask Redis now (``PING``, with the client's short timeouts): whether it answered.
+        The answer updates :attr:`available` (an outage is logged once, as any failed call);
+        instances written before an outage are still rewritten by the next call that
+        writes or matches."""
+        try:
+            self.client.ping()
+        except self._errors as e:
+            self._failed(e)
+            return False
+        self._recovered()
+        return True
+
     # -- writer -------------------------------------------------------------------------------
     def add_instance(self, instance: str) -> None:
         self._tag(instance)

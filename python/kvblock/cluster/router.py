@@ -12,6 +12,14 @@ Policies:
   length is the same on every instance, so it drops out). ``load_weight = 0`` routes on the
   cache alone (ties by load), large weights approach least-loaded.
 
+Tier weights (``tier_weights={"GPU": 1.0, "CPU": 0.75, "disk": 0.25}``, the media of vLLM's
+KV events): a block on host memory or disk saves less than one on the GPU (it must be loaded
+back first), so ``cached_tokens`` becomes the instance's tier-weighted prefix
+(``PrefixIndex.match_weighted``: the prefix on the best tier at its weight, what the next
+tier extends it by at the next weight, ...; a medium not named weighs 0). Dynamo's KV router
+credits 0.75 / 0.25 for host / disk. The decision's ``cached_blocks`` is then the prefix over
+every positively weighted medium.
+
 With a :class:`~kvblock.cluster.speculative.SpeculativeIndex` as the index, ``cache-aware``
 scores each instance with its speculative prefix (blocks it holds, then blocks it was just
 sent and will compute) and records the chosen instance's speculative entries; the decision's
@@ -25,8 +33,9 @@ again on every request, so it resumes as soon as the index is back.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import IndexUnavailable
 
@@ -72,14 +81,20 @@ class Router:
         block_size: tokens per block of the index's hashes.
         load_weight: the weight of a token of load against a cached token (cache-aware).
         medium: count only blocks on this medium (None: any).
+        tier_weights: each medium's weight in the cache-aware score (see the module
+            docstring; None: every medium counts fully). Needs an index with
+            ``match_weighted`` (``PrefixIndex``, ``DictIndex``).
 
     Raises:
         ValueError: an unknown policy, no instances, duplicate names, a negative weight,
-            ``cache-aware`` without an index.
+            ``cache-aware`` without an index, tier weights that are not finite numbers >= 0
+            or not keyed by medium names, tier weights with ``medium``, with a speculative
+            index or an index without ``match_weighted``.
     """
 
     def __init__(self, instances: Iterable[str], index: Any = None, policy: str = "cache-aware", *,
-                 block_size: int = 16, load_weight: float = 0.5, medium: str | None = None) -> None:
+                 block_size: int = 16, load_weight: float = 0.5, medium: str | None = None,
+                 tier_weights: Mapping[str | None, float] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
         names = list(instances)
@@ -93,6 +108,7 @@ class Router:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.tier_weights = _check_tier_weights(tier_weights, index, medium)
         self.instances = names
         self.index = index
         self.policy = policy
@@ -181,6 +197,10 @@ class Router:
                 scored = hits
             elif speculative:
                 hits, scored = self.index.match_both(block_hashes, self.medium, **kw)
+            elif self.tier_weights is not None:
+                weighted = self.index.match_weighted(block_hashes, self.tier_weights)
+                hits = {k: v[1] for k, v in weighted.items()}
+                scored = {k: v[0] for k, v in weighted.items()}
             else:
                 hits = self.index.match(block_hashes, self.medium, **kw)
                 scored = hits
@@ -201,7 +221,7 @@ class Router:
         best_key = None
         for k in range(n):
             name = self.instances[(start + k) % n]
-            cached = min(scored.get(name, 0) * b, num_tokens)
+            cached = min(scored.get(name, 0) * b, num_tokens)  # weighted: a float
             ld = self._running[name] + self._waiting[name]
             key = (cached - w * ld, -ld)
             if best_key is None or key > best_key:
@@ -213,3 +233,27 @@ class Router:
             self.index.speculate(best, block_hashes, blocks)
         return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens),
                         speculative_blocks=scored.get(best, 0))
+
+
+def _check_tier_weights(weights: Mapping[str | None, float] | None, index: Any,
+                        medium: str | None) -> dict[str | None, float] | None:
+    """The router's tier weights as a dict, or ValueError naming what is wrong."""
+    if weights is None:
+        return None
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError("tier_weights: expected a non-empty mapping of medium name -> weight")
+    out: dict[str | None, float] = {}
+    for m, w in weights.items():
+        if m is not None and not isinstance(m, str):
+            raise ValueError(f"tier_weights: a medium must be a name (str) or None, got {m!r}")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"tier_weights: the weight of medium {m!r} must be a finite number >= 0, got {w!r}")
+        out[m] = float(w)
+    if medium is not None:
+        raise ValueError("tier_weights and medium: give one (the weights already choose the media)")
+    if getattr(index, "speculative", False):
+        raise ValueError("tier_weights with a speculative index: not supported (speculative entries have no medium)")
+    if index is not None and not hasattr(index, "match_weighted"):
+        raise ValueError(f"tier_weights: the index ({type(index).__name__}) has no match_weighted "
+                         "(use PrefixIndex or DictIndex)")
+    return out

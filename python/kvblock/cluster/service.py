@@ -22,17 +22,23 @@ status, and changes nothing)::
                  "blocks": INT,                              # full blocks in the query
                  "instances": {ENGINE: CACHED_TOKENS, ...},  # every engine, 0 included
                  "cached_blocks": {ENGINE: CACHED_BLOCKS, ...},
-                 "speculative": {ENGINE: TOKENS, ...}}       # with --speculative-ttl-ms only:
+                 "speculative": {ENGINE: TOKENS, ...},       # with --speculative-ttl-ms only:
                                                              # cached, then speculated, tokens
+                 "weighted": {ENGINE: TOKENS, ...}}          # with --tier-weight only (and no
+                                                             # "medium"): tier-weighted tokens
       400 body is not JSON; 404 unknown model; 413 body or query too large;
       422 body of the wrong shape, both or neither of block_hashes / token_ids, another
           block size or hash algorithm, token_ids for xxhash without --hash-seed;
       503 the index is unavailable (Redis down)
-    GET  /health    200 {"status": "ok", "model", "block_size", "hash_algo", "index",
-                         "engines": INT, "pairs": INT}; 503 {"status": "unavailable", ...}
+    GET  /health    200 {"status": "ok" | "degraded", "model", "block_size", "hash_algo", "index",
+                         "engines": INT, "engines_down": {ENGINE: STATE}, "pairs": INT};
+                    503 {"status": "unavailable", ...} (Redis does not answer a PING)
     GET  /metrics   Prometheus text format (see ``docs/index_service.md``)
     GET  /engines   200 {"engines": [{"name", "endpoint", "replay_endpoint", "topic",
                                       "next_batch": INT | null (the batch number expected next),
+                                      "state": "ok" | "never_connected" | "disconnected" |
+                                               "not_answering" (as /health's engines_down),
+                                      "replay_failures": INT,
                                       "stats": {"applied", "gaps", "replayed", "lost",
                                                 "malformed", "restarts", "resyncs"}}]}
     POST /engines   request {"name": STR, "endpoint": "tcp://HOST:PORT",
@@ -93,6 +99,7 @@ __all__ = [
     "ScoreRequest",
     "ServiceConfig",
     "ServiceThread",
+    "BindError",
     "parse_engine",
     "serve",
 ]
@@ -286,6 +293,11 @@ class ServiceConfig:
         max_query_blocks: most blocks per query.
         speculative_ttl_ms: > 0: keep speculative entries (``POST /speculate``) this long
             unless the engines' events confirm or drop them first; 0: off.
+        max_pairs: the in-process index's memory cap in (block, engine) pairs (None: none;
+            see :class:`~kvblock.cluster.PrefixIndex`: what it evicts and in what order,
+            counted in ``kvblock_index_evicted_pairs``).
+        tier_weights: ``((medium, weight), ...)``: /score also answers each engine's
+            tier-weighted cached tokens (``PrefixIndex.match_weighted``); None: not.
     """
 
     model: str | None = None
@@ -297,9 +309,26 @@ class ServiceConfig:
     idle_sync_s: float | None = 1.0
     max_query_blocks: int = MAX_QUERY_BLOCKS
     speculative_ttl_ms: float = 0.0
+    max_pairs: int | None = None
+    tier_weights: tuple[tuple[str | None, float], ...] | None = None
 
     def check(self) -> "ServiceConfig":
         """Self, or ValueError naming the bad field."""
+        if self.max_pairs is not None:
+            if isinstance(self.max_pairs, bool) or not isinstance(self.max_pairs, int) or self.max_pairs < 0:
+                raise ValueError(f"max_pairs: must be an int >= 0 (or None), got {self.max_pairs!r}")
+            if self.redis is not None:
+                raise ValueError("max_pairs: the memory cap is the in-process index's (Redis entries expire "
+                                 "with --redis-ttl-s)")
+        if self.tier_weights is not None:
+            from .router import _check_tier_weights
+
+            _check_tier_weights(dict(self.tier_weights), None, None)
+            if self.redis is not None:
+                raise ValueError("tier_weights: the Redis index has no match_weighted; use the in-process index")
+            if self.speculative_ttl_ms > 0:
+                raise ValueError("tier_weights with --speculative-ttl-ms: not supported (speculative entries "
+                                 "have no medium)")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size: must be an int > 0, got {self.block_size!r}")
         if self.hash_algo not in hashing.ALGORITHMS:
@@ -397,7 +426,8 @@ class IndexService:
             self.index = RedisPrefixIndex(config.redis, config.model or "kvblock", ttl_s=config.redis_ttl_s,
                                           block_size=config.block_size)
         else:
-            self.index = PrefixIndex(config.block_size)
+            self.index = PrefixIndex(config.block_size, max_pairs=config.max_pairs)
+        self.tier_weights = None if config.tier_weights is None else dict(config.tier_weights)
         self.speculative = config.speculative_ttl_ms > 0
         if self.speculative:
             from .speculative import SpeculativeIndex
@@ -574,14 +604,27 @@ class IndexService:
 
         Raises:
             RequestError: malformed hashes (422), the index unavailable (503)."""
+        return self._lookup(hashes, medium)[:2]
+
+    def lookup_weighted(self, hashes: Any, medium: str | None = None) -> tuple[
+            dict[str, int], dict[str, int] | None, dict[str, float] | None]:
+        """:meth:`lookup`, and with tier weights (and no ``medium``) each engine's weighted
+        cached blocks (else None)."""
+        return self._lookup(hashes, medium)
+
+    def _lookup(self, hashes: Any, medium: str | None) -> tuple[
+            dict[str, int], dict[str, int] | None, dict[str, float] | None]:
         t0 = time.perf_counter()
         spec: dict[str, int] | None = None
+        weighted: dict[str, float] | None = None
         try:
             with self.lock:
                 if self.speculative:
                     hits, spec = self.index.match_both(hashes, medium)
                 else:
                     hits = self.index.match(hashes, medium)
+                if self.tier_weights is not None and medium is None:
+                    weighted = {k: v[0] for k, v in self.index.match_weighted(hashes, self.tier_weights).items()}
         except IndexUnavailable as e:
             raise RequestError(503, "unavailable", f"the index is unavailable: {e}") from None
         except (TypeError, ValueError, OverflowError) as e:
@@ -591,7 +634,9 @@ class IndexService:
         out.update(hits)
         if spec is not None:
             spec = {**{name: 0 for name in self.engines}, **spec}
-        return out, spec
+        if weighted is not None:
+            weighted = {**{name: 0.0 for name in self.engines}, **weighted}
+        return out, spec, weighted
 
     def speculate(self, engine: str, hashes: Any) -> int:
         """Record that ``engine`` will hold ``hashes`` (past what it holds now); returns the
@@ -614,12 +659,14 @@ class IndexService:
             raise RequestError(422, "bad_body", str(e)) from None
 
     def score_response(self, n_blocks: int, hits: dict[str, int],
-                       spec: dict[str, int] | None = None) -> dict[str, Any]:
+                       spec: dict[str, int] | None = None, weighted: dict[str, float] | None = None) -> dict[str, Any]:
         bs = self.config.block_size
         out = {"model": self.config.model, "block_size": bs, "blocks": n_blocks,
                "instances": {k: v * bs for k, v in hits.items()}, "cached_blocks": hits}
         if spec is not None:
             out["speculative"] = {k: v * bs for k, v in spec.items()}
+        if weighted is not None:
+            out["weighted"] = {k: v * bs for k, v in weighted.items()}
         return out
 
     def engine_view(self, name: str) -> dict[str, Any]:
@@ -628,6 +675,8 @@ class IndexService:
         stats = eng.stream.stats if eng is not None else None
         return {"name": name, "endpoint": spec.endpoint, "replay_endpoint": spec.replay_endpoint,
                 "topic": spec.topic, "next_batch": stats_next(eng),
+                "state": "never_connected" if eng is None else eng.state(),
+                "replay_failures": 0 if eng is None else eng.replay_failures,
                 "stats": {k: getattr(stats, k, 0) for k in
                           ("applied", "gaps", "replayed", "lost", "malformed", "restarts", "resyncs")}}
 
@@ -640,13 +689,33 @@ class IndexService:
         with self.lock:
             return int(idx.memory_bytes())
 
+    def evicted(self) -> tuple[int, int, int]:
+        """What the memory cap evicted: (pairs, blocks, sweeps)."""
+        with self.lock:
+            return tuple(int(x) for x in self.index.evicted())  # type: ignore[return-value]
+
+    def engines_down(self) -> dict[str, str]:
+        """The engines not heard from as expected, by state (see ``_Engine.state``):
+        ``never_connected``, ``disconnected``, ``not_answering`` (replay requests unanswered)."""
+        out = {}
+        for name, eng in list(self.subscriber.engines.items()):
+            state = eng.state()
+            if state != "ok":
+                out[name] = state
+        return out
+
     def available(self) -> bool:
-        return bool(getattr(self.index, "available", True))
+        """Whether the index answers: the in-process one always; Redis when it answers a
+        ``PING`` now (short timeouts), so /health never reports an unreachable Redis ok."""
+        if self.config.redis is None:
+            return True
+        with self.lock:
+            return bool(self.index.ping())  # a SpeculativeIndex passes it to the Redis index
 
     # -- HTTP -------------------------------------------------------------------------------
     def app(self) -> Any:
         """The aiohttp ``web.Application`` of the API (see the module docstring)."""
-        from aiohttp import web
+        web = _web()
 
         svc = self
 
@@ -697,10 +766,10 @@ class IndexService:
                 else:
                     hashes = svc.hash_tokens(hashes)
             if svc.config.redis is not None:
-                hits, spec = await asyncio.to_thread(svc.lookup, hashes, req.medium)
+                hits, spec, weighted = await asyncio.to_thread(svc.lookup_weighted, hashes, req.medium)
             else:
-                hits, spec = svc.lookup(hashes, req.medium)
-            return json_response(svc.score_response(len(hashes), hits, spec))
+                hits, spec, weighted = svc.lookup_weighted(hashes, req.medium)
+            return json_response(svc.score_response(len(hashes), hits, spec, weighted))
 
         async def speculate(request: web.Request) -> web.Response:
             req = await body_of(request, SpeculateRequest)
@@ -716,11 +785,14 @@ class IndexService:
             return json_response({"added": added})
 
         async def health(request: web.Request) -> web.Response:
-            ok = svc.available()
-            return json_response({"status": "ok" if ok else "unavailable", "model": svc.config.model,
+            ok = svc.available() if svc.config.redis is None else await asyncio.to_thread(svc.available)
+            down = svc.engines_down()
+            status = "unavailable" if not ok else "degraded" if down else "ok"
+            return json_response({"status": status, "model": svc.config.model,
                                   "block_size": svc.config.block_size, "hash_algo": svc.config.hash_algo,
                                   "index": "redis" if svc.config.redis is not None else "memory",
-                                  "engines": len(svc.engines), "pairs": svc.pairs()}, 200 if ok else 503)
+                                  "engines": len(svc.engines), "engines_down": down, "pairs": svc.pairs()},
+                                 200 if ok else 503)
 
         async def metrics(request: web.Request) -> web.Response:
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -829,6 +901,17 @@ class _StreamCollector:
             for inst, eng in engines.items():
                 fam.add_metric([inst], getattr(eng.stream.stats, key))
             yield fam
+        fam = CounterMetricFamily("kvblock_index_replay_failures", "Replay requests that got no complete "
+                                  "answer (the engine unreachable or not answering).", labels=["engine"])
+        for inst, eng in engines.items():
+            fam.add_metric([inst], eng.replay_failures)
+        yield fam
+        fam = GaugeMetricFamily("kvblock_index_engine_up", "1: the engine's event socket is connected and its "
+                                "latest replay request was answered; 0: see /health's engines_down.",
+                                labels=["engine"])
+        for inst, eng in engines.items():
+            fam.add_metric([inst], float(eng.state() == "ok"))
+        yield fam
         fam = CounterMetricFamily("kvblock_index_malformed_frames", "ZMQ messages of the wrong shape dropped.",
                                   labels=["engine"])
         for inst, eng in engines.items():
@@ -850,6 +933,24 @@ class _StreamCollector:
         yield GaugeMetricFamily("kvblock_index_pairs", "(block, engine) pairs held.", value=svc.pairs())
         yield GaugeMetricFamily("kvblock_index_memory_bytes", "Bytes of the in-process index (with Redis: "
                                 "the writer's mirror).", value=svc.memory_bytes())
+        if svc.config.redis is None:
+            pairs, nodes, sweeps = svc.evicted()
+            yield CounterMetricFamily("kvblock_index_evicted_pairs", "(block, engine) pairs the memory cap "
+                                      "(--max-pairs) evicted: the index under-reports them until the engines "
+                                      "store them again.", value=pairs)
+            yield CounterMetricFamily("kvblock_index_evicted_blocks", "Blocks (with all their holders) the "
+                                      "memory cap evicted.", value=nodes)
+            yield CounterMetricFamily("kvblock_index_evictions", "Batches after which the memory cap evicted.",
+                                      value=sweeps)
+            if svc.config.max_pairs is not None:
+                yield GaugeMetricFamily("kvblock_index_max_pairs", "The memory cap in (block, engine) pairs.",
+                                        value=svc.config.max_pairs)
+        if svc.tier_weights is not None:
+            fam = GaugeMetricFamily("kvblock_index_tier_weight", "Each medium's weight in /score's \"weighted\" "
+                                    "(--tier-weight).", labels=["medium"])
+            for m, w in svc.tier_weights.items():
+                fam.add_metric(["" if m is None else m], w)
+            yield fam
         if svc.speculative:
             st = svc.index.stats
             fam = CounterMetricFamily("kvblock_index_speculative_blocks", "Speculative entries (blocks) by "
@@ -884,8 +985,7 @@ class ServiceThread:
         self._runner: Any = None
 
     def start(self) -> str:
-        from aiohttp import web
-
+        web = _web()
         started: concurrent.futures.Future[str] = concurrent.futures.Future()
         loop = asyncio.new_event_loop()
         self._loop = loop
@@ -934,18 +1034,57 @@ class ServiceThread:
         self.close()
 
 
-def serve(config: ServiceConfig, engines: Sequence[EngineSpec], host: str = "127.0.0.1", port: int = 8000,
-          print_fn: Callable[..., None] | None = print) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM): what ``kvblock index serve`` runs.
+class BindError(OSError):
+    """The service's address cannot be bound (in use, not local, no permission)."""
 
-    Raises:
-        ValueError: a bad config or engine. OSError: the address cannot be bound.
-    """
+
+def _web() -> Any:
+    """aiohttp's ``web``, or ModuleNotFoundError with the install hint."""
+    require("aiohttp", package="aiohttp", extra="cluster", what="kvblock index serve")
     from aiohttp import web
 
+    return web
+
+
+def serve(config: ServiceConfig, engines: Sequence[EngineSpec], host: str = "127.0.0.1", port: int = 8000,
+          print_fn: Callable[..., None] | None = print) -> None:
+    """Serve until interrupted: what ``kvblock index serve`` runs. The "serving" line is
+    printed once the socket is bound. SIGTERM returns; SIGINT raises KeyboardInterrupt
+    (after the cleanup), as everywhere in ``kvblock``.
+
+    Raises:
+        ValueError: a bad config or engine. BindError: the address cannot be bound.
+        ModuleNotFoundError: a ``cluster`` extra's package is missing (the message says
+        what to install). KeyboardInterrupt: SIGINT.
+    """
+    import signal
+
+    web = _web()
     svc = IndexService(config, engines)
-    if print_fn is not None:
-        print_fn(f"kvblock index serve: starting: model {config.model or '(any)'}, block size {config.block_size}, "
-                 f"{config.hash_algo}, index {'redis ' + config.redis if config.redis else 'in process'}, "
-                 f"{len(svc.engines)} engine(s); http://{host}:{port}", flush=True)
-    web.run_app(svc.app(), host=host, port=port, print=None, access_log=None)
+    # Redis is checked now: an unreachable one is logged (one warning line) and named in the
+    # serving line; the service serves anyway (it keeps the index in memory and writes it
+    # when Redis answers), with /health 503 until then, so a readiness probe holds traffic.
+    reachable = config.redis is None or svc.available()
+
+    async def run() -> None:
+        runner = web.AppRunner(svc.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            try:
+                site = web.TCPSite(runner, host, port)
+                await site.start()
+            except OSError as e:
+                raise BindError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            bound = runner.addresses[0][:2] if runner.addresses else (host, port)
+            if print_fn is not None:
+                print_fn(f"kvblock index serve: serving on http://{bound[0]}:{bound[1]}: model "
+                         f"{config.model or '(any)'}, block size {config.block_size}, {config.hash_algo}, index "
+                         f"{'in process' if not config.redis else 'redis ' + config.redis + ('' if reachable else ' (not answering: /health 503 until it does)')}, "
+                         f"{len(svc.engines)} engine(s)", flush=True)
+            stop = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(run())

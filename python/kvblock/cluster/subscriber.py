@@ -39,6 +39,37 @@ class _Engine:
     disconnected: bool = False
     last_sync: float = 0.0
     malformed_frames: int = 0
+    ever_connected: bool = False
+    replay_failures: int = 0  # replay requests unanswered, in all
+    replay_streak: int = 0  # ... since the last answered one
+
+    def state(self) -> str:
+        """``ok``; ``never_connected`` (the event socket never connected); ``disconnected``
+        (it connected, then lost the connection); ``not_answering`` (connected, but the
+        latest replay request got no complete answer)."""
+        if not self.ever_connected:
+            return "never_connected"
+        if self.disconnected:
+            return "disconnected"
+        return "not_answering" if self.replay_streak else "ok"
+
+
+def unreachable_cause(endpoint: str, timeout_s: float) -> str:
+    """Why ``endpoint`` did not answer, as far as can be told here: a host name that does
+    not resolve, or nothing answering at the address."""
+    import socket
+
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        host = host.strip("[]")
+        if host and host != "*":
+            try:
+                socket.getaddrinfo(host, int(port) if port.isdigit() else None)
+            except (socket.gaierror, UnicodeError) as e:
+                return f"host {host!r} does not resolve ({e.strerror if isinstance(e, OSError) else e})"
+            except OSError:
+                pass
+    return f"nothing answered at {endpoint} within {timeout_s:g} s"
 
 
 class KVEventSubscriber:
@@ -137,14 +168,24 @@ class KVEventSubscriber:
                     eng.malformed_frames += 1
                     continue
                 if frames[2] == END_SEQ:
+                    if eng.replay_streak:
+                        log.warning("kvblock.cluster: %s: its replay endpoint answers again (after %d failed)",
+                                    eng.instance, eng.replay_streak)
+                        eng.replay_streak = 0
                     return out
                 out.append((int.from_bytes(frames[2], "big"), frames[3]))
         except (TimeoutError, zmq.ZMQError):
             # late answers would confuse the next replay: start over with a fresh socket. A
             # partial answer is no answer: the stream reads what the buffer lacks as a loss or
             # a restart, so it must see all of it.
-            log.warning("kvblock.cluster: %s: replay from %d got no complete answer (%d batches)",
-                        eng.instance, start, len(out))
+            eng.replay_failures += 1
+            eng.replay_streak += 1
+            n = eng.replay_streak
+            if n & (n - 1) == 0:  # logged at the 1st, 2nd, 4th, 8th ... failure in a row
+                log.warning("kvblock.cluster: %s: replay from %d got no complete answer (%d batches): %s; %d "
+                            "failed in a row (next logged at %d; kvblock_index_replay_failures counts all)",
+                            eng.instance, start, len(out),
+                            unreachable_cause(eng.replay_endpoint or "", self.replay_timeout_s), n, 2 * n)
             eng.dealer.close(linger=0)
             eng.dealer = None
             return None
@@ -170,6 +211,7 @@ class KVEventSubscriber:
                             if ev["event"] == zmq.EVENT_DISCONNECTED:
                                 eng.disconnected = True
                             elif ev["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                                eng.ever_connected = True
                                 if eng.disconnected:
                                     eng.disconnected = False
                                     log.warning("kvblock.cluster: %s: reconnected; resynchronising", eng.instance)

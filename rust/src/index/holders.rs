@@ -261,6 +261,23 @@ impl Slab {
     }
 }
 
+/// Call `f` with every instance id of the set word `set` ([`table::EMPTY`](super::table::EMPTY): none).
+pub fn for_each(set: u32, slab: &Slab, mut f: impl FnMut(u32)) {
+    if set == u32::MAX {
+        return;
+    }
+    if set & MULTI == 0 {
+        return f(set);
+    }
+    for (wi, w) in slab.slot(set & !MULTI).iter().enumerate() {
+        let mut x = *w;
+        while x != 0 {
+            f(wi as u32 * 64 + x.trailing_zeros());
+            x &= x - 1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

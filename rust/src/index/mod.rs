@@ -24,6 +24,7 @@
 //! open-addressing table kept 53-80% full; holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
+pub mod depth;
 pub mod holders;
 pub mod table;
 pub mod wire;
@@ -74,6 +75,20 @@ pub struct PrefixIndex {
     pairs: usize,
     scratch: Vec<u64>,
     stats: ApplyStats,
+    /// The memory cap: most (block, holder) pairs kept (None: no cap).
+    max_pairs: Option<usize>,
+    evicted: Evicted,
+}
+
+/// What the memory cap dropped (totals).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    /// (block, holder) pairs dropped.
+    pub pairs: usize,
+    /// Nodes (a block under one parent, on one medium, with all its holders) deleted.
+    pub nodes: usize,
+    /// Times the cap was enforced (batches that went over it, or a lowered cap).
+    pub sweeps: usize,
 }
 
 /// Media a pipelined walk handles (more fall back to the plain walk).
@@ -85,14 +100,17 @@ const PS: usize = 12;
 /// Probed nodes waiting for the walk (a power of two above `PS`).
 const RING: usize = 16;
 
-/// One medium's chain-first blocks: their table, and in front of it a filter of one
-/// saturating count per hash bucket (at least 4 buckets a node), a few hundred KB that stays
-/// in cache, so that a query whose first block no instance holds (most misses) is answered
-/// without touching the table. Exact: a zero count means no node of that bucket.
+/// One medium's chain-first blocks: their table, and in front of it a filter: one
+/// saturating count per hash bucket (4-8 buckets a node) kept for updates, and the bit
+/// "count > 0" per bucket that lookups read, one byte per first block (a fleet's 100k
+/// chains: 128 KB, which stays in the core's own cache where the counts would not), so a
+/// query whose first block no instance holds (most misses) is answered without touching
+/// the table. Exact: a clear bit means no node of that bucket.
 #[derive(Debug, Default)]
 struct Roots {
     table: Table,
     filter: Vec<u8>,
+    bits: Vec<u64>,
 }
 
 impl Roots {
@@ -104,7 +122,11 @@ impl Roots {
     /// The holder set of `key` as a chain's first block ([`table::EMPTY`]: none).
     #[inline(always)]
     fn get(&self, key: u64) -> u32 {
-        if self.filter.is_empty() || self.filter[self.bucket(key)] == 0 {
+        if self.bits.is_empty() {
+            return table::EMPTY;
+        }
+        let b = self.bucket(key);
+        if self.bits[b / 64] >> (b % 64) & 1 == 0 {
             return table::EMPTY;
         }
         self.table.get(key, ROOT_TAG).unwrap_or(table::EMPTY)
@@ -121,11 +143,17 @@ impl Roots {
         if *c != u8::MAX {
             *c = (*c as isize + delta).clamp(0, u8::MAX as isize) as u8;
         }
+        let (w, bit) = (b / 64, 1u64 << (b % 64));
+        if *c == 0 {
+            self.bits[w] &= !bit;
+        } else {
+            self.bits[w] |= bit;
+        }
     }
 
     fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> isize {
         let n = self.table.len();
-        let d = self.table.store(key, ROOT_TAG, inst, slab);
+        let d = self.table.store(key, ROOT_TAG, inst, 1, slab);
         self.count(key, self.table.len() as isize - n as isize);
         d
     }
@@ -134,10 +162,41 @@ impl Roots {
         if self.table.is_empty() {
             return 0;
         }
+        // every store of a chain's later block, and every removal, asks here: the filter
+        // answers most of them without a probe of the table
+        let b = self.bucket(key);
+        if self.bits[b / 64] >> (b % 64) & 1 == 0 {
+            return 0;
+        }
         let n = self.table.len();
         let d = self.table.remove(key, inst, slab);
         self.count(key, self.table.len() as isize - n as isize);
         d
+    }
+
+    /// [`Table::evict`] on the roots, the filter kept in step.
+    fn evict(
+        &mut self,
+        want: usize,
+        shared: bool,
+        slab: &mut Slab,
+        mut on_drop: impl FnMut(u32, &Slab),
+    ) -> table::Swept {
+        let Roots { table, filter, bits } = self;
+        let mask = filter.len().wrapping_sub(1);
+        table.evict(want, shared, slab, |key, set, slab| {
+            if !filter.is_empty() {
+                let b = table::mix(key) as usize & mask;
+                let c = &mut filter[b];
+                if *c != u8::MAX {
+                    *c -= 1;
+                    if *c == 0 {
+                        bits[b / 64] &= !(1u64 << (b % 64));
+                    }
+                }
+            }
+            on_drop(set, slab);
+        })
     }
 
     /// Room in the filter for the table's nodes (after [`Table::reserve`]).
@@ -147,7 +206,12 @@ impl Roots {
             let mut f = Vec::new();
             f.try_reserve_exact(want * 2).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
             f.resize(want * 2, 0);
+            let mut bits = Vec::new();
+            bits.try_reserve_exact(want * 2 / 64 + 1)
+                .map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            bits.resize(want * 2 / 64 + 1, 0);
             self.filter = f;
+            self.bits = bits;
             self.refilter();
         }
         Ok(())
@@ -156,13 +220,15 @@ impl Roots {
     /// Recount the filter from the table (after nodes went unseen, or a new size).
     fn refilter(&mut self) {
         self.filter.fill(0);
+        self.bits.fill(0);
         if self.filter.is_empty() {
             return;
         }
         let mask = self.filter.len() - 1;
         for n in self.table.iter() {
-            let c = &mut self.filter[table::mix(n.key) as usize & mask];
-            *c = c.saturating_add(1);
+            let b = table::mix(n.key) as usize & mask;
+            self.filter[b] = self.filter[b].saturating_add(1);
+            self.bits[b / 64] |= 1 << (b % 64);
         }
     }
 }
@@ -187,6 +253,8 @@ impl PrefixIndex {
             pairs: 0,
             scratch: Vec::new(),
             stats: ApplyStats::default(),
+            max_pairs: None,
+            evicted: Evicted::default(),
         }
     }
 
@@ -320,7 +388,12 @@ impl PrefixIndex {
             Some(m) => m,
             None => {
                 self.media.push(medium.map(str::to_owned));
-                self.tables.push(Table::default());
+                let mut t = Table::default();
+                if self.max_pairs.is_some() {
+                    // an empty table: nothing to compute, and no slot array to allocate yet
+                    let _ = t.track_depths(Some(Vec::new()), &self.slab);
+                }
+                self.tables.push(t);
                 self.roots.push(Roots::default());
                 self.media.len() - 1
             }
@@ -384,12 +457,20 @@ impl PrefixIndex {
                     let Some(m) = self.medium_id(medium) else { continue };
                     let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
                     let mut tag = parent_tag(parent);
+                    // the chain depth of the block before the first (only kept under a cap)
+                    let mut depth = match parent {
+                        None => 0,
+                        Some(_) if !table.tracks_depths() => depth::DEEP,
+                        Some(p) => Self::depth_in(roots, table, p),
+                    };
                     for &h in &batch.hashes[start..end] {
+                        depth = depth.saturating_add(1);
                         // stored under one tag: the other table loses it
                         let d = if tag == ROOT_TAG {
                             roots.store(h, id, &mut self.slab) - table.remove(h, id, &mut self.slab) as isize
                         } else {
-                            table.store(h, tag, id, &mut self.slab) - roots.remove(h, id, &mut self.slab) as isize
+                            table.store(h, tag, id, depth, &mut self.slab)
+                                - roots.remove(h, id, &mut self.slab) as isize
                         };
                         if d > 0 {
                             added += d as usize;
@@ -430,7 +511,169 @@ impl PrefixIndex {
         self.stats.removed += st.removed;
         self.stats.cleared += st.cleared;
         self.stats.skipped += st.skipped;
+        self.enforce_cap();
         Ok(st)
+    }
+
+    // -- the memory cap ----------------------------------------------------------------------
+
+    /// Keep at most `max_pairs` (block, holder) pairs (None: no cap), evicting at once if the
+    /// index holds more. See [`Self::enforce_cap`] for the policy. A cap makes the index
+    /// keep each block's chain depth (one byte a table slot, computed for the blocks it
+    /// already holds); removing the cap frees them. Fails only for memory (the cap is set
+    /// then, and evicts in the fallback order).
+    pub fn set_max_pairs(&mut self, max_pairs: Option<usize>) -> Result<()> {
+        self.max_pairs = max_pairs;
+        let r = self.track_depths(max_pairs.is_some());
+        self.enforce_cap();
+        r
+    }
+
+    /// The chain depth of `parent` (a block's parent hash) in one medium: 1 for a chain's
+    /// first block, [`depth::DEEP`] when the index does not hold it.
+    fn depth_in(roots: &Roots, table: &Table, parent: u64) -> u8 {
+        if roots.get(parent) != table::EMPTY {
+            1
+        } else {
+            table.depth_of(parent).unwrap_or(depth::DEEP)
+        }
+    }
+
+    /// Start (or stop) keeping chain depths. Starting computes the depth of every block
+    /// held: a breadth-first walk per medium from the chains' first blocks through the
+    /// nodes whose parent tag is the tag of a block reached (a block reached twice keeps
+    /// the smaller depth; one never reached is an orphan, [`depth::DEEP`]).
+    fn track_depths(&mut self, on: bool) -> Result<()> {
+        for m in 0..self.tables.len() {
+            if !on {
+                self.tables[m].track_depths(None, &self.slab)?;
+                continue;
+            }
+            if self.tables[m].tracks_depths() {
+                continue;
+            }
+            let table = &self.tables[m];
+            let mut children: HashMap<u32, Vec<usize>> = HashMap::new();
+            let mut depths = Vec::new();
+            for (i, n) in table.slot_nodes().enumerate() {
+                depths.push(0u8);
+                if let Some(n) = n {
+                    children.entry(n.tag).or_default().push(i);
+                }
+            }
+            let mut frontier: Vec<u32> = self.roots[m].table.iter().map(|n| parent_tag(Some(n.key))).collect();
+            let mut d = 1u8;
+            let keys: Vec<u64> = table.slot_nodes().map(|n| n.map_or(0, |n| n.key)).collect();
+            while !frontier.is_empty() {
+                d = d.saturating_add(1);
+                let mut next = Vec::new();
+                for t in frontier {
+                    for &i in children.get(&t).map_or(&[][..], Vec::as_slice) {
+                        if depths[i] == 0 {
+                            depths[i] = d;
+                            next.push(parent_tag(Some(keys[i])));
+                        }
+                    }
+                }
+                frontier = next;
+            }
+            for (x, n) in depths.iter_mut().zip(table.slot_nodes()) {
+                if n.is_some() && *x == 0 {
+                    *x = depth::DEEP;
+                }
+            }
+            self.tables[m].track_depths(Some(depths), &self.slab)?;
+        }
+        Ok(())
+    }
+
+    pub fn max_pairs(&self) -> Option<usize> {
+        self.max_pairs
+    }
+
+    /// What the cap dropped so far.
+    pub fn evicted(&self) -> Evicted {
+        self.evicted
+    }
+
+    /// Evict down to the cap. The policy keeps what routing can use: a lookup walks a chain
+    /// from its first block and stops at the first block missing, so a block is only worth
+    /// keeping if its chain's earlier blocks are kept too. So:
+    /// 1. the deepest blocks go first, across media: the cap finds (from the per-depth
+    ///    counts) the depth `D` it must cut at, and drops every block deeper than `D`
+    ///    and, at depth `D`, blocks from the clock hand on (an arbitrary order, shared out
+    ///    among media by their counts at `D`). Each chain keeps its head, the first `D - 1`
+    ///    (or `D`) blocks, and a chain's head is what tells the router where the rest is.
+    ///    Orphans (a block whose parent the index does not hold: unreachable) and blocks
+    ///    over 254 deep count as deepest. Chains' first blocks come after all the others:
+    /// 2. first blocks held by one instance, then shared first blocks (clock order).
+    ///
+    /// When over the cap, it evicts down to 1/64 below it (a low-water mark), so finding the
+    /// deepest blocks (a scan of the one-byte depths from the hand) is paid once per many
+    /// evicted pairs. A whole node goes at once. The index then under-reports those blocks
+    /// until their engines store them again; it never over-reports: nothing is added.
+    fn enforce_cap(&mut self) {
+        let Some(cap) = self.max_pairs else { return };
+        if self.pairs <= cap {
+            return;
+        }
+        let before = self.pairs;
+        let low = cap - cap / 64;
+        let PrefixIndex { tables, roots, slab, instances, pairs, evicted, .. } = self;
+        let mut forget = |set: u32, slab: &Slab| {
+            holders::for_each(set, slab, |id| {
+                if let Some(Some(inst)) = instances.get_mut(id as usize) {
+                    inst.pairs = inst.pairs.saturating_sub(1);
+                }
+            })
+        };
+        let mut account = |sw: table::Swept, pairs: &mut usize| {
+            *pairs -= sw.pairs;
+            evicted.pairs += sw.pairs;
+            evicted.nodes += sw.nodes;
+        };
+        // 1. deepest first: the cut depth from the per-depth pair counts
+        let want = *pairs - low;
+        let at = |d: u8| tables.iter().map(|t| t.pairs_at_depth(d)).sum::<usize>();
+        let (mut cut, mut deeper) = (depth::DEEP, 0usize);
+        while cut > 2 && deeper + at(cut) < want {
+            deeper += at(cut);
+            cut -= 1;
+        }
+        let at_cut = at(cut);
+        let need = want.saturating_sub(deeper);
+        for t in tables.iter_mut().filter(|t| t.tracks_depths()) {
+            // this medium's share of the blocks at the cut (rounded up)
+            let mine = t.pairs_at_depth(cut);
+            let mut budget = if at_cut == 0 { 0 } else { (need * mine).div_ceil(at_cut) };
+            let sw = t.evict_deep(cut, &mut budget, slab, |_, set, slab| forget(set, slab));
+            account(sw, pairs);
+        }
+        // (a fallback: what a table not tracking depths, after a failed allocation, holds)
+        // 2. chains' first blocks, held by one instance, then shared
+        const CHUNK: usize = 256;
+        for step in 0..4 {
+            let (root, shared) = (step >= 2, step % 2 == 1);
+            let mut done = vec![false; tables.len()];
+            while *pairs > cap && done.iter().any(|d| !d) {
+                for m in 0..tables.len() {
+                    if done[m] || *pairs <= cap {
+                        continue;
+                    }
+                    let want = (*pairs - low).min(CHUNK);
+                    let sw = if root {
+                        roots[m].evict(want, shared, slab, &mut forget)
+                    } else {
+                        tables[m].evict(want, shared, slab, |_, set, slab| forget(set, slab))
+                    };
+                    account(sw, pairs);
+                    done[m] = sw.exhausted;
+                }
+            }
+        }
+        if *pairs < before {
+            evicted.sweeps += 1;
+        }
     }
 
     /// Totals over every batch applied.
@@ -475,28 +718,98 @@ impl PrefixIndex {
     pub fn match_dense(&self, hashes: &[u64], medium: Option<Option<&str>>, out: &mut Vec<u32>) {
         out.clear();
         out.resize(self.instances.len(), 0);
-        let (tables, roots): (&[Table], &[Roots]) = match medium {
-            None => (&self.tables, &self.roots),
-            Some(m) => match self.medium_id(m) {
-                Some(i) => (std::slice::from_ref(&self.tables[i]), std::slice::from_ref(&self.roots[i])),
-                None => return,
-            },
-        };
-        if hashes.is_empty() || tables.is_empty() {
+        match medium {
+            None => self.walk_media(hashes, |_| true, out),
+            Some(m) => {
+                if let Some(i) = self.medium_id(m) {
+                    self.walk_media(hashes, |x| x == i, out)
+                }
+            }
+        }
+    }
+
+    /// The walk over the media `keep` accepts (into `out`, zeroed, `id_bound` long).
+    fn walk_media(&self, hashes: &[u64], keep: impl Fn(usize) -> bool, out: &mut [u32]) {
+        let n = (0..self.tables.len()).filter(|&m| keep(m)).count();
+        if hashes.is_empty() || n == 0 {
             return;
         }
         let w = self.slab.words();
-        if tables.len() > MAX_MEDIA {
-            return self.walk_words(hashes, roots, tables, w, out);
+        if n > MAX_MEDIA || w > 16 {
+            let tables: Vec<&Table> = (0..self.tables.len()).filter(|&m| keep(m)).map(|m| &self.tables[m]).collect();
+            let roots: Vec<&Roots> = (0..self.roots.len()).filter(|&m| keep(m)).map(|m| &self.roots[m]).collect();
+            return self.walk_words(hashes, &roots, &tables, w, out);
         }
+        let first = (0..self.tables.len()).find(|&m| keep(m)).unwrap_or(0);
+        let mut tables: [&Table; MAX_MEDIA] = [&self.tables[first]; MAX_MEDIA];
+        let mut roots: [&Roots; MAX_MEDIA] = [&self.roots[first]; MAX_MEDIA];
+        let mut k = 0;
+        for m in (0..self.tables.len()).filter(|&m| keep(m)) {
+            tables[k] = &self.tables[m];
+            roots[k] = &self.roots[m];
+            k += 1;
+        }
+        let (tables, roots) = (&tables[..k], &roots[..k]);
         match w {
             1 => self.walk::<1>(hashes, roots, tables, out),
             2 => self.walk::<2>(hashes, roots, tables, out),
             3 | 4 => self.walk::<4>(hashes, roots, tables, out),
             5..=8 => self.walk::<8>(hashes, roots, tables, out),
-            9..=16 => self.walk::<16>(hashes, roots, tables, out),
-            _ => self.walk_words(hashes, roots, tables, w, out),
+            _ => self.walk::<16>(hashes, roots, tables, out),
         }
+    }
+
+    /// Tier-weighted cached prefixes: a block on the GPU is worth more to a request than one
+    /// on host memory or disk. `weights` gives each medium's weight (a finite number >= 0;
+    /// a medium not named weighs 0). With the distinct positive weights `w1 > w2 > ...`,
+    /// `L_k` is instance `i`'s prefix over the media weighing at least `w_k`, and its credit
+    /// is `w1 * L_1 + w2 * (L_2 - L_1) + ...`: the prefix on the best tier at its weight,
+    /// what the next tier extends it by at the next weight, and so on. A block held on two
+    /// tiers counts at the better one's weight whenever the better tier's prefix reaches it,
+    /// so the credit never exceeds the per-block best weight (it may be lower: an exact
+    /// lower bound, as the index's answers are). `out[id]` gets the credit (in blocks),
+    /// `depth[id]` the prefix over every positively weighted medium (`L_last`).
+    pub fn match_weighted(
+        &self,
+        hashes: &[u64],
+        weights: &[(Option<&str>, f64)],
+        out: &mut Vec<f64>,
+        depth: &mut Vec<u32>,
+    ) -> Result<()> {
+        for (m, w) in weights {
+            if !w.is_finite() || *w < 0.0 {
+                return Err(Error::value(
+                    "weights",
+                    format!(
+                        "the weight of medium {} must be a finite number >= 0, got {w}",
+                        m.map_or("None".into(), |x| format!("{x:?}"))
+                    ),
+                ));
+            }
+        }
+        let n = self.instances.len();
+        out.clear();
+        out.resize(n, 0.0);
+        depth.clear();
+        depth.resize(n, 0);
+        let w_of: Vec<f64> = self
+            .media
+            .iter()
+            .map(|m| weights.iter().rev().find(|(x, _)| *x == m.as_deref()).map_or(0.0, |(_, w)| *w))
+            .collect();
+        let mut tiers: Vec<f64> = w_of.iter().copied().filter(|w| *w > 0.0).collect();
+        tiers.sort_by(|a, b| b.total_cmp(a));
+        tiers.dedup();
+        let mut cur = vec![0u32; n];
+        for t in tiers {
+            cur.fill(0);
+            self.walk_media(hashes, |m| w_of[m] >= t, &mut cur);
+            for ((o, d), c) in out.iter_mut().zip(depth.iter_mut()).zip(&cur) {
+                *o += t * c.saturating_sub(*d) as f64;
+                *d = *c;
+            }
+        }
+        Ok(())
     }
 
     /// The holders of one block (its set words in each table, [`table::EMPTY`] for none) as a
@@ -524,7 +837,7 @@ impl PrefixIndex {
     /// slot is requested [`PF`] blocks before the walk reaches it, its node read (and a shared
     /// holder set's bitset requested) [`PS`] blocks before; the walk itself then finds both in
     /// cache. Nothing allocated; stops at the first block no instance still matching holds.
-    fn walk<const W: usize>(&self, hashes: &[u64], roots: &[Roots], tables: &[Table], out: &mut [u32]) {
+    fn walk<const W: usize>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut [u32]) {
         let n = hashes.len();
         let nt = tables.len();
         let mut ring = [[table::EMPTY; MAX_MEDIA]; RING];
@@ -584,7 +897,7 @@ impl PrefixIndex {
         mark(&alive, out, i as u32);
     }
 
-    fn walk_words(&self, hashes: &[u64], roots: &[Roots], tables: &[Table], w: usize, out: &mut [u32]) {
+    fn walk_words(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut [u32]) {
         let fill = |acc: &mut [u64], key: u64, tag: u32| {
             acc.fill(0);
             if tag == ROOT_TAG {
@@ -656,7 +969,7 @@ impl PrefixIndex {
     /// control bytes are counted as one byte a bucket).
     pub fn memory_bytes(&self) -> usize {
         self.tables.iter().chain(self.roots.iter().map(|r| &r.table)).map(Table::allocation_size).sum::<usize>()
-            + self.roots.iter().map(|r| r.filter.capacity()).sum::<usize>()
+            + self.roots.iter().map(|r| r.filter.capacity() + r.bits.capacity() * 8).sum::<usize>()
             + self.slab.allocation_size()
             + self.registry_bytes()
     }
@@ -845,6 +1158,206 @@ mod tests {
                         assert_eq!(got, want, "instances {ninst}, family {qi}, medium {mi:?}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn tier_weights_credit_the_best_tier_first() {
+        let mut ix = PrefixIndex::new(None, 0);
+        let q: Vec<u64> = (1..=8).collect();
+        ix.store("a", &q[..4], None, Some("GPU")).unwrap();
+        ix.store("a", &q[4..], Some(4), Some("CPU")).unwrap();
+        ix.store("b", &q, None, Some("CPU")).unwrap();
+        ix.store("c", &q[..2], None, Some("GPU")).unwrap();
+        ix.store("c", &q, None, Some("disk")).unwrap();
+        let w = [(Some("GPU"), 1.0), (Some("CPU"), 0.75), (Some("disk"), 0.25)];
+        let (mut out, mut depth) = (Vec::new(), Vec::new());
+        ix.match_weighted(&q, &w, &mut out, &mut depth).unwrap();
+        let id = |n: &str| ix.instance_id(n).unwrap() as usize;
+        assert_eq!((out[id("a")], depth[id("a")]), (4.0 + 0.75 * 4.0, 8));
+        assert_eq!((out[id("b")], depth[id("b")]), (0.75 * 8.0, 8));
+        assert_eq!((out[id("c")], depth[id("c")]), (2.0 + 0.25 * 6.0, 8));
+        // a medium weighing 0 (or not named) is not counted at all
+        ix.match_weighted(&q, &[(Some("GPU"), 1.0)], &mut out, &mut depth).unwrap();
+        assert_eq!((out[id("a")], depth[id("a")], out[id("b")], depth[id("c")]), (4.0, 4, 0.0, 2));
+        // equal weights are one tier: the prefix over both media
+        ix.match_weighted(&q, &[(Some("GPU"), 1.0), (Some("CPU"), 1.0)], &mut out, &mut depth).unwrap();
+        assert_eq!(out[id("a")], 8.0);
+        for bad in [f64::NAN, -1.0, f64::INFINITY] {
+            assert!(ix.match_weighted(&q, &[(Some("GPU"), bad)], &mut out, &mut depth).is_err());
+        }
+    }
+
+    #[test]
+    fn cap_drops_private_tails_before_shared_prefixes() {
+        let mut ix = PrefixIndex::new(None, 0);
+        let shared: Vec<u64> = (1..=10).collect();
+        for (n, base) in [("a", 100u64), ("b", 200)] {
+            ix.store(n, &shared, None, Some("GPU")).unwrap();
+            let tail: Vec<u64> = (base..base + 10).collect();
+            ix.store(n, &tail, Some(10), Some("GPU")).unwrap();
+        }
+        assert_eq!(ix.num_pairs(), 40);
+        ix.set_max_pairs(Some(25)).unwrap();
+        assert_eq!(ix.num_pairs(), 25);
+        let ev = ix.evicted();
+        assert_eq!((ev.pairs, ev.nodes, ev.sweeps), (15, 15, 1));
+        let (a, b) = (ix.instance_id("a").unwrap(), ix.instance_id("b").unwrap());
+        assert_eq!(ix.match_prefix(&shared, None), vec![(a, 10), (b, 10)]);
+        assert_eq!(ix.instance_pairs("a").unwrap() + ix.instance_pairs("b").unwrap(), 25);
+        // the cap holds as more arrives; the deepest blocks go first, whoever holds them:
+        // the tails' last 5 pairs, then the shared prefix's 10th block, not c's chain
+        let c_chain = [500, 501, 502, 503, 504, 505];
+        ix.store("c", &c_chain, None, Some("GPU")).unwrap();
+        assert_eq!(ix.num_pairs(), 24);
+        assert_eq!(ix.match_prefix(&shared, None), vec![(a, 9), (b, 9)]);
+        let c = ix.instance_id("c").unwrap();
+        assert_eq!(ix.match_prefix(&c_chain, None), vec![(c, 6)]);
+        // a whole node goes at once: a shared one may take the index a pair below the cap
+        ix.set_max_pairs(Some(4)).unwrap();
+        assert!((3..=4).contains(&ix.num_pairs()));
+        ix.set_max_pairs(Some(0)).unwrap();
+        assert_eq!((ix.num_pairs(), ix.num_nodes()), (0, 0));
+        assert_eq!(ix.evicted().pairs, 40 + 6);
+    }
+
+    /// Chains of many lengths, some sharing a prefix, on several instances and two media:
+    /// a cap keeps every chain's head. With `D` the deepest block kept, every chain still
+    /// answers `min(its length, D - 1)` blocks at least (and never more than it holds), both
+    /// when the cap is set on a full index (depths computed then) and when it holds as the
+    /// chains arrive (depths kept on the way).
+    #[test]
+    fn cap_keeps_every_chains_head() {
+        let mut x = 0x51ed_2701u64;
+        let mut rnd = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        let prefix: Vec<u64> = (1..=8).map(|b| (99 << 32) + b).collect();
+        let mut chains: Vec<(String, Option<&str>, Vec<u64>)> = Vec::new();
+        for c in 0..60u64 {
+            let mut ch = if c % 3 == 0 { prefix.clone() } else { Vec::new() };
+            ch.extend((0..1 + rnd(40)).map(|b| (c << 32) + b + 1));
+            let medium = if c % 4 == 0 { Some("CPU") } else { Some("GPU") };
+            chains.push((format!("i{}", rnd(5)), medium, ch));
+        }
+        let total: usize = chains.iter().map(|c| c.2.len()).sum();
+        for cap in [total / 2, total / 5, 60] {
+            for upfront in [false, true] {
+                let mut ix = PrefixIndex::new(None, 0);
+                if !upfront {
+                    ix.set_max_pairs(Some(cap)).unwrap();
+                }
+                for (name, medium, ch) in &chains {
+                    // in pieces, each under its parent, as an engine's steps store them
+                    let cut = ch.len() / 2;
+                    ix.store(name, &ch[..cut.max(1)], None, *medium).unwrap();
+                    if cut.max(1) < ch.len() {
+                        ix.store(name, &ch[cut.max(1)..], Some(ch[cut.max(1) - 1]), *medium).unwrap();
+                    }
+                }
+                if upfront {
+                    ix.set_max_pairs(Some(cap)).unwrap();
+                }
+                assert!(ix.num_pairs() <= cap && ix.evicted().pairs > 0);
+                let deepest = chains
+                    .iter()
+                    .map(|(_, m, ch)| ix.match_prefix(ch, Some(*m)).first().map_or(0, |x| x.1))
+                    .max()
+                    .unwrap();
+                for (name, m, ch) in &chains {
+                    let id = ix.instance_id(name).unwrap();
+                    let got = ix.match_prefix(ch, Some(*m)).iter().find(|x| x.0 == id).map_or(0, |x| x.1);
+                    assert!(got <= ch.len());
+                    assert!(
+                        got >= ch.len().min(deepest - 1),
+                        "cap {cap}, upfront {upfront}: {got} of {} blocks kept, deepest {deepest}",
+                        ch.len()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Under a cap, random stores and removals over several instances and two media: every
+    /// pair the index keeps is one its instance holds (no over-report), the pairs stay under
+    /// the cap, and what is missing is exactly what the eviction counter counted and the
+    /// events did not remove since.
+    #[test]
+    fn cap_is_exact_and_counted() {
+        use std::collections::HashMap as Map;
+        let mut x = 0x9e37_79b9u64;
+        let mut rnd = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        let media = [Some("GPU"), Some("CPU")];
+        for cap in [0usize, 7, 60, 400] {
+            let mut ix = PrefixIndex::new(None, 0);
+            ix.set_max_pairs(Some(cap)).unwrap();
+            let fams: Vec<Vec<u64>> =
+                (0..8).map(|f| (0..1 + rnd(40)).map(|b| (f << 32) + b * 31 + 1).collect()).collect();
+            // the truth: (medium, instance, hash) -> parent tag
+            let mut held: Map<(usize, u64, u64), u32> = Map::new();
+            for _ in 0..1500 {
+                let inst = rnd(5);
+                let name = format!("i{inst}");
+                let m = rnd(2) as usize;
+                let fam = &fams[rnd(fams.len() as u64) as usize];
+                let b = 1 + rnd(fam.len() as u64) as usize;
+                let truth_before = held.len();
+                let (mut gained, mut lost) = (0usize, 0usize);
+                if rnd(4) > 0 {
+                    ix.store(&name, &fam[..b], None, media[m]).unwrap();
+                    let mut tag = ROOT_TAG;
+                    for &h in &fam[..b] {
+                        gained += usize::from(held.insert((m, inst, h), tag).is_none());
+                        tag = parent_tag(Some(h));
+                    }
+                } else {
+                    ix.remove(&name, &fam[..b], media[m]).unwrap();
+                    for h in &fam[..b] {
+                        lost += usize::from(held.remove(&(m, inst, *h)).is_some());
+                    }
+                }
+                assert_eq!(held.len(), truth_before + gained - lost);
+                assert!(ix.num_pairs() <= cap, "cap {cap}: {} pairs", ix.num_pairs());
+                // every pair held but missing from the index was evicted (and counted)
+                assert!(held.len() >= ix.num_pairs());
+                assert!(held.len() - ix.num_pairs() <= ix.evicted().pairs);
+                // no over-report: every pair kept is held, under the parent the truth has
+                let mut kept = 0;
+                for (mi, med) in media.iter().enumerate() {
+                    for i in 0..5u64 {
+                        let n = format!("i{i}");
+                        if ix.instance_id(&n).is_none() {
+                            continue;
+                        }
+                        let blocks = ix.blocks_of(&n, *med).unwrap();
+                        for (h, tag) in &blocks {
+                            assert_eq!(held.get(&(mi, i, *h)), Some(tag), "cap {cap}: i{i} over-reports {h}");
+                        }
+                        kept += blocks.len();
+                    }
+                }
+                assert_eq!(kept, ix.num_pairs());
+                let per: usize = (0..5).filter_map(|i| ix.instance_pairs(&format!("i{i}")).ok()).sum();
+                assert_eq!(per, ix.num_pairs());
+                // and lookups never claim more than the truth's prefix
+                for fam in &fams {
+                    for (id, k) in ix.match_prefix(fam, None) {
+                        let inst: u64 = ix.instance_name(id).unwrap()[1..].parse().unwrap();
+                        let mut tag = ROOT_TAG;
+                        for &h in &fam[..k] {
+                            assert!((0..2).any(|m| held.get(&(m, inst, h)) == Some(&tag)));
+                            tag = parent_tag(Some(h));
+                        }
+                    }
+                }
+            }
+            if cap < 60 {
+                assert!(ix.evicted().pairs > 0, "cap {cap}: the workload overflows it");
             }
         }
     }

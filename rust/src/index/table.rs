@@ -13,6 +13,7 @@
 //! tombstones). Past 65,536 slots the load stays between about 53% and 80%: 20-30 bytes per
 //! block, where a power-of-two SwissTable swings between 19 and 39.
 
+use super::depth::Depths;
 use super::holders::Slab;
 use crate::error::{Error, Result};
 
@@ -89,6 +90,23 @@ pub struct Table {
     /// scans for a hash go to the end of its run. Never set by vLLM's own streams, whose
     /// scans stop at the hash's node.
     dups: bool,
+    /// The eviction clock's hand: the slot a capped index's next eviction sweep starts at.
+    hand: usize,
+    /// Chain depths, kept only while the index is capped (empty otherwise): `depth[i]` for
+    /// slot `i` (0: a free slot), and the (block, holder) pairs at each depth. See
+    /// [`super::depth`].
+    depth: Depths,
+}
+
+/// What one eviction sweep of a table did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Swept {
+    /// (block, holder) pairs dropped.
+    pub pairs: usize,
+    /// Nodes deleted.
+    pub nodes: usize,
+    /// The hand went once round the table: no more eligible node in it.
+    pub exhausted: bool,
 }
 
 impl Table {
@@ -102,7 +120,7 @@ impl Table {
     }
 
     pub fn allocation_size(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Node>()
+        self.slots.capacity() * std::mem::size_of::<Node>() + self.depth.allocation_size()
     }
 
     #[inline(always)]
@@ -129,21 +147,23 @@ impl Table {
         let mut slots = Vec::new();
         slots.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
         huge_pages(slots.as_ptr() as usize, cap * std::mem::size_of::<Node>());
+        let old_depth = self.depth.resized(cap)?;
         slots.resize(cap, FREE);
         let old = std::mem::replace(&mut self.slots, slots);
-        for n in old.into_iter().filter(|n| n.set != EMPTY) {
-            self.place(n);
+        for (j, n) in old.into_iter().enumerate().filter(|(_, n)| n.set != EMPTY) {
+            self.place(n, old_depth.get(j).copied().unwrap_or(0));
         }
         Ok(())
     }
 
-    /// Put `n` in the first free slot from its home (room must exist).
-    fn place(&mut self, n: Node) {
+    /// Put `n` (at chain depth `d`) in the first free slot from its home (room must exist).
+    fn place(&mut self, n: Node, d: u8) {
         let mut i = self.home(n.key);
         while self.slots[i].set != EMPTY {
             i = self.next(i);
         }
         self.slots[i] = n;
+        self.depth.put(i, d);
     }
 
     /// Make room for `n` more nodes.
@@ -206,19 +226,22 @@ impl Table {
             let dist_hole = (j + cap - i) % cap;
             if dist_home >= dist_hole {
                 self.slots[i] = self.slots[j];
+                self.depth.shift(j, i);
                 i = j;
             }
             j = self.next(j);
         }
         self.slots[i] = FREE;
+        self.depth.put(i, 0);
         self.len -= 1;
     }
 
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
     /// number of (block, holder) pairs: +1 if new, 0 if it already held it, and one less per
-    /// other tag it is dropped from. Room must be reserved first ([`Table::reserve`],
-    /// [`Slab::reserve`]).
-    pub fn store(&mut self, key: u64, tag: u32, inst: u32, slab: &mut Slab) -> isize {
+    /// other tag it is dropped from. `depth` is the block's chain depth (kept only while the
+    /// index tracks depths; a node keeps the smallest depth it was stored at). Room must be
+    /// reserved first ([`Table::reserve`], [`Slab::reserve`]).
+    pub fn store(&mut self, key: u64, tag: u32, inst: u32, depth: u8, slab: &mut Slab) -> isize {
         let mut delta = 0isize;
         let mut found = false;
         let mut emptied = false;
@@ -235,6 +258,10 @@ impl Table {
                     let (set, added) = slab.insert(n.set, inst);
                     n.set = set;
                     delta += added as isize;
+                    if self.depth.on() {
+                        let pairs = slab.count(set);
+                        self.depth.restore(i, depth, pairs, added as usize);
+                    }
                     if !self.dups {
                         // the only node of this hash
                         return delta;
@@ -242,6 +269,7 @@ impl Table {
                 } else {
                     let (set, held) = slab.remove(n.set, inst);
                     delta -= held as isize;
+                    self.depth.lose(i, held as usize);
                     match set {
                         Some(s) => {
                             n.set = s;
@@ -256,6 +284,8 @@ impl Table {
         if !found {
             // the free slot that ended the run (reserve guarantees one)
             self.slots[i] = Node { key, tag, set: inst };
+            self.depth.put(i, depth);
+            self.depth.gain(i, 1);
             self.len += 1;
             delta += 1;
             if other_kept {
@@ -305,6 +335,7 @@ impl Table {
             if n.key == key {
                 let (set, held) = slab.remove(n.set, inst);
                 removed += held as usize;
+                self.depth.lose(i, held as usize);
                 match set {
                     Some(s) => n.set = s,
                     None => {
@@ -328,13 +359,160 @@ impl Table {
         removed
     }
 
+    /// The eviction clock: from the hand on, delete whole nodes (every holder of the block)
+    /// until `want` pairs are dropped or the hand has gone once round; nodes held by more
+    /// than one instance are skipped unless `shared`. `on_drop(key, set, slab)` sees each
+    /// deleted node before its holder set is released. Deleting only ever makes the index
+    /// under-report (a lookup stops at the missing block), never over-report.
+    pub fn evict(
+        &mut self,
+        want: usize,
+        shared: bool,
+        slab: &mut Slab,
+        mut on_drop: impl FnMut(u64, u32, &Slab),
+    ) -> Swept {
+        let cap = self.slots.len();
+        let mut out = Swept::default();
+        if cap == 0 || self.len == 0 {
+            out.exhausted = true;
+            return out;
+        }
+        let mut i = self.hand % cap;
+        let mut seen = 0;
+        while out.pairs < want {
+            if seen >= cap || self.len == 0 {
+                out.exhausted = true;
+                break;
+            }
+            let n = self.slots[i];
+            if n.set != EMPTY && (shared || n.set & super::holders::MULTI == 0) {
+                out.pairs += slab.count(n.set);
+                out.nodes += 1;
+                on_drop(n.key, n.set, slab);
+                slab.drop_set(n.set);
+                // slot i now holds a node shifted back into it (or nothing): look again
+                self.delete_at(i);
+                continue;
+            }
+            i = self.next(i);
+            seen += 1;
+        }
+        self.hand = i;
+        out
+    }
+
+    /// Keep chain depths (`depths`: a depth per slot, from [`Self::slot_nodes`]' order) or
+    /// stop (None). Fails only for memory, tracking nothing then.
+    pub fn track_depths(&mut self, depths: Option<Vec<u8>>, slab: &Slab) -> Result<()> {
+        let Some(d) = depths else { return self.depth.track(None) };
+        if let Err(e) = self.depth.track(Some(self.slots.len())) {
+            self.depth.track(None)?;
+            return Err(e);
+        }
+        for (i, x) in d.into_iter().enumerate().take(self.slots.len()) {
+            if self.slots[i].set != EMPTY {
+                self.depth.put(i, x);
+            }
+        }
+        let slots = &self.slots;
+        self.depth.recount(|i| (slots[i].set != EMPTY).then(|| slab.count(slots[i].set)));
+        Ok(())
+    }
+
+    /// Tracking chain depths?
+    pub fn tracks_depths(&self) -> bool {
+        self.depth.on()
+    }
+
+    /// Every slot's node (None: free), in slot order.
+    pub fn slot_nodes(&self) -> impl Iterator<Item = Option<&Node>> {
+        self.slots.iter().map(|n| (n.set != EMPTY).then_some(n))
+    }
+
+    /// The smallest depth of a node of `key` (under any parent), if the table has one and
+    /// tracks depths.
+    pub fn depth_of(&self, key: u64) -> Option<u8> {
+        if !self.depth.on() || self.slots.is_empty() {
+            return None;
+        }
+        let mut best = None;
+        let mut i = self.home(key);
+        while self.slots[i].set != EMPTY {
+            if self.slots[i].key == key {
+                let d = self.depth.at(i);
+                best = Some(best.map_or(d, |b: u8| b.min(d)));
+                if !self.dups {
+                    break;
+                }
+            }
+            i = self.next(i);
+        }
+        best
+    }
+
+    /// (block, holder) pairs at chain depth `d` (0 when not tracking depths).
+    pub fn pairs_at_depth(&self, d: u8) -> usize {
+        self.depth.pairs_at(d)
+    }
+
+    /// The depth-ordered eviction (the table tracks depths): from the hand on, delete every
+    /// node deeper than `cut`, and nodes at depth `cut` while `budget` (pairs) lasts, taking
+    /// it down by each one's holders; stops when both are done or the hand has gone once
+    /// round. `on_drop(key, set, slab)` sees each deleted node before its set is released.
+    pub fn evict_deep(
+        &mut self,
+        cut: u8,
+        budget: &mut usize,
+        slab: &mut Slab,
+        mut on_drop: impl FnMut(u64, u32, &Slab),
+    ) -> Swept {
+        let cap = self.slots.len();
+        let mut out = Swept::default();
+        let mut deeper: usize = (cut as usize + 1..256).map(|d| self.depth.pairs_at(d as u8)).sum();
+        if cap == 0 || self.len == 0 || !self.depth.on() {
+            out.exhausted = true;
+            return out;
+        }
+        let mut i = self.hand % cap;
+        let mut seen = 0;
+        while deeper > 0 || (*budget > 0 && self.depth.pairs_at(cut) > 0) {
+            if seen >= cap || self.len == 0 {
+                out.exhausted = true;
+                break;
+            }
+            let d = self.depth.slots()[i];
+            // free slots are depth 0, never at or past a cut (>= 2)
+            if d > cut || (d == cut && *budget > 0) {
+                let n = self.slots[i];
+                let pairs = slab.count(n.set);
+                if d > cut {
+                    deeper = deeper.saturating_sub(pairs);
+                } else {
+                    *budget = budget.saturating_sub(pairs);
+                }
+                self.depth.lose(i, pairs);
+                out.pairs += pairs;
+                out.nodes += 1;
+                on_drop(n.key, n.set, slab);
+                slab.drop_set(n.set);
+                self.delete_at(i);
+                continue;
+            }
+            i = self.next(i);
+            seen += 1;
+        }
+        self.hand = i;
+        out
+    }
+
     /// Drop `inst` from every block. Returns the pairs removed.
     pub fn clear_instance(&mut self, inst: u32, slab: &mut Slab) -> usize {
         let mut removed = 0;
         let mut kept = 0;
-        for n in self.slots.iter_mut().filter(|n| n.set != EMPTY) {
+        for (i, n) in self.slots.iter_mut().enumerate().filter(|(_, n)| n.set != EMPTY) {
             let (set, held) = slab.remove(n.set, inst);
             removed += held as usize;
+            self.depth.lose(i, held as usize);
             match set {
                 Some(s) => {
                     n.set = s;
@@ -349,10 +527,14 @@ impl Table {
             let cap = if kept < self.slots.len() / 4 { kept * 5 / 3 + 1 } else { self.slots.len() };
             if self.rebuild(cap).is_err() {
                 // no memory for a new array: re-place in the old one
-                let nodes: Vec<Node> = self.slots.iter().copied().filter(|n| n.set != EMPTY).collect();
+                let nodes: Vec<(Node, u8)> = (0..self.slots.len())
+                    .filter(|&i| self.slots[i].set != EMPTY)
+                    .map(|i| (self.slots[i], self.depth.at(i)))
+                    .collect();
                 self.slots.fill(FREE);
-                for n in nodes {
-                    self.place(n);
+                self.depth.clear_slots();
+                for (n, d) in nodes {
+                    self.place(n, d);
                 }
             }
         }
@@ -387,7 +569,7 @@ mod tests {
                 live.remove(&key);
             } else {
                 t.reserve(1).unwrap();
-                t.store(key, 5, 0, &mut slab);
+                t.store(key, 5, 0, 2, &mut slab);
                 live.insert(key);
             }
             if step % 1000 == 0 {

@@ -336,6 +336,77 @@ impl PyPrefixIndex {
         self.inner.memory_bytes()
     }
 
+    /// The memory cap: most (block, holder) pairs kept (None: no cap). Setting it below
+    /// the pairs held evicts at once.
+    #[getter]
+    fn max_pairs(&self) -> Option<usize> {
+        self.inner.max_pairs()
+    }
+
+    #[setter]
+    fn set_max_pairs(&mut self, max_pairs: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let cap = match max_pairs {
+            None => None,
+            Some(v) if v.is_none() => None,
+            Some(v) => {
+                if v.is_instance_of::<pyo3::types::PyBool>() {
+                    return Err(type_err("max_pairs", "must be an int >= 0 or None, got bool"));
+                }
+                let n: i128 = v.extract().map_err(|_| type_err("max_pairs", "must be an int >= 0 or None"))?;
+                if n < 0 {
+                    return Err(value_err("max_pairs", format!("must be >= 0 (or None for no cap), got {n}")));
+                }
+                Some(usize::try_from(n).unwrap_or(usize::MAX))
+            }
+        };
+        self.inner.set_max_pairs(cap).py_err()
+    }
+
+    /// What the cap dropped: `(pairs, nodes, sweeps)`.
+    fn evicted(&self) -> (usize, usize, usize) {
+        let e = self.inner.evicted();
+        (e.pairs, e.nodes, e.sweeps)
+    }
+
+    /// Tier-weighted prefixes: `{name: (weighted_blocks, blocks)}` for every instance with
+    /// a hit on a positively weighted medium (see `PrefixIndex::match_weighted`).
+    fn match_weighted<'py>(
+        &mut self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+        weights: &Bound<'py, PyDict>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
+        let mut w: Vec<(Option<String>, f64)> = Vec::with_capacity(weights.len());
+        for (k, v) in weights.iter() {
+            let medium = if k.is_none() {
+                None
+            } else {
+                Some(
+                    k.extract::<String>()
+                        .map_err(|_| type_err("weights", "keys must be medium names (str) or None"))?,
+                )
+            };
+            if v.is_instance_of::<pyo3::types::PyBool>() {
+                return Err(type_err("weights", "weights must be numbers, got bool"));
+            }
+            let x: f64 = v.extract().map_err(|_| type_err("weights", "weights must be numbers"))?;
+            w.push((medium, x));
+        }
+        let w: Vec<(Option<&str>, f64)> = w.iter().map(|(m, x)| (m.as_deref(), *x)).collect();
+        let (mut credit, mut depth) = (Vec::new(), Vec::new());
+        self.inner.match_weighted(&self.hashes, &w, &mut credit, &mut depth).py_err()?;
+        let d = PyDict::new(py);
+        for (id, (c, n)) in credit.iter().zip(&depth).enumerate() {
+            if *n > 0 {
+                if let Some(name) = self.inner.instance_name(id as u32) {
+                    d.set_item(name, (*c, *n))?;
+                }
+            }
+        }
+        Ok(d)
+    }
+
     fn totals(&self) -> (usize, usize, usize, usize) {
         let t = self.inner.totals();
         (t.stored, t.removed, t.cleared, t.skipped)

@@ -7,6 +7,7 @@ that parent. It is the reference of the lockstep tests and the baseline of the b
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from ..events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, decode_batch
@@ -169,6 +170,24 @@ class DictIndex:
     def match(self, block_hashes: Sequence[Any], medium: str | None = None) -> dict[str, int]:
         """Longest cached prefix (blocks) per instance with a hit (``medium`` None: any)."""
         tables = list(self.blocks.values()) if medium is None else [self.blocks.get(medium, {})]
+        return self._match_tables(block_hashes, tables)
+
+    def match_weighted(self, block_hashes: Sequence[Any], weights: dict[str | None, float]) -> dict[str, tuple[float, int]]:
+        """Tier-weighted prefixes, ``{name: (credit, blocks)}``, as ``PrefixIndex.match_weighted``."""
+        for m, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ValueError(f"weights: the weight of medium {m!r} must be a finite number >= 0, got {w!r}")
+        tiers = sorted({float(weights.get(m, 0)) for m in self.blocks} - {0.0}, reverse=True)
+        out: dict[str, tuple[float, int]] = {}
+        prev: dict[str, int] = {}
+        for t in tiers:
+            cur = self._match_tables(block_hashes, [tb for m, tb in self.blocks.items() if weights.get(m, 0) >= t])
+            for name, k in cur.items():
+                out[name] = (out.get(name, (0.0, 0))[0] + t * (k - prev.get(name, 0)), k)
+            prev = cur
+        return out
+
+    def _match_tables(self, block_hashes: Sequence[Any], tables: list[dict[int, dict[int, set[str]]]]) -> dict[str, int]:
         out: dict[str, int] = {}
         alive: set[str] | None = None
         tag = 0
