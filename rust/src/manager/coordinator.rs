@@ -50,7 +50,7 @@ pub struct Coordinator {
     pub enable_partial_hash_hits: bool,
     pub attention_groups: Vec<SpecGroup>,
     pub full_attention_group_id: Option<usize>,
-    /// Lookups past a request's hashes raise as vLLM's (vLLM's callers: `strict_inputs` off).
+    /// Lookups past a request's hashes raise as vLLM's ([`Caller::Vllm`](super::spec::Caller)).
     pub past_hashes_is_error: bool,
     reqs: RequestTable<()>,
 }
@@ -136,7 +136,9 @@ impl Coordinator {
         if cfg.use_eagle && !eagle_groups.iter().any(|&e| e) {
             eagle_groups = vec![true; n];
         }
-        let drop_eagle_groups = if cfg.use_eagle { eagle_groups.clone() } else { vec![false; n] };
+        // 0.33's `drop_eagle_group_ids` (empty without use_eagle); 0.32 drops in every flagged group
+        let drop_eagle_groups =
+            if cfg.use_eagle || cfg.rules.eagle_groups_drop_always { eagle_groups.clone() } else { vec![false; n] };
         let mut managers: Vec<TypeManager> = cfg
             .groups
             .iter()
@@ -152,6 +154,7 @@ impl Coordinator {
                     cfg.needs_kv_cache_zeroing,
                     cfg.max_in_flight_tokens,
                     cfg.max_model_len,
+                    cfg.rules,
                 ))
             })
             .collect();
@@ -174,7 +177,7 @@ impl Coordinator {
             enable_partial_hash_hits: false,
             attention_groups: Vec::new(),
             full_attention_group_id: None,
-            past_hashes_is_error: !cfg.strict_inputs,
+            past_hashes_is_error: !cfg.caller.is_kvblock(),
             reqs: RequestTable::default(),
         };
         match kind {

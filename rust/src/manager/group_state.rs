@@ -7,6 +7,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::{HashSource, ScaledHashes};
 use crate::manager::hit_verify::VerifyCtx;
+use crate::manager::release::ReleaseRules;
 use crate::manager::spec::GroupSpec;
 use crate::pool::cache_map::Key;
 use hashbrown::HashSet;
@@ -106,6 +107,8 @@ pub struct TypeConfig {
     pub shared_prefix_checkpoint: bool,
     /// Mamba: `drop_eagle_checkpoint_block`.
     pub drop_eagle_checkpoint_block: bool,
+    /// The installed vLLM release's rules where releases differ.
+    pub rules: ReleaseRules,
 }
 
 /// The mutable per-group state that is not per request.

@@ -7,7 +7,7 @@ use crate::manager::coordinator::{CoordinatedHit, Coordinator};
 use crate::manager::group_state::ReqInfo;
 use crate::manager::hit_verify::{BlockContent, HitVerifier, VerifyCtx};
 use crate::manager::retention::RetentionState;
-use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
+use crate::manager::spec::{Caller, Kind, MambaMode, ManagerConfig};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
 /// No hit blocks for each of up to this many groups: what `allocate_slots` passes its groups
@@ -107,7 +107,8 @@ pub struct KVCacheManager {
     pub max_model_len: usize,
     pub enable_caching: bool,
     pub watermark_blocks: usize,
-    pub strict_inputs: bool,
+    /// Whose API the manager serves.
+    pub caller: Caller,
     /// Every group is full attention at the hash block size and caches with the manager:
     /// [`KVCacheManager::allocate_is_noop_at`] then reads only the request's tables.
     pub plain_full_attention: bool,
@@ -127,12 +128,12 @@ struct Deferred {
 }
 
 impl KVCacheManager {
-    /// True for vLLM's callers (`strict_inputs` off): errors are raised as vLLM's own (an
+    /// True for vLLM's callers ([`Caller::Vllm`]): errors are raised as vLLM's own (an
     /// `IndexError` past a request's hashes, an `AttributeError` for a missing request
     /// attribute) and arguments are read as vLLM's method bodies read them.
     #[inline(always)]
     pub fn vllm_caller(&self) -> bool {
-        !self.strict_inputs
+        self.caller == Caller::Vllm
     }
 
     /// A manager for `cfg` (checked as vLLM's constructors check it).
@@ -149,7 +150,7 @@ impl KVCacheManager {
             max_model_len: cfg.max_model_len,
             enable_caching: cfg.enable_caching,
             watermark_blocks: cfg.watermark_blocks,
-            strict_inputs: cfg.strict_inputs,
+            caller: cfg.caller,
             plain_full_attention,
             retention: RetentionState::default(),
             verify: None,
@@ -293,7 +294,7 @@ impl KVCacheManager {
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt".into(),
             ));
         }
-        if self.strict_inputs && req.num_tokens > self.max_model_len {
+        if self.caller.is_kvblock() && req.num_tokens > self.max_model_len {
             return Err(Error::value(
                 "request",
                 format!("{} tokens exceed max_model_len {}", req.num_tokens, self.max_model_len),
@@ -365,10 +366,10 @@ impl KVCacheManager {
                 req.request_id
             ))
         };
-        if has_hits && (counted_hits || (self.strict_inputs && (running || holds))) {
+        if has_hits && (counted_hits || (self.caller.is_kvblock() && (running || holds))) {
             return Err(running_hits());
         }
-        if self.strict_inputs {
+        if self.caller.is_kvblock() {
             for (i, m) in self.coord.managers.iter().enumerate() {
                 let len = a.new_computed.map_or(0, |nc| nc[i].len());
                 let bs = m.cfg.block_size;
@@ -399,7 +400,7 @@ impl KVCacheManager {
                 "request {:?} already holds blocks and cannot adopt computed tokens",
                 req.request_id
             ));
-            if self.strict_inputs {
+            if self.caller.is_kvblock() {
                 // kvblock's own API raises every refusal before anything changes
                 return Err(e);
             }
@@ -410,7 +411,7 @@ impl KVCacheManager {
             let local = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
             if deferred.is_none() {
                 if let Err(e) = self.coord.check_adoption(slot, &nc, local, a.num_external_computed_tokens) {
-                    if self.strict_inputs {
+                    if self.caller.is_kvblock() {
                         return Err(e);
                     }
                     // vLLM meets this assertion only after adopting the hit and taking new
@@ -420,7 +421,7 @@ impl KVCacheManager {
                 }
             }
         }
-        if self.strict_inputs {
+        if self.caller.is_kvblock() {
             // vLLM caps the computed tokens at max_model_len for its capacity check but
             // adopts external tokens uncapped (raising from its pool after taking the hits'
             // references when they do not fit): no request computes past max_model_len
@@ -448,7 +449,7 @@ impl KVCacheManager {
                 ));
             }
         }
-        if self.strict_inputs {
+        if self.caller.is_kvblock() {
             if let Some(e) = deferred {
                 return Err(e);
             }
@@ -496,7 +497,7 @@ impl KVCacheManager {
         // a refusal that leaves nothing behind: blocks that do not fit where vLLM would take
         // some before raising, or an assertion vLLM meets only after changing its state
         let refused = matches!(res, Err(Error::NotEnoughFreeBlocks { .. })) || (undo && res.is_err());
-        if res.is_err() && (self.strict_inputs || refused) && !existed {
+        if res.is_err() && (self.caller.is_kvblock() || refused) && !existed {
             // vLLM leaves the empty table its lookups made; kvblock's own API leaves nothing,
             // nor does a refusal where vLLM would take blocks before raising (kvblock takes none)
             self.coord.forget_if_blockless(req.request_id);
@@ -679,7 +680,7 @@ impl KVCacheManager {
         {
             return Some(false);
         }
-        if self.strict_inputs && num_tokens? > self.max_model_len {
+        if self.caller.is_kvblock() && num_tokens? > self.max_model_len {
             return Some(false);
         }
         let total = num_computed_tokens.min(self.max_model_len);
@@ -820,6 +821,40 @@ impl KVCacheManager {
         }
         let slot = self.coord.slot_or_insert(req.request_id);
         let res = self.cache_and_record(pool, slot, req, hashes, num_computed_tokens);
+        self.coord.release_if_vacant(req.request_id);
+        res
+    }
+
+    /// Group `group`'s own `cache_blocks(request, num_tokens, retention_interval,
+    /// replay_boundaries=...)` (vLLM's `SingleTypeKVCacheManager.cache_blocks`, which the
+    /// coordinator calls per group with the cacheable prefix of that group).
+    #[allow(clippy::too_many_arguments)] // vLLM's signature, plus the group
+    pub fn group_cache_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        group: usize,
+        req: &RequestView<'_>,
+        hashes: &dyn HashSource,
+        num_tokens: usize,
+        retention_interval: Option<usize>,
+        replay_boundaries: &[usize],
+    ) -> Result<()> {
+        if group >= self.coord.managers.len() {
+            return Err(Error::value("group", format!("{group} is out of range")));
+        }
+        if self.verify.is_some() {
+            return Err(Error::Value("verify_hits: cache through the manager's cache_blocks, not a group's".into()));
+        }
+        let slot = self.coord.slot_or_insert(req.request_id);
+        let res = self.coord.managers[group].cache_blocks(
+            pool,
+            slot,
+            &req.info(),
+            hashes,
+            num_tokens,
+            retention_interval,
+            replay_boundaries,
+        );
         self.coord.release_if_vacant(req.request_id);
         res
     }

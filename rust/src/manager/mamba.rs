@@ -579,7 +579,11 @@ fn cache_partial_tail_block(
         return Ok(None);
     }
     let source = blocks[block_idx];
-    if source == NULL_BLOCK || pool.block_hash_num_tokens(source)? == Some(num_tokens) {
+    if source == NULL_BLOCK {
+        return Ok(None);
+    }
+    // already keyed here by a hit or an earlier step (0.32 registers it again)
+    if !cfg.rules.partial_tail_rekeyed && pool.block_hash_num_tokens(source)? == Some(num_tokens) {
         return Ok(None);
     }
     let key =

@@ -9,9 +9,12 @@
 //!   dispatching to one file per kind: [`full_attention`] (with R-SWA and circular buffers),
 //!   [`sliding_window`], [`chunked_local`], [`mamba`]; cross attention is never cached and
 //!   only allocates (in [`single_type`]).
+//! * [`hisparse`]: the rules of HiSparse's source, resident and hot groups (the books are in
+//!   [`crate::hisparse`]).
 //! * [`coordinator`]: vLLM's `KVCacheCoordinator` (no prefix cache, unitary, hybrid).
 //! * [`kv_cache_manager`]: vLLM's `KVCacheManager` on top.
 //! * [`requests`]: the request id -> slot table.
+//! * [`release`]: the rules that differ between vLLM releases (0.33's by default).
 //! * [`retention`]: request retention priorities and pinned prefixes (kvblock's own API).
 //! * [`hit_verify`]: verify on hit, exact content records of cached blocks (kvblock's own API).
 
@@ -19,9 +22,11 @@ pub mod chunked_local;
 pub mod coordinator;
 pub mod full_attention;
 pub mod group_state;
+pub mod hisparse;
 pub mod hit_verify;
 pub mod kv_cache_manager;
 pub mod mamba;
+pub mod release;
 pub mod requests;
 pub mod retention;
 pub mod single_type;

@@ -12,6 +12,7 @@ use crate::hashing::source::{HashSource, ScaledHashes};
 use crate::manager::group_state::{
     cdiv, table_index, Hit, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager, TypeState,
 };
+use crate::manager::release::ReleaseRules;
 use crate::manager::spec::{GroupSpec, Kind, MambaMode};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
 
@@ -28,6 +29,7 @@ impl TypeConfig {
         needs_kv_cache_zeroing: bool,
         max_in_flight_tokens: usize,
         max_model_len: usize,
+        rules: ReleaseRules,
     ) -> Self {
         let (dcp, pcp) = if spec.dcp_sharded { (dcp_world_size, pcp_world_size) } else { (1, 1) };
         TypeConfig {
@@ -42,6 +44,7 @@ impl TypeConfig {
             use_eagle: false,
             shared_prefix_checkpoint: false,
             drop_eagle_checkpoint_block: false,
+            rules,
             group_id,
             spec,
         }
@@ -291,7 +294,7 @@ impl TypeConfig {
         let mut boundaries = crate::manager::coordinator::Boundaries::from_slice(replay_boundaries);
         if req.shared_prefix_boundary > 0 {
             boundaries.push(req.shared_prefix_boundary);
-            if self.use_eagle {
+            if self.use_eagle && self.rules.eagle_junction_block_retained {
                 boundaries.push(req.shared_prefix_boundary.saturating_sub(self.block_size));
             }
         }
@@ -610,9 +613,10 @@ impl TypeManager {
         let TypeManager { cfg, st, reqs } = self;
         let r = &mut reqs[slot];
         match cfg.spec.kind {
-            Kind::CircularBuffer => Ok(()),
+            Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } => Ok(()),
             Kind::CrossAttention => Err(Error::Value("Should not be called as prefix caching is disabled.".into())),
-            Kind::FullAttention | Kind::Rswa { .. } => {
+            // the source group's `publish_blocks` (its `cache_blocks` goes through the residency)
+            Kind::FullAttention | Kind::Rswa { .. } | Kind::HiSparseSource => {
                 cfg.base_cache_blocks(pool, r, req, hashes, num_tokens, retention_interval, replay_boundaries)?;
                 if cfg.block_size != pool.hash_block_size() {
                     crate::manager::full_attention::cache_partial_tail_block(cfg, pool, r, req, hashes, num_tokens)?;
@@ -644,7 +648,7 @@ impl TypeManager {
             return Err(Error::Value("verify_hits: only full-attention groups' hits are verified".into()));
         }
         match cfg.spec.kind {
-            Kind::FullAttention | Kind::Rswa { .. } => {
+            Kind::FullAttention | Kind::Rswa { .. } | Kind::HiSparseSource => {
                 crate::manager::full_attention::find_longest_cache_hit(cfg, pool, q)
             }
             Kind::SlidingWindow { window, .. } => {
@@ -652,7 +656,9 @@ impl TypeManager {
             }
             Kind::ChunkedLocal { chunk } => crate::manager::chunked_local::find_longest_cache_hit(cfg, chunk, pool, q),
             Kind::Mamba { .. } => crate::manager::mamba::find_longest_cache_hit(cfg, pool, q),
-            Kind::CircularBuffer => Ok((vec![Vec::new(); q.group_ids.len()], 0)),
+            Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } => {
+                Ok((vec![Vec::new(); q.group_ids.len()], 0))
+            }
             Kind::CrossAttention => Err(Error::NotImplemented("CrossAttentionManager does not support caching".into())),
         }
     }

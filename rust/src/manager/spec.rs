@@ -2,6 +2,7 @@
 //! kvblock manages (spec §6.1), and the configuration of a manager built over them.
 
 use crate::error::{Error, Result};
+use crate::manager::release::ReleaseRules;
 
 /// Mamba state caching (vLLM's `mamba_cache_mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,18 +37,33 @@ pub enum Kind {
     CrossAttention,
     /// One ring block per request, never cached (`CircularBufferSpec`).
     CircularBuffer,
+    /// HiSparse's host tier (a `FullAttentionSpec` group with role `HISPARSE_SOURCE`,
+    /// `HiSparseSourceManager`): full attention on the host pool, its publication deferred
+    /// to the residency. Rules: [`crate::manager::hisparse`].
+    HiSparseSource,
+    /// HiSparse's GPU-resident pages (`HiSparseResidentSpec`, `HiSparseResidentManager`):
+    /// never cached, host pages not allocated, an admission cap.
+    HiSparseResident,
+    /// HiSparse's hot region (`HiSparseHotSpec`, `HiSparseHotManager`): `blocks_per_request`
+    /// blocks once the request reads host-backed history; never cached.
+    HiSparseHot { blocks_per_request: usize },
 }
 
 impl Kind {
     /// vLLM's `supports_fine_grained_hash_lookup` of the manager class.
     pub fn supports_fine_grained_hash_lookup(&self) -> bool {
-        matches!(self, Kind::FullAttention | Kind::Rswa { .. } | Kind::Mamba { .. })
+        matches!(self, Kind::FullAttention | Kind::Rswa { .. } | Kind::Mamba { .. } | Kind::HiSparseSource)
     }
 
     /// True for the kinds whose hit lookup is the full-attention scan (vLLM's
     /// `isinstance(spec, FullAttentionSpec)`).
     pub fn is_full_attention(&self) -> bool {
-        matches!(self, Kind::FullAttention | Kind::Rswa { .. })
+        matches!(self, Kind::FullAttention | Kind::Rswa { .. } | Kind::HiSparseSource)
+    }
+
+    /// True for HiSparse's three kinds (source, resident, hot).
+    pub fn is_hisparse(&self) -> bool {
+        matches!(self, Kind::HiSparseSource | Kind::HiSparseResident | Kind::HiSparseHot { .. })
     }
 
     /// True for a Mamba group.
@@ -100,10 +116,10 @@ pub struct ManagerConfig {
     pub retention_interval: Option<usize>,
     /// `enable_mamba_shared_prefix_checkpoint`.
     pub enable_mamba_shared_prefix_checkpoint: bool,
-    /// kvblock's own API: also refuse (`ValueError`) a request longer than `max_model_len`
-    /// and hit blocks that do not cover `num_new_computed_tokens` (vLLM's engine never makes
-    /// such calls, and vLLM's manager does not check them).
-    pub strict_inputs: bool,
+    /// Whose API the manager serves: see [`Caller`].
+    pub caller: Caller,
+    /// The installed vLLM release's rules where releases differ (0.33's by default).
+    pub rules: ReleaseRules,
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -132,11 +148,13 @@ impl GroupSpec {
             Kind::Mamba { prefill_checkpoint_alignment: Some(0), .. } => {
                 Err(Error::value(&arg, "prefill_checkpoint_alignment must be > 0"))
             }
+            Kind::HiSparseHot { blocks_per_request: 0 } => Err(Error::value(&arg, "blocks_per_request must be > 0")),
             _ => Ok(()),
         }
     }
 
-    /// vLLM's `max_admission_blocks_per_request` (sliding window and chunked local only).
+    /// vLLM's `max_admission_blocks_per_request` (sliding window, chunked local and
+    /// HiSparse resident groups only).
     pub fn max_admission_blocks(&self, max_in_flight_tokens: usize, max_model_len: usize) -> Option<usize> {
         match self.kind {
             Kind::SlidingWindow { window, extra_retained_tokens } => {
@@ -147,17 +165,42 @@ impl GroupSpec {
                 let n = chunk.saturating_add(max_in_flight_tokens).min(max_model_len);
                 Some(n.div_ceil(self.block_size))
             }
+            Kind::HiSparseResident => Some(max_in_flight_tokens.min(max_model_len).div_ceil(self.block_size)),
             _ => None,
         }
     }
 }
 
+/// The two dialects a manager is called in. The core is the same; what differs is how
+/// arguments are read and how errors are raised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// kvblock's own API (`kvblock.KVCacheManager`): a request longer than `max_model_len`
+    /// and hit blocks that do not cover `num_new_computed_tokens` are refused with a
+    /// `ValueError` (vLLM's engine never makes such calls, and vLLM's manager does not check
+    /// them); configuration errors are `ValueError`s naming the argument.
+    Kvblock,
+    /// vLLM's callers (`kvblock.vllm.KVCacheManager`): errors are raised as vLLM's own (an
+    /// `AssertionError` where vLLM asserts, an `IndexError` past a request's hashes, an
+    /// `AttributeError` for a missing request attribute) and arguments are read as vLLM's
+    /// method bodies read them.
+    Vllm,
+}
+
+impl Caller {
+    /// True for kvblock's own API.
+    #[inline(always)]
+    pub fn is_kvblock(self) -> bool {
+        self == Caller::Kvblock
+    }
+}
+
 impl ManagerConfig {
     /// An error for a configuration vLLM's constructors refuse with an `assert`: an
-    /// `AssertionError` as vLLM's for vLLM's callers (`strict_inputs` off), a `ValueError`
-    /// naming the argument for kvblock's own API.
+    /// `AssertionError` as vLLM's for [`Caller::Vllm`], a `ValueError`
+    /// naming the argument for [`Caller::Kvblock`].
     pub fn asserted(&self, arg: &str, msg: impl Into<String>) -> Error {
-        if self.strict_inputs {
+        if self.caller.is_kvblock() {
             Error::value(arg, msg.into())
         } else {
             Error::Assertion(format!("{arg}: {}", msg.into()))
@@ -185,6 +228,13 @@ impl ManagerConfig {
         }
         for (i, g) in self.groups.iter().enumerate() {
             g.validate(i)?;
+            if g.kind.is_hisparse() {
+                // the rules are in crate::manager::hisparse, the books in crate::hisparse; the
+                // manager does not yet hold the host pool and the residency that join them
+                return Err(Error::NotImplemented(format!(
+                    "kv_cache_groups[{i}]: kvblock's manager does not hold HiSparse groups yet"
+                )));
+            }
         }
         if !self.scheduler_block_size.is_multiple_of(self.hash_block_size) {
             return Err(self.asserted(
@@ -219,7 +269,7 @@ impl ManagerConfig {
         }
         for (i, g) in self.groups.iter().enumerate() {
             if let Kind::Mamba { mode: MambaMode::None, .. } = g.kind {
-                if self.enable_caching {
+                if self.enable_caching && !self.rules.mamba_none_mode_caches {
                     return Err(Error::value(
                         &format!("kv_cache_groups[{i}]"),
                         "Mamba prefix caching requires mamba_cache_mode='align'",

@@ -13,6 +13,7 @@ use crate::hashing::Digest;
 use crate::pool::cache_map::{CacheMap, Key};
 use crate::pool::events::Event;
 use crate::pool::free_queue::{FreeQueue, UNLINKED};
+use crate::pool::residency::{now_ns, Residency};
 use crate::pool::retention::{Retention, NUM_LEVELS};
 use hashbrown::HashMap;
 
@@ -51,8 +52,12 @@ pub struct BlockPool {
     meta: Vec<BlockMeta>,
     /// Further keys of a block: `(slot, overflow node)`, in insertion order.
     secondary: HashMap<u32, Vec<(u32, u32)>>,
-    /// `unpin_blocks` reuse watchers: block -> caller's watcher id.
-    watchers: HashMap<u32, u64>,
+    /// `unpin_blocks` reuse watchers: block -> (order of first registration, caller's watcher
+    /// id). vLLM keeps them in a dict: re-registering a block keeps its place, a fired one
+    /// loses it; a reset fires them in that order.
+    watchers: HashMap<u32, (u64, u64)>,
+    /// The next registration order of `watchers`.
+    watcher_seq: u64,
     /// Watchers that fired (block, watcher id), for the caller to notify.
     fired: Vec<(u32, u64)>,
     queue: FreeQueue,
@@ -67,6 +72,8 @@ pub struct BlockPool {
     scratch_removed: Vec<Key>,
     /// Priority retention (None: plain LRU, vLLM's order).
     retention: Option<Box<Retention>>,
+    /// KV-cache residency metrics (vLLM's `metrics_collector`; None: off).
+    residency: Option<Box<Residency>>,
 }
 
 impl BlockPool {
@@ -97,6 +104,7 @@ impl BlockPool {
             meta: Error::try_vec("the block arena", num_blocks, BlockMeta::FREE)?,
             secondary: HashMap::new(),
             watchers: HashMap::new(),
+            watcher_seq: 0,
             fired: Vec::new(),
             queue,
             map: CacheMap::new(num_blocks, if enable_caching { num_blocks } else { 0 })?,
@@ -107,7 +115,33 @@ impl BlockPool {
             scratch_keys: Vec::new(),
             scratch_removed: Vec::new(),
             retention: None,
+            residency: None,
         })
+    }
+
+    /// Turn KV-cache residency metrics on (vLLM's `metrics_collector`, see
+    /// [`crate::pool::residency`]): from now on the pool samples the blocks it hands out at
+    /// `sample_rate`, records hits on them and an event when a sampled block is evicted.
+    /// Replaces the metrics it had.
+    pub fn enable_residency(&mut self, sample_rate: f64, seed: u64) -> Result<()> {
+        self.residency = Some(Box::new(Residency::new(self.num_blocks, sample_rate, seed)?));
+        Ok(())
+    }
+
+    /// Turn residency metrics off (their state is dropped).
+    pub fn disable_residency(&mut self) {
+        self.residency = None;
+    }
+
+    /// The residency metrics, if on.
+    pub fn residency(&self) -> Option<&Residency> {
+        self.residency.as_deref()
+    }
+
+    /// The residency metrics, if on, for changes from outside the pool's transitions (vLLM
+    /// code calling the collector's hooks or editing `block_metrics`).
+    pub fn residency_mut(&mut self) -> Option<&mut Residency> {
+        self.residency.as_deref_mut()
     }
 
     /// Turn priority retention on ([`crate::pool::retention`]): the free queue becomes one
@@ -423,6 +457,10 @@ impl BlockPool {
     /// it had none in the map.
     pub fn maybe_evict_cached_block(&mut self, b: u32) -> Result<bool> {
         self.check_id(b)?;
+        if let Some(r) = self.residency.as_deref_mut() {
+            // vLLM reports every block it evicts this way, with or without a hash
+            r.on_evicted(b, now_ns());
+        }
         Ok(self.evict(b))
     }
 
@@ -493,7 +531,7 @@ impl BlockPool {
         }
         if !self.watchers.is_empty() {
             for &b in &out[start..] {
-                if let Some(w) = self.watchers.remove(&b) {
+                if let Some((_, w)) = self.watchers.remove(&b) {
                     self.fired.push((b, w));
                 }
             }
@@ -519,6 +557,18 @@ impl BlockPool {
             self.meta[b as usize].ref_cnt = 1;
             let g = &mut self.meta[b as usize].generation;
             *g = g.wrapping_add(1);
+        }
+        if let Some(r) = self.residency.as_deref_mut() {
+            // vLLM: with caching on, each block handed out is reported evicted (whether or not
+            // it was cached), then allocated; with caching off, allocated only. One clock
+            // read for the call.
+            let now = now_ns();
+            for &b in &out[start..] {
+                if self.enable_caching {
+                    r.on_evicted(b, now);
+                }
+                r.on_allocated(b, now);
+            }
         }
         if let Some(r) = self.retention.as_deref_mut() {
             for &b in &out[start..] {
@@ -551,6 +601,14 @@ impl BlockPool {
                 }
             }
             self.meta[b as usize].ref_cnt += 1;
+        }
+        if let Some(r) = self.residency.as_deref_mut() {
+            let now = now_ns();
+            for &b in ids {
+                if b != NULL_BLOCK {
+                    r.on_accessed(b, now);
+                }
+            }
         }
         Ok(())
     }
@@ -656,7 +714,11 @@ impl BlockPool {
         let mut released = Vec::new();
         for &b in ids {
             self.meta[b as usize].ref_cnt -= 1;
-            self.watchers.insert(b, watcher);
+            let seq = &mut self.watcher_seq;
+            self.watchers.entry(b).and_modify(|e| e.1 = watcher).or_insert_with(|| {
+                *seq += 1;
+                (*seq, watcher)
+            });
             if self.meta[b as usize].ref_cnt == 0 {
                 released.push(b);
             }
@@ -919,7 +981,11 @@ impl BlockPool {
         for &b in ids {
             self.check_id(b)?;
         }
+        let now = if self.residency.is_some() { now_ns() } else { 0 };
         for &b in ids {
+            if let Some(r) = self.residency.as_deref_mut() {
+                r.on_evicted(b, now);
+            }
             if self.evict(b) {
                 let g = &mut self.meta[b as usize].generation;
                 *g = g.wrapping_add(1);
@@ -929,7 +995,7 @@ impl BlockPool {
     }
 
     /// `reset_prefix_cache()`: only when every non-null block is free; clears every key, fires
-    /// every reuse watcher and records `AllBlocksCleared`. Returns false (changing nothing)
+    /// every reuse watcher (in the order their blocks were first registered) and records `AllBlocksCleared`. Returns false (changing nothing)
     /// otherwise.
     pub fn reset_prefix_cache(&mut self) -> bool {
         if self.num_blocks - self.num_free_blocks() != 1 {
@@ -937,13 +1003,16 @@ impl BlockPool {
         }
         self.map.clear();
         self.secondary.clear();
-        let mut w: Vec<(u32, u64)> = self.watchers.drain().collect();
+        let mut w: Vec<(u64, u32, u64)> = self.watchers.drain().map(|(b, (seq, w))| (seq, b, w)).collect();
         w.sort_unstable();
-        self.fired.extend(w);
+        self.fired.extend(w.into_iter().map(|(_, b, w)| (b, w)));
         self.meta.iter_mut().for_each(|m| {
             m.key_slot = NO_KEY;
             m.key_tokens = NO_TOKENS;
         });
+        if let Some(r) = self.residency.as_deref_mut() {
+            r.reset();
+        }
         if self.events_enabled {
             self.events.push(Event::AllBlocksCleared);
         }

@@ -6,5 +6,6 @@ pub mod cache_map;
 pub mod events;
 pub mod free_queue;
 pub mod link;
+pub mod residency;
 pub mod retention;
 pub mod slot_table;
