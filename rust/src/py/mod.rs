@@ -13,6 +13,7 @@ pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
 pub mod hashing;
+pub mod hisparse;
 pub mod hit_verify;
 pub mod index;
 pub mod instance_dict;
@@ -45,6 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
     m.add_class::<manager::PyManager>()?;
+    m.add_class::<hisparse::PyResidency>()?;
     m.add_class::<capacity::PyCapacityRequests>()?;
     m.add_class::<capacity::PyLruCurve>()?;
     m.add_function(wrap_pyfunction!(capacity::capacity_trie_ids, m)?)?;

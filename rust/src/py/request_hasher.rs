@@ -74,6 +74,12 @@ pub struct PyRequestBlockHasher {
     memo: GilCell<DigestMemo<Py<PyBytes>>>,
     /// The memo's slots (fixed at construction; 0: no memo).
     memo_slots: usize,
+    /// The fields of the first request type other than `kvblock.Request` this hasher is
+    /// called on (vLLM's `Request`), learnt on that call: its plain attributes are read from
+    /// the instance dict rather than through `getattr`. vLLM calls the hasher on every token
+    /// a running request appends, nearly always to find no new full block, so those reads
+    /// were most of the call.
+    learned: std::sync::OnceLock<RequestFields>,
 }
 
 /// The digest memo's doorkeeper key for a block: the first 8 bytes of its digest (every
@@ -97,6 +103,31 @@ struct NewBlocks<'py> {
 }
 
 impl PyRequestBlockHasher {
+    /// How to read `request`'s fields: `kvblock.Request`'s, or those of the request type this
+    /// hasher has learnt, learning the first other type it meets (a type it cannot learn, or
+    /// any later one, is read through `getattr`, as before).
+    fn fields_for<'a>(&'a self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<&'a RequestFields> {
+        let kv = RequestFields::of_kvblock_request(py)?;
+        if kv.is_exact_type(request) {
+            return Ok(kv);
+        }
+        let learned = match self.learned.get() {
+            Some(f) => f,
+            None => self.learn_fields(request, kv),
+        };
+        Ok(if learned.is_exact_type(request) { learned } else { kv })
+    }
+
+    /// Learn the fields of `request`'s type (once); `fallback` if they cannot be learnt.
+    #[cold]
+    #[inline(never)]
+    fn learn_fields<'a>(&'a self, request: &Bound<'_, PyAny>, fallback: &'a RequestFields) -> &'a RequestFields {
+        match RequestFields::for_type(&request.get_type()) {
+            Ok(f) => self.learned.get_or_init(|| f),
+            Err(_) => fallback, // read through getattr: what a read fails with is raised there
+        }
+    }
+
     /// The request's block-hash list, token list and the range of newly completed blocks.
     fn new_blocks<'py>(&self, fields: &RequestFields, request: &Bound<'py, PyAny>) -> PyResult<NewBlocks<'py>> {
         let hashes = fields
@@ -204,6 +235,10 @@ impl PyRequestBlockHasher {
         digests: &[Bound<'_, PyBytes>],
     ) -> PyResult<()> {
         let mut memo = self.memo.borrow_mut(py)?;
+        // the doorkeeper sets of all of them first, so that their cache misses overlap
+        for d in digests {
+            memo.prefetch_sighting(sighting(d));
+        }
         let mut p = parent;
         for (block, d) in tokens.chunks_exact(self.block_size).zip(digests) {
             // the entry it replaces (or the value not kept) is released here: the GIL is held
@@ -277,6 +312,7 @@ impl PyRequestBlockHasher {
             root,
             memo_slots: memo.capacity(),
             memo: GilCell::new(memo, "the digest memo"),
+            learned: std::sync::OnceLock::new(),
         })
     }
 
@@ -321,7 +357,7 @@ impl PyRequestBlockHasher {
     }
 
     fn __call__<'py>(&self, py: Python<'py>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let fields = RequestFields::of_kvblock_request(py)?;
+        let fields = self.fields_for(py, request)?;
         let NewBlocks { hashes, tokens, start, num_new } = self.new_blocks(fields, request)?;
         if num_new == 0 {
             return Ok(PyList::empty(py));

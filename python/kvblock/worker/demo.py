@@ -9,7 +9,7 @@ num_kv_heads, head_dim]`` key and value tensor per layer. Every step:
    waiting ones; a token budget with chunked prefill; recompute preemption when blocks run
    out) asks :class:`kvblock.manager.KVCacheManager` for blocks (``get_computed_blocks``,
    ``allocate_slots``, ``free``);
-2. the worker mirrors them into a :class:`kvblock.block_table.BlockTable` (``add_row`` /
+2. the worker mirrors them into a :class:`kvblock.worker.block_table.BlockTable` (``add_row`` /
    ``append_row``, ``swap_row`` to put decodes first, ``move_row`` to condense finished
    rows), commits it and computes the slot mapping;
 3. each layer writes the step's K/V through the slot mapping, then attention reads every
@@ -21,7 +21,7 @@ num_kv_heads, head_dim]`` key and value tensor per layer. Every step:
 :func:`run_demo` serves the same workload with prefix caching on and off and checks that the
 greedy tokens are identical, the sampled logits agree to ``1e-4``, and the prefill tokens
 actually computed fall by exactly the hit count the manager reports. ``python -m
-kvblock.demo`` (or :func:`main`) prints the comparison as a table.
+kvblock.worker.demo`` (or :func:`main`) prints the comparison as a table.
 
 Needs torch (the ``torch`` extra). Runs on CPU or CUDA.
 """
@@ -41,15 +41,15 @@ import numpy as np
 try:
     import torch
 except ImportError as e:  # pragma: no cover - exercised only without the torch extra
-    from ._optional import install_hint
+    from .._optional import install_hint
 
-    raise ImportError(f"kvblock.demo needs torch: {install_hint('torch', 'torch')}") from e
+    raise ImportError(f"kvblock.worker.demo needs torch: {install_hint('torch', 'torch')}") from e
 
 from .block_table import BlockTable, reshape_and_cache
 from .demo_args import DemoConfig, ModelConfig, build_parser
-from .manager import KVCacheManager
-from .request import Request, RequestStatus, SamplingParams
-from .stats import PrefixCacheStats
+from ..manager import KVCacheManager
+from ..request import Request, RequestStatus, SamplingParams
+from ..stats import PrefixCacheStats
 
 __all__ = [
     "DemoConfig",

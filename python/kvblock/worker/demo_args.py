@@ -1,5 +1,5 @@
 """``kvblock demo``'s settings and command line, without torch: ``kvblock demo --help`` and
-its usage errors work where torch is not installed (:mod:`kvblock.demo` runs it)."""
+its usage errors work where torch is not installed (:mod:`kvblock.worker.demo` runs it)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["DemoConfig", "ModelConfig", "build_parser"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of :class:`kvblock.demo.TinyDecoder` (fp32). ``num_heads`` must be a multiple of
+    """Shape of :class:`kvblock.worker.demo.TinyDecoder` (fp32). ``num_heads`` must be a multiple of
     ``num_kv_heads`` (grouped-query attention) and ``head_dim`` even (rotary)."""
 
     vocab_size: int = 256
@@ -58,16 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
         "caching on and off; check the outputs are identical. Needs torch (pip install torch).",
     )
     p.add_argument("--device", default="cpu", help="torch device (default cpu; 'cuda' for a GPU)")
-    p.add_argument("--conversations", type=int, default=d.num_conversations)
-    p.add_argument("--turns", type=int, default=d.num_turns)
-    p.add_argument("--system-len", type=int, default=d.system_len, help="shared system prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="generated tokens per turn")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--kernel-block-size", type=int, default=None, help="read the cache in smaller kernel blocks")
-    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--seed", type=int, default=0, help="model and workload seed")
+    p.add_argument("--conversations", type=int, default=d.num_conversations, metavar="N",
+                   help=f"multi-turn conversations served (default {d.num_conversations})")
+    p.add_argument("--turns", type=int, default=d.num_turns, metavar="N",
+                   help=f"turns per conversation (default {d.num_turns})")
+    p.add_argument("--system-len", type=int, default=d.system_len, metavar="TOKENS",
+                   help=f"shared system prompt tokens (default {d.system_len})")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, metavar="N",
+                   help=f"generated tokens per turn (default {d.max_tokens})")
+    p.add_argument("--block-size", type=int, default=d.block_size, metavar="N",
+                   help=f"tokens per KV-cache block (default {d.block_size})")
+    p.add_argument("--kernel-block-size", type=int, default=None, metavar="N",
+                   help="read the cache in smaller kernel blocks (default: --block-size)")
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks, metavar="N",
+                   help=f"KV-cache blocks including the null block (default {d.num_blocks})")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+                   help=f"most requests running at once, vLLM max_num_seqs (default {d.max_num_seqs})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="N",
+                   help=f"tokens per scheduler step, vLLM max_num_batched_tokens (default {d.max_num_batched_tokens})")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="model and workload seed (default 0)")
     p.add_argument("--verify-dense", action="store_true", help="also compare with a cache-free dense forward")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return p

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .request import Request, RequestStatus, SamplingParams
+from ..request import Request, RequestStatus, SamplingParams
 
 __all__ = [
     "DECODE_TOKENS",
@@ -167,8 +167,8 @@ def commit_and_sample(scheduled: list[tuple[Any, list[int], int]]) -> None:
 
 def _default_hashing_module(manager: Any) -> Any:
     """The hashing module whose ``NONE_HASH`` the manager's request hasher reads."""
-    from . import hashing as kv_hashing
-    from .reference import hashing as ref_hashing
+    from .. import hashing as kv_hashing
+    from ..reference import hashing as ref_hashing
 
     if isinstance(manager.hash_fn, kv_hashing.HashFunction):
         return kv_hashing
@@ -260,7 +260,7 @@ def _run_loop(
     hasher = mgr.request_block_hasher
     allocate_slots, get_computed_blocks, free = mgr.allocate_slots, mgr.get_computed_blocks, mgr.free
     if batch:
-        from .hashing import hash_requests
+        from ..hashing import hash_requests
 
         allocate_batch, admit_batch = mgr.allocate_slots_batch, mgr.admit_batch
     waiting = deque(range(num_requests))

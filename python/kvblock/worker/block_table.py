@@ -54,9 +54,9 @@ import numpy as np
 try:
     import torch
 except ImportError as e:  # pragma: no cover - exercised only without the torch extra
-    from ._optional import install_hint
+    from .._optional import install_hint
 
-    raise ImportError(f"kvblock.block_table needs torch: {install_hint('torch', 'torch')}") from e
+    raise ImportError(f"kvblock.worker.block_table needs torch: {install_hint('torch', 'torch')}") from e
 
 __all__ = [
     "INT32_MAX",

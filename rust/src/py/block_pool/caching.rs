@@ -1,0 +1,180 @@
+//! `BlockPoolCore` caching a request's blocks (the facade's vLLM methods) and handing out
+//! the KV events they raise.
+
+use super::*;
+
+#[pymethods]
+impl PyBlockPool {
+    // ---- caching for a request (the facade's vLLM methods) --------------------------------
+
+    /// `cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+    /// kv_cache_group_id, block_mask)` on the table's ids: the request's hashes are viewed at
+    /// `block_size`; `block_mask` (aligned with the range) skips blocks.
+    #[pyo3(signature = (request, block_ids, num_cached_blocks, num_full_blocks, block_size, group_id, block_mask=None))]
+    #[allow(clippy::too_many_arguments)] // the facade's cache_full_blocks arguments
+    fn _cache_full_blocks(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        block_ids: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::py::args::num_cached_blocks)] num_cached_blocks: usize,
+        #[pyo3(from_py_with = crate::py::args::num_full_blocks)] num_full_blocks: usize,
+        #[pyo3(from_py_with = crate::py::args::block_size_count)] block_size: usize,
+        #[pyo3(from_py_with = crate::py::args::group_id)] group_id: u32,
+        block_mask: Option<Vec<bool>>,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if num_cached_blocks >= num_full_blocks {
+            return Ok(());
+        }
+        let ids = block_ids_of(block_ids, "blocks")?;
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
+        let end = num_full_blocks.min(ids.len().max(num_cached_blocks));
+        hashes.check(num_cached_blocks.saturating_sub(1) * view.scale(), end * view.scale())?;
+        let inputs = if me.inner.events_enabled() && !request.is_none() {
+            Some(EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?)
+        } else {
+            None
+        };
+        me.tagged(request, inputs.as_ref(), |pool, tag| {
+            pool.cache_full_blocks(
+                &ids,
+                num_cached_blocks,
+                end,
+                &view,
+                block_size,
+                group_id,
+                block_mask.as_deref(),
+                tag,
+            )
+        })
+        .py_err()
+    }
+
+    /// `cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size,
+    /// replace_existing_hashes)` on an id: the key registered, or None for the null block.
+    #[pyo3(signature = (request, block_id, num_tokens, group_id, block_size, replace_existing_hashes=false))]
+    #[allow(clippy::too_many_arguments)] // vLLM's arguments
+    fn _cache_partial_block<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = crate::py::args::block_id_u32)] block_id: u32,
+        #[pyo3(from_py_with = crate::py::args::num_full_blocks)] num_tokens: usize,
+        #[pyo3(from_py_with = crate::py::args::group_id)] group_id: u32,
+        #[pyo3(from_py_with = crate::py::args::block_size_count)] block_size: usize,
+        replace_existing_hashes: bool,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let mut me = self.state.borrow_mut(py)?;
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let h = me.inner.hash_block_size();
+        hashes.check((num_tokens / h).saturating_sub(2), num_tokens / h)?;
+        let inputs = if me.inner.events_enabled() {
+            Some(EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?)
+        } else {
+            None
+        };
+        let key = me
+            .tagged(request, inputs.as_ref(), |pool, tag| {
+                pool.cache_partial_block(
+                    block_id,
+                    &hashes,
+                    num_tokens,
+                    group_id,
+                    block_size,
+                    replace_existing_hashes,
+                    tag,
+                )
+            })
+            .py_err()?;
+        Ok(key.map(|k| key_bytes(py, &k)))
+    }
+
+    /// `emit_cached_block_events(request, num_cached_blocks, block_size, kv_cache_group_id)`.
+    fn _emit_cached_block_events(
+        &self,
+        py: Python<'_>,
+        request: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::py::args::num_cached_blocks)] num_cached_blocks: usize,
+        #[pyo3(from_py_with = crate::py::args::block_size_count)] block_size: usize,
+        #[pyo3(from_py_with = crate::py::args::group_id)] group_id: u32,
+    ) -> PyResult<()> {
+        let mut me = self.state.borrow_mut(py)?;
+        if !me.inner.events_enabled() || num_cached_blocks == 0 {
+            return Ok(());
+        }
+        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
+        hashes.check(0, num_cached_blocks * view.scale())?;
+        let inputs = EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?;
+        me.tagged(request, Some(&inputs), |pool, tag| {
+            pool.emit_cached_block_events(&view, num_cached_blocks, block_size, group_id, tag)
+        })
+        .py_err()
+    }
+
+    /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, token_start,
+    /// token_end, block_size, group, request|None, [(start, end) per stored block], (token ids,
+    /// first index)|None)` (the token ids as they were when cached, when the request's list
+    /// was known), `("removed", hash bytes, group)`, `("cleared",)`.
+    fn take_raw_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut me = self.state.borrow_mut(py)?;
+        let out = PyList::empty(py);
+        for e in me.inner.take_events() {
+            match e {
+                Event::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_start,
+                    token_end,
+                    block_size,
+                    group,
+                    key_ranges,
+                    tag,
+                } => {
+                    let hs: Vec<Bound<'py, PyBytes>> =
+                        block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
+                    let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
+                    let (req, tokens) = match me.tags.get(&tag) {
+                        // the snapshot stands for the request (the event reads only those)
+                        Some((r, t, ns)) => (
+                            Some(ns.as_ref().map(|n| n.clone_ref(py)).unwrap_or_else(|| r.clone_ref(py))),
+                            t.as_ref().map(|(l, lo)| (l.clone_ref(py), *lo)),
+                        ),
+                        None => (None, None),
+                    };
+                    let item = PyTuple::new(
+                        py,
+                        [
+                            "stored".into_pyobject(py)?.into_any(),
+                            hs.into_pyobject(py)?.into_any(),
+                            parent.into_pyobject(py)?.into_any(),
+                            token_start.into_pyobject(py)?.into_any(),
+                            token_end.into_pyobject(py)?.into_any(),
+                            block_size.into_pyobject(py)?.into_any(),
+                            group.into_pyobject(py)?.into_any(),
+                            req.into_pyobject(py)?.into_any(),
+                            key_ranges.into_pyobject(py)?.into_any(),
+                            tokens.into_pyobject(py)?.into_any(),
+                        ],
+                    )?;
+                    out.append(item)?;
+                }
+                Event::BlockRemoved { block_hash, group } => {
+                    out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;
+                }
+                Event::AllBlocksCleared => out.append(("cleared",))?,
+            }
+        }
+        // No event is pending any more, so no tag can be referred to.
+        me.tags.clear();
+        Ok(out)
+    }
+
+    /// The null block's id (0).
+    #[getter]
+    fn null_block_id(&self) -> u32 {
+        NULL_BLOCK
+    }
+}
