@@ -23,6 +23,28 @@ PIP_PACKAGES: dict[str, str] = {
 }
 
 
+#: The extra of pyproject.toml each optional top-level module belongs to.
+EXTRAS: dict[str, str] = {
+    "zmq": "cluster",
+    "redis": "cluster",
+    "aiohttp": "cluster",
+    "prometheus_client": "cluster",
+    "matplotlib": "plot",
+    "torch": "torch",
+    "vllm": "vllm",
+}
+
+
+def missing_message(e: ModuleNotFoundError) -> str:
+    """The message of ``e`` with the install hint added when ``e`` is a bare "No module named
+    X" for an optional dependency ``X`` (an import that bypassed :func:`require`)."""
+    msg = str(e)
+    top = (e.name or "").partition(".")[0]
+    if top in EXTRAS and "pip install" not in msg:
+        return f"{msg}: {install_hint(top, EXTRAS[top])}"
+    return msg
+
+
 def install_hint(module: str, extra: str) -> str:
     """``pip install PACKAGE (kvblock's 'EXTRA' extra)`` for the top-level ``module``."""
     return f"pip install {PIP_PACKAGES.get(module, module)} (kvblock's '{extra}' extra)"

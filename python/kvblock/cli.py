@@ -14,9 +14,10 @@
 ``kvblock demo``     a tiny paged-attention model served with prefix caching on and off: the
                      outputs are identical (needs the ``torch`` extra).
 
-Exit status: 0 success; 1 ``--compare`` found kvblock and the reference disagreeing; 2 bad
-input or settings (the message says which; never a traceback); 3 some requests can never fit
-in the cache (the report of the others is printed first); 130 interrupted.
+Exit status: 0 success (``index serve``: stopped by SIGTERM); 1 ``--compare`` found kvblock and
+the reference disagreeing, or ``index serve`` cannot bind its address; 2 bad input or settings
+(the message says which; never a traceback); 3 some requests can never fit in the cache (the
+report of the others is printed first); 130 interrupted (Ctrl-C), at any point.
 """
 
 from __future__ import annotations
@@ -111,6 +112,33 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535 (0: any free port), got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _tier_weight(text: str) -> tuple[str, float]:
+    """``MEDIUM=W`` (``--tier-weight``): a medium's name and its weight, a number >= 0."""
+    import math
+
+    medium, sep, w = text.partition("=")
+    if not sep or not medium:
+        raise argparse.ArgumentTypeError(f"expected MEDIUM=WEIGHT (e.g. CPU=0.75), got {text!r}")
+    weight = _float(w)
+    if not math.isfinite(weight) or weight < 0:
+        raise argparse.ArgumentTypeError(f"the weight of {medium} must be a finite number >= 0, got {w!r}")
+    return medium, weight
 
 
 def version_line() -> str:
@@ -219,8 +247,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = _load_input(spec, args)
     _warn_skipped(trace, err)
     cfg = _replay_config(args, trace)
-    if args.instances is not None or args.router is not None or args.index is not None:
-        return _fleet_replay(args, trace, cfg, out, err)
+    given = _fleet_options_given(args)
+    if given:
+        return _fleet_replay(args, trace, cfg, out, err, given)
     impls = ("kvblock", "reference") if args.compare else (cfg.impl,)
     results = []
     for name in impls:
@@ -249,23 +278,41 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return status
 
 
+#: the fleet options of ``replay`` (and ``sweep``): any of them given runs a fleet.
+_FLEET_OPTIONS = ("instances", "router", "routers", "index", "load_weight", "transport", "speculative_ttl_ms",
+                  "index_max_pairs")
+
+
+def _fleet_options_given(args: argparse.Namespace) -> list[str]:
+    """The fleet options given on the command line, as flags (--instances, ...)."""
+    return ["--" + name.replace("_", "-") for name in _FLEET_OPTIONS if getattr(args, name, None) is not None]
+
+
 def _fleet_config(args: argparse.Namespace, instances: int, router: str) -> Any:
     from .replay.fleet import FleetConfig
 
-    return FleetConfig(instances=instances, router=router, index=args.index or "memory",
-                       load_weight=args.load_weight, transport=args.transport,
-                       speculative_ttl_ms=getattr(args, "speculative_ttl_ms", 0.0)).validate()
+    d = FleetConfig()
+    pick = lambda name: d.__dict__[name] if getattr(args, name, None) is None else getattr(args, name)  # noqa: E731
+    return FleetConfig(instances=instances, router=router, index=pick("index"),
+                       load_weight=pick("load_weight"), transport=pick("transport"),
+                       speculative_ttl_ms=pick("speculative_ttl_ms"),
+                       index_max_pairs=pick("index_max_pairs")).validate()
 
 
-def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err: Any) -> int:
+def _fleet_replay(args: argparse.Namespace, trace: Any, cfg: Any, out: Any, err: Any, given: list[str]) -> int:
     from .replay import ReplayError
     from .replay.fleet import render_fleet, replay_fleet
     from .replay.progress import replay_progress
 
     if args.compare or args.ideal or args.fingerprint:
-        raise ReplayError("--instances / --router / --index (a fleet replay) cannot be combined with "
+        raise ReplayError(f"{' / '.join(given)} (a fleet replay) cannot be combined with "
                           "--compare, --ideal or --fingerprint")
     fleet = _fleet_config(args, args.instances if args.instances is not None else 1, args.router or "cache-aware")
+    if fleet.speculative_ttl_ms > 0 and fleet.router != "cache-aware":
+        raise ReplayError(f"--speculative-ttl-ms applies to the cache-aware router, not --router {fleet.router}")
+    if args.instances is None:
+        err.print(f"kvblock: {' '.join(given)} runs a fleet replay: 1 instance behind the {fleet.router} router "
+                  "(give --instances N for more)", highlight=False, soft_wrap=True)
     with replay_progress(len(trace.requests), f"fleet replay ({fleet.instances} x {fleet.router})", err,
                          not args.no_progress) as progress:
         r = replay_fleet(trace, cfg, fleet, progress)
@@ -301,22 +348,41 @@ def _cmd_fleet_sweep(args: argparse.Namespace, out: Any, err: Any) -> int:
     from .cluster.router import POLICIES
     from .replay import ReplayError, SimConfig
     from .replay.fleet import fleet_sweep, plot_fleet_sweep
+    from .replay.memory import load_sizing, resolve_capacities
     from .replay.progress import replay_progress
+    from .replay.retention import POLICIES as RETENTION
 
     counts = _int_list(args.instances, "--instances")
-    routers = [r.strip() for spec in args.routers for r in spec.split(",") if r.strip()]
+    routers = [r.strip() for spec in args.routers or [_DEFAULT_ROUTERS] for r in spec.split(",") if r.strip()]
     for r in routers:
         if r not in POLICIES:
             raise ReplayError(f"unknown router {r!r}; choose from {', '.join(POLICIES)}")
     if len(args.traces) != 1:
         raise ReplayError("a fleet sweep (--instances) takes one TRACE")
+    policies = _policy_list(args.retention)
+    if len(policies) != 1 or policies[0] not in RETENTION:
+        raise ReplayError(f"a fleet sweep (--instances) replays one --retention policy of {', '.join(RETENTION)} "
+                          f"(got {','.join(policies)}); sweep several policies without --instances")
+    if args.capacities is None:
+        raise ReplayError("a fleet sweep (--instances) needs the blocks of each instance: give one "
+                          "--capacities value, e.g. --capacities 10k")
+    if args.warmup:
+        raise ReplayError("a fleet sweep (--instances) counts every request: --warmup needs a sweep without "
+                          "--instances")
+    if args.method != "auto" or args.impl != "kvblock":
+        raise ReplayError("a fleet sweep (--instances) replays kvblock's manager: --method and --impl do not apply")
+    sizing = load_sizing(args.model, args.kv_dtype) if args.model else None
+    if args.kv_dtype != "auto" and sizing is None:
+        raise ReplayError("--kv-dtype sizes budgets in bytes: give --model too")
+    caps, _ = resolve_capacities(args.capacities, sizing, args.block_size)
+    if len(caps) != 1:
+        raise ReplayError(f"a fleet sweep (--instances) takes one --capacities value, the blocks of each "
+                          f"instance (got {len(caps)})")
     trace = _load_input(args.traces[0], args)
     _warn_skipped(trace, err)
-    caps = [c for c in __import__("kvblock.replay.sweep", fromlist=["x"]).parse_capacities(args.capacities)]
-    if len(caps) != 1:
-        raise ReplayError("a fleet sweep takes one --capacities value: the blocks of each instance")
     cfg = SimConfig(num_blocks=caps[0], block_size=args.block_size, hash_algo=args.hash_algo,
-                    time_scale=args.time_scale).validate()
+                    time_scale=1.0 if args.time_scale is None else args.time_scale, retention=policies[0],
+                    pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
     fleet = _fleet_config(args, 1, routers[0])
     total = len(trace.requests) * len(counts) * len(routers)
     with replay_progress(total, "fleet sweep", err, not args.no_progress) as progress:
@@ -324,11 +390,13 @@ def _cmd_fleet_sweep(args: argparse.Namespace, out: Any, err: Any) -> int:
     if args.plot:
         plot_fleet_sweep(results, args.plot, args.title)
     if args.json:
-        print(json.dumps({"routers": {k: [r.to_dict() for r in v] for k, v in results.items()}, "plot": args.plot},
+        print(json.dumps({"retention": cfg.retention,
+                          "routers": {k: [r.to_dict() for r in v] for k, v in results.items()}, "plot": args.plot},
                          indent=2))
         return 0
+    policy = "" if cfg.retention == "lru" else f", retention {cfg.retention}"
     table = Table(title=f"{trace.name}: fleet hit rate vs instances",
-                  caption=f"{cfg.resolved_num_blocks(trace):,} blocks of {cfg.block_size} tokens per instance")
+                  caption=f"{cfg.resolved_num_blocks(trace):,} blocks of {cfg.block_size} tokens per instance{policy}")
     for col in ("router", "instances", "hit rate", "imbalance", "queue mean", "queue p99", "TTFT p50",
                 "over-reports"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -383,6 +451,27 @@ def _speedup(hit_rate: float) -> float:
     return min(1000.0, 1.0 / max(1.0 - hit_rate, 0.001))
 
 
+def _distinct_names(traces: list[Any]) -> list[Any]:
+    """Traces whose names clash (two files named tok.jsonl) named by their paths instead, so
+    tables and plot legends tell them apart; a clash left (the same file twice) gets #2, #3."""
+    from collections import Counter
+
+    counts = Counter(t.name for t in traces)
+    out = [replace(t, name=t.source) if counts[t.name] > 1 else t for t in traces]
+    seen: Counter[str] = Counter()
+    for i, t in enumerate(out):
+        seen[t.name] += 1
+        if seen[t.name] > 1:
+            out[i] = replace(t, name=f"{t.name} #{seen[t.name]}")
+    return out
+
+
+#: a fleet sweep's routers when --routers is not given.
+_DEFAULT_ROUTERS = "round-robin,least-loaded,cache-aware"
+#: ``kvblock sweep``'s capacities when --capacities is not given (a fleet sweep needs one).
+_DEFAULT_CAPACITIES = "1k,2k,5k,10k,20k,50k,100k,inf"
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -395,16 +484,28 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     if args.instances is not None:
         return _cmd_fleet_sweep(args, out, err)
+    given = _fleet_options_given(args) + (["--time-scale"] if args.time_scale is not None else [])
+    if given:
+        raise ReplayError(f"{' / '.join(given)} set a fleet sweep: give --instances LIST too")
     from .replay.memory import load_sizing, resolve_capacities
 
     sizing = load_sizing(args.model, args.kv_dtype) if args.model else None
     if args.kv_dtype != "auto" and sizing is None:
         raise ReplayError("--kv-dtype sizes budgets in bytes: give --model too")
-    capacities, cap_labels = resolve_capacities(args.capacities, sizing, args.block_size)
+    capacities, cap_labels = resolve_capacities(args.capacities or [_DEFAULT_CAPACITIES], sizing, args.block_size)
     policies = _policy_list(args.retention)
     from .replay.capacity import POLICIES as CURVE_POLICIES, capacity_sweep, warm_from
+    from .replay.retention import POLICIES as RETENTION
 
     warm_from(1, args.warmup)  # --warmup outside [0, 1): one line, exit 2
+    curve_only = [p for p in policies if p not in RETENTION]
+    replay_only = [p for p in policies if p not in CURVE_POLICIES]
+    if curve_only and replay_only:
+        common = [p for p in policies if p in RETENTION and p in CURVE_POLICIES]
+        raise ReplayError(
+            f"--retention {','.join(policies)} cannot run in one sweep: {', '.join(curve_only)} only the one-pass "
+            f"curve computes (--method curve) and {', '.join(replay_only)} only replays (--method replay); "
+            f"split it: --retention {','.join(common + curve_only)} and --retention {','.join(common + replay_only)}")
     use_curve = args.method == "curve" or (args.method == "auto" and args.impl == "kvblock"
                                            and all(p in CURVE_POLICIES for p in policies))
     if use_curve:
@@ -422,7 +523,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                       retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
     if args.plot:
         check_plot_target(args.plot)  # before the sweep: it may take minutes
-    traces = [_load_input(spec, args) for spec in args.traces]
+    traces = _distinct_names([_load_input(spec, args) for spec in args.traces])
     for t in traces:
         _warn_skipped(t, err)
     series = []
@@ -446,7 +547,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             plot_sweep(series, args.plot, args.title, curves)
         doc: dict[str, Any] = {"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
                                "method": "curve" if use_curve else "replay", "warmup": args.warmup,
-                               "wall_s": wall_s, "plot": args.plot, "capacities": cap_labels,
+                               "wall_s": wall_s, "plot": args.plot, "capacities": capacities,
+                               "capacity_labels": cap_labels,
                                "series": [s.to_dict() for s in series]}
         if sizing is not None:
             doc["model"] = {**sizing.to_dict(), "bytes_per_block": sizing.bytes_per_block(args.block_size)}
@@ -467,8 +569,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         if sizing is not None:
             cols[1:1] = ["blocks", "tokens", "memory"]
             cols.insert(6, "prefill speedup")
-        for col in cols:
-            table.add_column(col, justify="right")
+        rows = []
         for label, p in zip(cap_labels, s.points):
             row = [label, f"{100 * p.hit_rate:.2f}%", f"{100 * p.token_hit_rate:.2f}%", _si(p.misses),
                    f"{p.unservable:,}", _si(p.evictions)]
@@ -478,6 +579,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                 row[1:1] = [f"{p.num_blocks:,}", _si((p.num_blocks - 1) * s.block_size),
                             format_bytes(sizing.budget_of(p.num_blocks, s.block_size))]
                 row.insert(6, f"{_speedup(p.hit_rate):.2f}x")
+            rows.append(row)
+        for col in cols:
+            # no cell is cut ("capaci…") or split ("8.00 / GiB"): the wide --model table puts
+            # a header's words on lines of their own; print_table widens what still does not fit
+            table.add_column(col.replace(" ", "\n") if sizing is not None else col, justify="right", no_wrap=True)
+        for row in rows:
             table.add_row(*row)
         _print_table(out, table)
     out.print("capacity in blocks" + (" or bytes (blocks = bytes // bytes per block, null block included; "
@@ -522,16 +629,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_index_serve(args: argparse.Namespace) -> int:
-    from .cluster.service import ServiceConfig, parse_engine, serve
+    from .cluster.service import BindError, ServiceConfig, parse_engine, serve
 
     engines = [spec for e in args.engine for spec in parse_engine(e)]
     config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
                            hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
-                           speculative_ttl_ms=args.speculative_ttl_ms)
+                           speculative_ttl_ms=args.speculative_ttl_ms, max_pairs=args.max_pairs,
+                           tier_weights=tuple(args.tier_weight) or None)
     import logging
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")
-    serve(config, engines, args.host, args.port)
+    try:
+        serve(config, engines, args.host, args.port)
+    except BindError as e:  # nothing was claimed yet: the "serving" line comes after the bind
+        print(f"kvblock: error: {e.strerror}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -546,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--repeat", type=_positive_int, default=20, metavar="N", help="timing repetitions (default 20)")
     info.set_defaults(func=_cmd_info)
     # `kvblock demo ...` is dispatched in main() before parsing (its options belong to
-    # kvblock.demo); this entry only lists it in `kvblock --help`.
+    # kvblock.worker.demo); this entry only lists it in `kvblock --help`.
     sub.add_parser(
         "demo",
         help="paged-attention serving loop: prefix caching on vs off gives identical outputs "
@@ -564,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
         "2,048,000 tokens on it).",
     )
     rp.add_argument("trace", nargs="?", default=None, metavar="TRACE",
-                    help="JSONL trace (Mooncake, Bailian, token ids; .gz allowed) or builtin:NAME")
+                    help="JSONL trace (Mooncake, Bailian, token ids; .gz allowed), - for standard input, "
+                    "or builtin:NAME")
     rp.add_argument("--workload", choices=tuple(WORKLOADS), default=None,
                     help=f"built-in workload to replay when no TRACE is given (default {_DEFAULT_WORKLOAD})")
     _add_input_options(rp)
@@ -605,13 +718,16 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--index", default=None, metavar="URL",
                     help="prefix index: 'memory' (in-process, default), redis://host:port or "
                     "redis+cluster://host:port")
-    fl.add_argument("--load-weight", type=_float, default=0.5, metavar="W",
+    fl.add_argument("--load-weight", type=_float, default=None, metavar="W",
                     help="cache-aware score = cached tokens - W * load tokens (default 0.5)")
-    fl.add_argument("--transport", choices=("direct", "zmq"), default="direct",
-                    help="events to the index directly, or through ZMQ publisher/subscriber sockets")
-    fl.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+    fl.add_argument("--transport", choices=("direct", "zmq"), default=None,
+                    help="events to the index directly, or through ZMQ publisher/subscriber sockets (default direct)")
+    fl.add_argument("--speculative-ttl-ms", type=_float, default=None, metavar="MS",
                     help="cache-aware: also count blocks just routed to an instance (speculative entries) until "
                     "its events confirm them or MS pass on the simulated clock (default 0: off)")
+    fl.add_argument("--index-max-pairs", type=_nonneg_int, default=None, metavar="N",
+                    help="cap the in-process index at N (block, instance) pairs; the report counts the pairs "
+                    "evicted (default: no cap)")
     o = rp.add_argument_group("output")
     o.add_argument("--compare", action="store_true",
                    help="run kvblock and the reference on the same input; print both and the speedup")
@@ -627,8 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ideal replays (requests finish instantly) of each TRACE at each capacity; prints the hit "
         "rates and, with --plot, draws them against capacity (Mooncake FAST'25 Figure 9 style).",
     )
-    sw.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files, or builtin:NAME")
-    sw.add_argument("--capacities", nargs="+", default=["1k,2k,5k,10k,20k,50k,100k,inf"], metavar="LIST",
+    sw.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files (- for standard input), or builtin:NAME")
+    sw.add_argument("--capacities", nargs="+", default=None, metavar="LIST",
                     help="cache sizes in blocks, e.g. 1k,10k,100k,inf, or in bytes with --model, e.g. 8GiB,512MiB "
                     "(default 1k,2k,5k,10k,20k,50k,100k,inf)")
     sw.add_argument("--plot", default=None, metavar="OUT.png", help="write the plot to this file")
@@ -661,14 +777,16 @@ def build_parser() -> argparse.ArgumentParser:
     fs = sw.add_argument_group("fleet sweep (with --instances: hit rate against instance count per router)")
     fs.add_argument("--instances", nargs="+", default=None, metavar="LIST",
                     help="instance counts, e.g. 1,2,4,8,16 (--capacities then gives the blocks per instance)")
-    fs.add_argument("--routers", nargs="+", default=["round-robin,least-loaded,cache-aware"], metavar="LIST",
+    fs.add_argument("--routers", nargs="+", default=None, metavar="LIST",
                     help="routing policies (default all three)")
     fs.add_argument("--index", default=None, metavar="URL", help="prefix index (default in-process)")
-    fs.add_argument("--load-weight", type=_float, default=0.5, metavar="W", help="cache-aware load weight")
-    fs.add_argument("--transport", choices=("direct", "zmq"), default="direct", help="how events reach the index")
-    fs.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
+    fs.add_argument("--load-weight", type=_float, default=None, metavar="W",
+                    help="cache-aware load weight (default 0.5)")
+    fs.add_argument("--transport", choices=("direct", "zmq"), default=None,
+                    help="how events reach the index (default direct)")
+    fs.add_argument("--speculative-ttl-ms", type=_float, default=None, metavar="MS",
                     help="cache-aware: speculative entries living MS on the simulated clock (default 0: off)")
-    fs.add_argument("--time-scale", type=_float, default=1.0, metavar="X",
+    fs.add_argument("--time-scale", type=_float, default=None, metavar="X",
                     help="multiply arrival times by X (default 1)")
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -687,7 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an engine's PUB endpoint (and replay ROUTER endpoint); repeat per engine (more can be "
                     "added with POST /engines); ',dp=N': N data-parallel ranks NAME@dp0.. on vLLM's offset ports")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=_int, default=8000, metavar="N", help="port to listen on (default 8000)")
+    sv.add_argument("--port", type=_port, default=8000, metavar="N",
+                    help="port to listen on, 0-65535 (0: any free port; default 8000)")
     sv.add_argument("--model", default=None, help="the model served; queries naming another are refused (404)")
     sv.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                     help="the engines' tokens per block (default 16)")
@@ -703,6 +822,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
                     help="keep speculative entries (POST /speculate) MS milliseconds unless the engines' events "
                     "confirm or drop them first (default 0: off)")
+    sv.add_argument("--max-pairs", type=_nonneg_int, default=None, metavar="N",
+                    help="memory cap: keep at most N (block, engine) pairs, about 16-30 bytes each; past it whole "
+                    "blocks are evicted (private ones first, then shared, then chains' first blocks) and counted "
+                    "in kvblock_index_evicted_pairs (default: no cap)")
+    sv.add_argument("--tier-weight", action="append", type=_tier_weight, default=[], metavar="MEDIUM=W",
+                    help="a medium's weight, e.g. GPU=1 CPU=0.75 disk=0.25 (repeat per medium): /score also answers "
+                    "\"weighted\" tokens, each tier's prefix at its weight (a medium not named weighs 0)")
     sv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                     help="logging level (default info)")
     sv.set_defaults(func=_cmd_index_serve)
@@ -710,17 +836,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``kvblock`` command; returns the exit status (see the module docstring)."""
+    """Run the ``kvblock`` command; returns the exit status (see the module docstring).
+    Ctrl-C anywhere in it, imports included: ``kvblock: interrupted``, 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("kvblock: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from .replay.errors import ReplayError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["demo"]:
-            from .demo_args import build_parser as demo_parser
+            from .worker.demo_args import build_parser as demo_parser
 
             demo_parser().parse_args(argv[1:])  # --help and usage errors need no torch
             try:
-                from .demo import main as demo_main  # imports torch: only this command needs it
+                from .worker.demo import main as demo_main  # imports torch: only this command needs it
             except ImportError as e:
                 print(f"kvblock: error: {e}", file=sys.stderr)
                 return 2
@@ -738,15 +873,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         # an option whose optional dependency is not installed (--transport zmq without pyzmq,
         # a redis:// index without redis): the message names the pip extra to install
-        print(f"kvblock: error: {e}", file=sys.stderr)
+        from ._optional import missing_message
+
+        print(f"kvblock: error: {missing_message(e)}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, OverflowError, MemoryError, RecursionError, OSError) as e:
         # settings the core refuses (e.g. a pool beyond the int32 block-id range)
         print(f"kvblock: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kvblock: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import numpy as np
 
 from collections import OrderedDict
 
-from ..workload import splitmix64
+from .peer_workload import splitmix64
 
 __all__ = ["OFFSET", "VOCAB", "HashIdExpander", "expand_block_tokens", "synthetic_output_tokens"]
 

@@ -35,6 +35,7 @@ from .blockhash import RequestHasher
 from .config import SimConfig
 from .errors import ReplayError
 from .result import ReplayResult, Unservable
+from .retention import RetentionPolicy
 from .simrequest import SimRequest
 from .simulator import _Scheduler
 from .trace import Trace, TraceRequest
@@ -80,6 +81,9 @@ class FleetConfig:
         speculative_ttl_ms: > 0: the cache-aware router also records speculative entries
             (:class:`~kvblock.cluster.speculative.SpeculativeIndex`) living this long on the
             simulated clock unless the engines' events confirm or drop them first; 0: off.
+        index_max_pairs: the in-process index's memory cap in (block, instance) pairs (None:
+            none); what it evicts is reported (``index.evicted_pairs``) and the claims are
+            still checked against the engines (an evicted block is an under-report).
     """
 
     instances: int = 4
@@ -90,6 +94,7 @@ class FleetConfig:
     check: bool = True
     check_all: bool = False
     speculative_ttl_ms: float = 0.0
+    index_max_pairs: int | None = None
 
     def validate(self) -> "FleetConfig":
         from ..cluster.router import POLICIES
@@ -104,6 +109,12 @@ class FleetConfig:
             raise ReplayError(f"--load-weight must be >= 0, got {self.load_weight}")
         if self.transport not in TRANSPORTS:
             raise ReplayError(f"unknown --transport {self.transport!r}; choose from {', '.join(TRANSPORTS)}")
+        if self.index_max_pairs is not None:
+            if isinstance(self.index_max_pairs, bool) or not isinstance(self.index_max_pairs, int) \
+                    or self.index_max_pairs < 0:
+                raise ReplayError(f"--index-max-pairs must be an int >= 0, got {self.index_max_pairs!r}")
+            if self.index != "memory":
+                raise ReplayError("--index-max-pairs caps the in-process index ('--index memory')")
         if self.index != "memory" and not self.index.startswith(("redis://", "redis+cluster://", "unix://")):
             raise ReplayError(f"--index must be 'memory' or a redis:// / redis+cluster:// URL, got {self.index!r}")
         return self
@@ -159,6 +170,8 @@ class FleetResult:
     index_fallbacks: int = 0
     index_pairs: int = 0
     index_bytes: int = 0
+    #: (block, holder) pairs the index's memory cap evicted.
+    index_evicted_pairs: int = 0
     block_events: int = 0
     batches: int = 0
     steps: int = 0
@@ -205,7 +218,8 @@ class FleetResult:
             "ttft_ms": {"mean": float(np.mean(t)) if t else 0.0, "p50": _pct(t, 50), "p99": _pct(t, 99)},
             "routed_cached_tokens": self.routed_cached_tokens, "over_reports": self.over_reports,
             "under_reports": self.under_reports, "index_fallbacks": self.index_fallbacks,
-            "index": {"pairs": self.index_pairs, "bytes": self.index_bytes, "block_events": self.block_events,
+            "index": {"pairs": self.index_pairs, "bytes": self.index_bytes, "evicted_pairs": self.index_evicted_pairs,
+                      "block_events": self.block_events,
                       "batches": self.batches, "seconds": self.index_s},
             "per_instance": [s.to_dict() for s in self.per_instance],
             "steps": self.steps, "sim_time_s": self.sim_time_s, "wall_s": self.wall_s,
@@ -310,16 +324,20 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
     hasher = RequestHasher(impl, cfg.block_size, cfg.hash_algo, trace.trace_block_size)
     engines: list[_Scheduler] = []
     for name in names:
+        policy = RetentionPolicy(cfg.retention, cfg.block_size, cfg.pin_tokens, cfg.ttl_s)
         mgr = KVCacheManager(num_blocks, cfg.block_size, hash_algo=cfg.hash_algo, log_stats=True,
-                             enable_kv_cache_events=True)
+                             enable_kv_cache_events=True, **policy.manager_kwargs())
         res = ReplayResult(workload=trace.name, source=trace.source, impl="kvblock", mode="fleet",
                            config=cfg.describe(trace), requests=0, prompt_tokens=0, usable_blocks=num_blocks - 1)
         e = _Scheduler(trace, cfg, mgr, hasher, res, None, None)
         e.request_type = FleetRequest
+        e.policy = policy  # each engine its own --retention state
         engines.append(e)
     hasher.start_run()
     namespace = f"fleet-{int(time.time() * 1000)}-{id(engines):x}"
     index = _make_index(fleet.index, cfg.block_size, namespace)
+    if fleet.index_max_pairs is not None:
+        index.max_pairs = fleet.index_max_pairs
     now = 0.0
     if fleet.speculative_ttl_ms > 0 and fleet.router == "cache-aware":
         from ..cluster.speculative import SpeculativeIndex
@@ -331,7 +349,8 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
     out = FleetResult(workload=trace.name, config=cfg.describe(trace),
                       fleet={"instances": fleet.instances, "router": fleet.router, "index": fleet.index,
                              "load_weight": fleet.load_weight, "transport": fleet.transport,
-                             "speculative_ttl_ms": fleet.speculative_ttl_ms},
+                             "speculative_ttl_ms": fleet.speculative_ttl_ms,
+                             "index_max_pairs": fleet.index_max_pairs},
                       requests=len(trace.requests), prompt_tokens=trace.num_prompt_tokens)
     step_ms = cfg.step_ms
 
@@ -435,6 +454,7 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
     mirror = getattr(index, "mirror", index)
     out.index_pairs = mirror.num_pairs()
     out.index_bytes = mirror.memory_bytes() if hasattr(mirror, "memory_bytes") else 0
+    out.index_evicted_pairs = int(mirror.evicted()[0]) if hasattr(mirror, "evicted") else 0
     if hasattr(index, "close"):
         index.close()
     out.sim_time_s = now / 1e3
@@ -453,8 +473,10 @@ def render_fleet(r: FleetResult, console: Any) -> None:
 
     d = r.to_dict()
     f = r.fleet
-    console.print(f"[bold]{r.workload}[/bold]: {f['instances']} instances, router [bold]{r.routing}[/bold], "
-                  f"index {f['index']} ({f['transport']})")
+    plural = "s" if f["instances"] != 1 else ""
+    console.print(f"[bold]{r.workload}[/bold]: {f['instances']} instance{plural}, router [bold]{r.routing}[/bold], "
+                  f"index {f['index']} ({f['transport']})"
+                  + (f", retention [bold]{r.config['retention']}[/bold]" if "retention" in r.config else ""))
     t = Table(title="fleet", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
@@ -466,6 +488,8 @@ def render_fleet(r: FleetResult, console: Any) -> None:
     t.add_row("time to first token mean / p50 / p99", f"{tt['mean']:,.0f} / {tt['p50']:,.0f} / {tt['p99']:,.0f} ms")
     t.add_row("KV events into the index", f"{r.block_events:,} block events in {r.batches:,} batches")
     t.add_row("index at the end", f"{r.index_pairs:,} (block, holder) pairs, {r.index_bytes:,} bytes")
+    if f.get("index_max_pairs") is not None:
+        t.add_row(f"index memory cap ({f['index_max_pairs']:,} pairs): pairs evicted", f"{r.index_evicted_pairs:,}")
     t.add_row("routing claims over / under the engine's truth", f"{r.over_reports:,} / {r.under_reports:,}")
     if r.index_fallbacks:
         t.add_row("routed by load (index unavailable)", f"{r.index_fallbacks:,}")

@@ -3,13 +3,16 @@
 Each non-blank line is decoded with msgspec; a line that fails (bad JSON, wrong field types,
 or a record its converter rejects) raises :class:`~kvblock.replay.errors.TraceFormatError`
 naming the file and the 1-based line number, or, with ``skip_bad_lines``, is counted and
-skipped.
+skipped. Standard input (``-``) and pipes are read once, into memory.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import os
+import stat
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, TypeVar
 
@@ -17,7 +20,10 @@ import msgspec
 
 from .errors import ReplayError, TraceFormatError
 
-__all__ = ["BadLine", "JsonlReader", "open_trace_file"]
+__all__ = ["BadLine", "JsonlReader", "STDIN", "is_stream", "open_trace_file", "read_stream"]
+
+#: The path that names standard input.
+STDIN = "-"
 
 T = TypeVar("T")
 
@@ -48,6 +54,36 @@ def open_trace_file(path: str):
         raise ReplayError(f"cannot read trace file {path}: {e.strerror or e}") from None
 
 
+def is_stream(path: str) -> bool:
+    """``path`` is standard input (``-``) or a pipe, socket or device (``/dev/stdin`` fed by
+    a pipe, ``<(...)``): it can be read only once, so a trace is read from it into memory."""
+    if path == STDIN:
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+
+
+def read_stream(path: str) -> bytes:
+    """Read all of standard input (``-``) or a pipe (gzip data is decompressed).
+
+    Raises:
+        ReplayError: it cannot be read, or its gzip data is corrupt.
+    """
+    try:
+        if path == STDIN:
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+        return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+    except (OSError, EOFError) as e:
+        what = "standard input" if path == STDIN else path
+        raise ReplayError(f"cannot read trace from {what}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _reason(exc: Exception) -> str:
     if isinstance(exc, msgspec.ValidationError):
         return f"invalid record: {exc}"
@@ -62,6 +98,8 @@ class JsonlReader:
 
     Args:
         path: the file (``.gz`` allowed).
+        data: the file's bytes, already read (from a stream, see :func:`read_stream`);
+            None: read ``path``.
         skip_bad_lines: skip lines that fail instead of raising; they are listed in
             :attr:`bad_lines`.
 
@@ -71,6 +109,7 @@ class JsonlReader:
 
     path: str
     skip_bad_lines: bool = False
+    data: bytes | None = None
     bad_lines: list[BadLine] = field(default_factory=list)
 
     def records(self, convert: Callable[[bytes, int], T]) -> Iterator[tuple[int, T]]:
@@ -84,7 +123,7 @@ class JsonlReader:
             ReplayError: the file cannot be opened or read (including corrupt gzip data).
             TraceFormatError: a bad line, unless ``skip_bad_lines``.
         """
-        with open_trace_file(self.path) as f:
+        with (open_trace_file(self.path) if self.data is None else io.BytesIO(self.data)) as f:
             line_no = 0
             while True:
                 try:

@@ -14,7 +14,7 @@ import msgspec
 
 from .bailian import BAILIAN_BLOCK_SIZE, decode_bailian
 from .errors import ReplayError, TraceFormatError
-from .jsonl import JsonlReader
+from .jsonl import STDIN, JsonlReader, is_stream, read_stream
 from .mooncake import MOONCAKE_BLOCK_SIZE, decode_mooncake
 from .tokens_jsonl import decode_tokens
 from .trace import Trace, TraceRequest
@@ -36,18 +36,19 @@ def _classify(obj: object) -> str | None:
     return None
 
 
-def detect_format(path: str, *, skip_bad_lines: bool = False) -> str:
+def detect_format(path: str, *, skip_bad_lines: bool = False, data: bytes | None = None) -> str:
     """Tell the format of a trace file from its first decodable line.
 
     ``hash_ids`` + ``chat_id`` → ``"bailian"``; ``hash_ids`` → ``"mooncake"``; a JSON
-    array or ``prompt_token_ids`` / ``token_ids`` → ``"tokens"``.
+    array or ``prompt_token_ids`` / ``token_ids`` → ``"tokens"``. ``data``: the file's
+    bytes when already read (a stream).
 
     Raises:
         ReplayError: the file cannot be read, is empty, or its first record matches no
             format; TraceFormatError: the first non-blank line is not JSON (unless
             ``skip_bad_lines``, which moves on to the next line).
     """
-    reader = JsonlReader(path, skip_bad_lines=skip_bad_lines)
+    reader = JsonlReader(path, skip_bad_lines=skip_bad_lines, data=data)
     for line, obj in reader.records(lambda raw, _line: msgspec.json.decode(raw)):
         kind = _classify(obj)
         if kind is None:
@@ -71,7 +72,8 @@ def load_trace(
     """Load a trace file.
 
     Args:
-        path: a JSONL file (``.gz`` allowed).
+        path: a JSONL file (``.gz`` allowed); ``-`` (standard input) or a pipe is read once,
+            into memory.
         format: ``"auto"`` (detect), ``"mooncake"``, ``"bailian"`` or ``"tokens"``.
         trace_block_size: tokens per hash id (default 512 for Mooncake, 16 for Bailian;
             ignored for token traces).
@@ -94,8 +96,9 @@ def load_trace(
         raise ReplayError(f"--trace-block-size must be > 0, got {trace_block_size}")
     if limit is not None and limit <= 0:
         raise ReplayError(f"--limit must be > 0, got {limit}")
+    data = read_stream(path) if is_stream(path) else None
     if format == "auto":
-        format = detect_format(path, skip_bad_lines=skip_bad_lines)
+        format = detect_format(path, skip_bad_lines=skip_bad_lines, data=data)
     if format == "mooncake":
         tbs = trace_block_size or MOONCAKE_BLOCK_SIZE
     elif format == "bailian":
@@ -116,7 +119,7 @@ def load_trace(
         counter[0] += 1
         return req
 
-    reader = JsonlReader(path, skip_bad_lines=skip_bad_lines)
+    reader = JsonlReader(path, skip_bad_lines=skip_bad_lines, data=data)
     requests: list[TraceRequest] = []
     for _line, req in reader.records(convert):
         requests.append(req)
@@ -136,7 +139,7 @@ def load_trace(
             raise TraceFormatError(path, r.line, f"duplicate request_id {r.request_id!r} (first on line {seen[r.request_id]})")
         seen[r.request_id] = r.line
     requests.sort(key=_arrival)
-    name = os.path.basename(path)
+    name = "stdin" if path == STDIN else os.path.basename(path)
     for ext in (".gz", ".jsonl", ".json"):
         if name.endswith(ext) and len(name) > len(ext):
             name = name[: -len(ext)]

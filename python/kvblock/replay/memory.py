@@ -272,7 +272,8 @@ def resolve_capacities(specs: list[str], sizing: KVSizing | None,
     each one's label (the budget as given, or the block count).
 
     Raises:
-        ReplayError: a budget without ``--model``, one under 2 blocks, a bad block count.
+        ReplayError: no capacity, a budget without ``--model``, one under 2 blocks, a bad
+            block count.
     """
     from .sweep import parse_capacities
 
@@ -297,5 +298,8 @@ def resolve_capacities(specs: list[str], sizing: KVSizing | None,
     caps |= set(budgets)
     finite = sorted(c for c in caps if c is not None)
     ordered: list[int | None] = [*finite, *([None] if None in caps else [])]
+    if not ordered:
+        raise ReplayError("--capacities: no capacity given; expected block counts such as 1k,10k,inf"
+                          + (" or byte sizes such as 8GiB" if sizing is not None else ""))
     labels = ["unlimited" if c is None else budgets.get(c, f"{c:,}") for c in ordered]
     return ordered, labels

@@ -68,13 +68,11 @@ def hash_id_request(
             f"(one id per {trace_block_size}-token block; see --trace-block-size)"
         )
     limit = (1 << 63) // trace_block_size
-    try:
-        ids = np.array(hash_ids, dtype=np.int64)
-    except OverflowError:
-        raise ValueError(f"hash_ids must be in [0, {limit}), got a larger id") from None
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValueError(f"hash_ids must be in [0, {limit}), got {bad}")
+    if hash_ids:  # Python's min/max on the short list: a third of numpy's reductions' time
+        lo, hi = min(hash_ids), max(hash_ids)
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"hash_ids must be in [0, {limit}), got {lo if lo < 0 else hi}")
+    ids = np.array(hash_ids, dtype=np.int64)
     return TraceRequest(
         index=index,
         request_id=f"req-{index}",

@@ -126,7 +126,10 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
         stop = max(min(n - 1, int(hi)), start)
         xs = np.unique(np.geomspace(start, stop, 400).astype(np.int64))
         ys = [100 * c.hit_rate(int(x)) for x in xs]
-        ax.plot(xs, ys, color="black", linewidth=0.8, alpha=0.7, label=f"{c.name} (LRU, one pass)")
+        # the color of its trace's series: two traces' curves are told apart
+        k = next((i for i, s in enumerate(series) if s.name == c.name), None)
+        ax.plot(xs, ys, color="black" if k is None else series_style(k)["color"], linewidth=0.8, alpha=0.7,
+                label=f"{c.name} (LRU, one pass)")
     ax.set_xscale("log")
     ticks = sorted(set(finite)) + ([x_inf] if has_inf else [])
 
@@ -147,7 +150,22 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
     ax.grid(True, which="major", alpha=0.35)
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
+    _save_whole(fig, path)
+
+
+def _save_whole(fig: Any, path: str) -> None:
+    """Save ``fig`` to ``path`` whole or not at all: drawn into a file beside it, then moved
+    over it (an interrupt or an error leaves an existing ``path`` as it was, and no file
+    behind)."""
+    import os
+
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".kvblock-plot-{os.getpid()}.{ext}")
     try:
-        fig.savefig(path)
+        fig.savefig(tmp, format=ext or None)
+        os.replace(tmp, path)
     except (OSError, ValueError) as e:
         raise ReplayError(f"cannot write plot {path}: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

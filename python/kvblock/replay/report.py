@@ -117,9 +117,11 @@ def render_result(result: ReplayResult, console: Console) -> None:
         f"{r.blocks_hashed:,} hashed, {r.blocks_reused:,} memoised",
     )
     table.add_row("wall time", f"{r.wall_s:,.2f} s", "")
-    if r.fingerprint:
-        table.add_row("block-id fingerprint", r.fingerprint[:16] + "…", "workload README §5.1")
     print_table(console, table)
+    if r.fingerprint:
+        # whole, on a line of its own: a 64-digit hash in a cell would be cut or widen the table
+        console.print(f"block-id fingerprint (workload README §5.1): {r.fingerprint}", soft_wrap=True,
+                      highlight=False)
 
 
 @dataclass

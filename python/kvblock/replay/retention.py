@@ -7,7 +7,10 @@
   prefixes.
 * ``pin-system-prompts``: each prompt whose leading blocks were a cache hit pins the first
   ``pin_tokens`` of them (the system prompt; default the workload's, else 2048 tokens), up
-  to a quarter of the pool; pins over the cap are skipped.
+  to a quarter of the pool; pins over the cap are skipped. Pins give way when they would
+  starve the pool: a request that fits the pool but cannot be allocated with nothing else
+  running releases the oldest pins, one at a time, until it fits (counted in
+  ``pins_released``), so an idle pool serves any servable request.
 * ``ttl``: priority 80 for the whole prompt, decaying to 35 ``ttl_s`` seconds (default 300,
   Anthropic's 5-minute cache) after release on the replay's simulated clock.
 
@@ -68,8 +71,10 @@ class RetentionPolicy:
         self.ttl_s = ttl_s
         self.clock = SimClock()
         self.seen: set[bytes] = set()
-        self.pinned: set[bytes] = set()
+        #: the pins held, oldest first: last block hash -> the pinned prefix's hashes
+        self.pinned: dict[bytes, list[bytes]] = {}
         self.pins = 0
+        self.pins_released = 0
 
     def manager_kwargs(self) -> dict[str, Any]:
         """Extra manager arguments ({} for ``lru``: vLLM's manager exactly)."""
@@ -106,5 +111,19 @@ class RetentionPolicy:
             mgr.pin_prefix(prefix)
         except ValueError:
             return  # over the cap: not pinned
-        self.pinned.add(prefix[-1])
+        self.pinned[prefix[-1]] = prefix
         self.pins += 1
+
+    def give_way(self, mgr: Any) -> bool:
+        """Release the oldest pin so that a starved request can be allocated; False when no
+        pin is held (nothing can give way)."""
+        while self.pinned:
+            key = next(iter(self.pinned))
+            prefix = self.pinned.pop(key)
+            try:
+                mgr.unpin_prefix(prefix)
+            except ValueError:
+                continue  # no longer pinned (its TTL ran out)
+            self.pins_released += 1
+            return True
+        return False

@@ -204,6 +204,8 @@ def _run_ideal(
         hit, n_hit, _ = get_computed_blocks(req)
         t1 = clock()
         new = allocate_slots(req, num_tokens - n_hit, n_hit, hit)
+        while new is None and policy is not None and policy.give_way(mgr):
+            new = allocate_slots(req, num_tokens - n_hit, n_hit, hit)
         t2 = clock()
         if new is None:
             raise RuntimeError(f"allocate_slots failed for {tr.request_id} in an idle pool")
@@ -392,6 +394,8 @@ class _Scheduler:
                 step_calls += 1
                 if new is not None:
                     break
+                if running[-1] is req and not scheduled and policy is not None and policy.give_way(mgr):
+                    continue  # pins give way rather than starve the only request left
                 victim = running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -435,6 +439,8 @@ class _Scheduler:
                 admit_ns += clock() - t0
                 admit_calls += 1
                 if new is None:
+                    if not running and policy is not None and policy.give_way(mgr):
+                        continue  # an idle pool: pins give way rather than starve it
                     break
                 if policy is not None:
                     policy.after_admit(self.mgr, req, n_hit)

@@ -1,6 +1,6 @@
 """Built-in workloads, generated in code so ``kvblock replay`` runs with no file.
 
-* ``shared-prompt``: the seeded ``apc-peer-v1`` workload of :mod:`kvblock.workload` (1000
+* ``shared-prompt``: the seeded ``apc-peer-v1`` workload of :mod:`kvblock.replay.peer_workload` (1000
   requests of 2048 tokens, three in four starting with one 1536-token system prompt, 128
   outputs each), with the manager and scheduler settings of its README §2–3: 16384 blocks of
   16 tokens, at most 64 running, no token budget, no chunked prefill, all requests waiting
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import workload as apc
+from . import peer_workload as apc
 from .errors import ReplayError
 from .trace import SchedulerDefaults, Trace, TraceRequest
 
@@ -25,7 +25,7 @@ __all__ = ["WORKLOADS", "ChatParams", "builtin_workload", "chat_workload", "shar
 
 
 def shared_prompt_workload(num_requests: int = apc.NUM_REQUESTS) -> Trace:
-    """The ``apc-peer-v1`` workload (token ids from :func:`kvblock.workload.e2e_request_tokens`).
+    """The ``apc-peer-v1`` workload (token ids from :func:`kvblock.replay.peer_workload.e2e_request_tokens`).
 
     Args:
         num_requests: the first ``num_requests`` of its 1000 requests.
@@ -86,7 +86,7 @@ class ChatParams:
 def chat_workload(params: ChatParams = ChatParams()) -> Trace:
     """Generate the ``chat`` workload (deterministic for given parameters).
 
-    Token ids are ``kvblock.workload`` splitmix64 streams under ``params.seed``: stream ``s``
+    Token ids are ``kvblock.replay.peer_workload`` splitmix64 streams under ``params.seed``: stream ``s``
     for system prompt ``s``, stream ``system_prompts + c`` for conversation ``c`` (its user
     messages and answers in order).
 
