@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import pytest
 
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvblock.block_table import BlockTable, slot_mapping_reference  # noqa: E402
+from kvblock.worker.block_table import BlockTable, slot_mapping_reference  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_REQS = 64

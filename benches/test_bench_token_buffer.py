@@ -16,7 +16,7 @@ from array import array
 import pytest
 
 from kvblock import hashing as H
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 from kvblock.request import Request as KRequest
 
 BATCH = 16

@@ -33,7 +33,7 @@ import time
 import pytest
 
 import vllm_sched as S
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 

@@ -1,7 +1,7 @@
 """vLLM 0.33.0 itself on the workload's end-to-end loop (../shared/workload/README.md §3).
 
 vLLM's own ``KVCacheManager``, ``Request`` and request block hasher run the same loop as
-:func:`kvblock.workload.run_e2e`, and the clock is read around the same phases: each step's
+:func:`kvblock.replay.peer_workload.run_e2e`, and the clock is read around the same phases: each step's
 decode loop, each admission's ``get_computed_blocks`` and ``allocate_slots``, each step's
 frees, and the hashing (a new request's prompt when its hasher is attached, then
 ``update_block_hashes`` after each step's outputs are appended). So its manager and hashing
@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 
 VLLM_VERSION = "0.33.0"
 

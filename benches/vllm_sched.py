@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 
 #: the vLLM release series this bench drives (0.34's ``Request`` holds its token ids in a
 #: ``TokenBuffer``, its ``ModelRunnerOutput`` has no ``req_id_to_index``, and its
@@ -169,13 +169,15 @@ def engine(impl: str, block_size: int = W.BLOCK_SIZE) -> Iterator[dict[str, Any]
             kv.unpatch()
 
 
-def make_scheduler(eng: dict[str, Any], wl: Workload) -> Any:
+def make_scheduler(eng: dict[str, Any], wl: Workload, kv_cache_metrics_sample: float | None = None) -> Any:
     """vLLM's ``AsyncScheduler`` (async scheduling is vLLM's default) with prefix caching on,
-    chunked prefill on, one full-attention group, ``wl``'s limits."""
+    chunked prefill on, one full-attention group, ``wl``'s limits; with
+    ``kv_cache_metrics_sample``, KV-cache residency metrics on at that sample rate
+    (``--kv-cache-metrics --kv-cache-metrics-sample RATE``)."""
     import torch
 
     _cpu_harness()
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.config import CacheConfig, ModelConfig, ObservabilityConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -187,7 +189,10 @@ def make_scheduler(eng: dict[str, Any], wl: Workload) -> Any:
                                        async_scheduling=True, is_encoder_decoder=False, watermark=0.0)
     cache_config = CacheConfig(block_size=wl.block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=True)
-    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
+    observability = (ObservabilityConfig() if kv_cache_metrics_sample is None else
+                     ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=kv_cache_metrics_sample))
+    vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
+                             observability_config=observability)
     spec = FullAttentionSpec(block_size=wl.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=wl.num_blocks, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
@@ -234,6 +239,8 @@ class SchedRun:
     queries: int
     kind: str = ""
     manager_overhead_ns: int = 0  # the timer's own cost per call (subtracted in manager_ns)
+    eviction_events: int = 0  # residency metrics: KVCacheEvictionEvents in the scheduler's stats
+    eviction_gaps: int = 0  # ... and the reuse gaps they carry
 
     @property
     def mean_step_s(self) -> float:
@@ -247,7 +254,8 @@ class ManagerTimer:
     """Wraps every public method of one KV cache manager instance (and the block pool methods
     the scheduler calls directly) in a ``kvblock._core.TimedCall`` on one ``CallClock``: the
     arguments are unpacked before the clock is read, and the call made is the vectorcall the
-    scheduler would have made, so a timed interval holds the call and two clock reads (a
+    scheduler would have made (and, with residency metrics on, the collector's
+    ``drain_events``), so a timed interval holds the call and two clock reads (a
     Python wrapper's own frame and bookkeeping cost as much as a manager call, and varied from
     pass to pass more than the share measured). Calls made from inside a timed call are not
     timed twice. The two clock reads, the least of several calibrations, are subtracted per
@@ -274,6 +282,11 @@ class ManagerTimer:
         for name in self.POOL_METHODS:
             if callable(getattr(pool, name, None)):
                 setattr(pool, name, self._wrap(getattr(pool, name), "block_pool." + name, None))
+        collector = getattr(manager, "metrics_collector", None)
+        if collector is not None:
+            # residency metrics: the scheduler's stats call drains the collector (vLLM builds its
+            # events inside the manager's calls, kvblock when they are drained: both counted)
+            collector.drain_events = self._wrap(collector.drain_events, "metrics_collector.drain_events", None)
 
     def _wrap(self, fn: Callable[..., Any], name: str, empty: Any) -> Any:
         timed = self.clock.wrap(fn, empty)
@@ -306,11 +319,13 @@ class ManagerTimer:
         return max(self.ns - self.calls * self.overhead_ns, 0)
 
 
-def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = False) -> SchedRun:
-    """Drive one fresh scheduler through a fresh copy of the workload to the end."""
+def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = False,
+        kv_cache_metrics_sample: float | None = None) -> SchedRun:
+    """Drive one fresh scheduler through a fresh copy of the workload to the end (with
+    residency metrics at ``kv_cache_metrics_sample``, if given)."""
     wl = wl_factory()
     with engine(impl, wl.block_size) as eng:
-        sched = make_scheduler(eng, wl)
+        sched = make_scheduler(eng, wl, kv_cache_metrics_sample)
         kind = type(sched.kv_cache_manager).__module__
         outputs = {s.req_id: s.outputs for s in wl.initial}
         for spec in wl.initial:
@@ -321,7 +336,7 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
         requests = sched.requests
         fp = hashlib.sha256()
         step_ns: list[int] = []
-        finished = hits = queries = 0
+        finished = hits = queries = events = gaps = 0
         clock = time.perf_counter_ns
         gc.collect()
         gc.freeze()
@@ -354,6 +369,8 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
                     if e.scheduler_stats is not None:
                         hits += e.scheduler_stats.prefix_cache_stats.hits
                         queries += e.scheduler_stats.prefix_cache_stats.queries
+                        events += len(e.scheduler_stats.kv_cache_eviction_events)
+                        gaps += sum(len(x.reuse_gaps_seconds) for x in e.scheduler_stats.kv_cache_eviction_events)
                 fp.update(("f" + ",".join(done)).encode())
                 finished += len(done)
                 for rid in done:
@@ -367,7 +384,7 @@ def run(impl: str, wl_factory: Callable[[], Workload], time_manager: bool = Fals
         assert free == wl.num_blocks - 1, f"{free} free blocks at the end, expected {wl.num_blocks - 1}"
         return SchedRun(fp.hexdigest(), len(step_ns), step_ns, timer.net_ns if timer else 0,
                         timer.calls if timer else 0, dict(timer.by_name) if timer else {}, finished, hits,
-                        queries, kind, timer.overhead_ns if timer else 0)
+                        queries, kind, timer.overhead_ns if timer else 0, events, gaps)
 
 
 def _ids(group_ids: Any) -> str:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from kvblock.block_table import (
+from kvblock.worker.block_table import (
     PAD_SLOT_ID,
     BlockTable,
     map_to_kernel_blocks,
@@ -259,7 +259,7 @@ def time_slot_mapping(case: SlotCase, device: Any, impl: str, check: bool, reps:
 
 def check_demo(device: Any, config: Any = None) -> list[Row]:
     """The demo on ``device`` (caching on vs off), and its outputs against a CPU run."""
-    from kvblock.demo import DemoConfig, run_demo
+    from kvblock.worker.demo import DemoConfig, run_demo
 
     config = config or DemoConfig(verify_dense=True)
     rep = run_demo(device, config)

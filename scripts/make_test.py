@@ -83,10 +83,15 @@ def run(make: str) -> tuple[int, str]:
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     chunks = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        chunks.append(line)
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            chunks.append(line)
+    except KeyboardInterrupt:
+        proc.terminate()  # make has the Ctrl-C too (one process group); this covers a kill of this script alone
+        proc.wait()
+        raise
     return proc.wait(), "".join(chunks)
 
 
@@ -116,7 +121,11 @@ def summary(rc: int, log: str) -> tuple[bool, str]:
 
 
 def main(argv: list[str]) -> int:
-    rc, log = run(argv[1] if len(argv) > 1 else "make")
+    try:
+        rc, log = run(argv[1] if len(argv) > 1 else "make")
+    except KeyboardInterrupt:  # make got the Ctrl-C too (one process group) and stops its stages
+        print("\n== make test: interrupted", file=sys.stderr, flush=True)
+        return 130
     failed, line = summary(rc, log)
     print(line, flush=True)
     return 1 if failed else 0

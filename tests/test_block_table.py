@@ -21,7 +21,7 @@ torch = require_module("torch")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvblock.block_table import (  # noqa: E402
+from kvblock.worker.block_table import (  # noqa: E402
     INT32_MAX,
     PAD_SLOT_ID,
     BlockTable,
@@ -495,7 +495,7 @@ def test_triton_kernel_under_the_interpreter():
         import sys, numpy as np, torch
         sys.path.insert(0, {scripts!r})
         import gpu_check as g
-        from kvblock.block_table import BlockTable
+        from kvblock.worker.block_table import BlockTable
         # C22 exactly
         bt = BlockTable(4, 2, 2, 12, "cpu")
         bt.add_row([7, 2], 0); bt.add_row([5, 9], 1); bt.commit_block_table(2)
@@ -601,7 +601,7 @@ def test_gpu_check_detects_a_wrong_slot_mapping(monkeypatch):
 
 def test_gpu_check_main_dry_run_on_cpu(capsys):
     gc = load_gpu_check()
-    from kvblock.demo import DemoConfig, ModelConfig
+    from kvblock.worker.demo import DemoConfig, ModelConfig
 
     monkey_cfg = DemoConfig(
         model=ModelConfig(vocab_size=64, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32),
@@ -625,7 +625,7 @@ def test_kvblock_imports_without_torch():
         import sys
         sys.modules["torch"] = None  # any import of torch now raises ImportError
         import kvblock, kvblock.cli, kvblock.manager, kvblock.request
-        for name in ("kvblock.block_table", "kvblock.demo"):
+        for name in ("kvblock.worker.block_table", "kvblock.worker.demo"):
             try:
                 __import__(name)
             except ImportError as e:

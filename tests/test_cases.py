@@ -17,7 +17,7 @@ import pytest
 from apc_helpers import ids
 from kvblock.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblock.hashing import block_hash_to_event_int, make_block_hash_with_group_id
-from kvblock.multimodal import generate_block_hash_extra_keys
+from kvblock.extra_keys import generate_block_hash_extra_keys
 from impls import IMPLS
 from kvblock.request import LoRARequest, Request, RequestStatus, SamplingParams
 

@@ -12,8 +12,8 @@ from conftest import require_module
 torch = require_module("torch")
 
 import kvblock.hashing as kh  # noqa: E402
-from kvblock.block_table import BlockTable  # noqa: E402
-from kvblock.demo import (  # noqa: E402
+from kvblock.worker.block_table import BlockTable  # noqa: E402
+from kvblock.worker.demo import (  # noqa: E402
     DemoConfig,
     ModelConfig,
     TinyDecoder,

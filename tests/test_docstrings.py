@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 API_PAGE = ROOT / "docs" / "api.md"
 
 #: Modules that import optional dependencies, and the one each needs.
-NEEDS = {"kvblock.vllm": "vllm", "kvblock.vllm.releases": "vllm", "kvblock.block_table": "torch"}
+NEEDS = {"kvblock.vllm": "vllm", "kvblock.vllm.releases": "vllm", "kvblock.vllm.metrics": "vllm", "kvblock.worker.block_table": "torch"}
 
 
 def documented_modules() -> list[str]:

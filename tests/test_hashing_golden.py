@@ -61,7 +61,7 @@ def test_lora_salt_and_multimodal(golden, algo, monkeypatch):
     req = _request(b["prompt_token_ids"], H.get_request_block_hasher(16, fn), lora_request=lora,
                    cache_salt=b["cache_salt"])
     assert [h.hex() for h in req.block_hashes] == b["block_hashes_hex"]
-    from kvblock.multimodal import generate_block_hash_extra_keys
+    from kvblock.extra_keys import generate_block_hash_extra_keys
 
     assert generate_block_hash_extra_keys(req, 0, 16, 0)[0] == ast.literal_eval(b["block0_extra_keys"])
     assert generate_block_hash_extra_keys(req, 16, 32, 0)[0] == ast.literal_eval(b["block1_extra_keys"])

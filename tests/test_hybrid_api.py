@@ -87,7 +87,7 @@ def test_block_tables_and_slot_mappings_per_group():
     """get_block_ids() feeds a MultiGroupBlockTable row; each group's slot mapping follows
     its own table (window blocks outside the window map to the null block's slots)."""
     torch = require_module("torch")
-    from kvblock.block_table import MultiGroupBlockTable, slot_mapping_reference
+    from kvblock.worker.block_table import MultiGroupBlockTable, slot_mapping_reference
 
     mgr = kvblock.KVCacheManager(64, kv_cache_groups=[FullAttentionSpec(16), SlidingWindowSpec(16, sliding_window=32)])
     a, _ = _run(mgr, "a", list(range(70)))

@@ -18,7 +18,11 @@ from kvblock.replay.sweep import SweepPoint, SweepSeries  # noqa: E402
 @pytest.fixture
 def saved(monkeypatch):
     figures: list[Figure] = []
-    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    def savefig(self, fname, *a, **k):  # an empty file where the figure would be drawn
+        figures.append(self)
+        open(fname, "wb").close()
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
     return figures
 
 

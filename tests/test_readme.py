@@ -26,3 +26,13 @@ def test_every_relative_link_resolves():
     assert relative, "the README links its docs pages"
     missing = [link for link in relative if not (ROOT / link.split("#")[0]).exists()]
     assert missing == []
+
+
+def test_the_fleet_examples_say_what_to_install():
+    """The fleet and ``index serve`` examples need the ``cluster`` extra: the README says so
+    before them (a fresh user ran them without it)."""
+    fleet = README.index("from kvblock.cluster import")
+    serve = README.index("kvblock index serve --model")
+    hint = "pip install pyzmq redis aiohttp prometheus-client"
+    assert hint in README[:fleet]
+    assert hint in README[README.rindex("```bash", 0, serve):serve]

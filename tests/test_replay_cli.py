@@ -230,6 +230,28 @@ def test_sweep_writes_a_png_and_misses_never_grow_with_capacity(tmp_path, capsys
     assert code == 0 and "hit rate vs capacity" in out and "unlimited" in out and "1,000" in out
 
 
+@pytest.mark.parametrize("fails_with", [KeyboardInterrupt, OSError])
+def test_sweep_plot_is_whole_or_not_written(tmp_path, capsys, monkeypatch, fails_with):
+    """Ctrl-C (or a full disk) while the plot is drawn: exit 130 (2), the old file as it was,
+    no partial file left beside it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    def half_written(self, fname, *a, **k):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise fails_with("interrupted while drawing")
+
+    monkeypatch.setattr(Figure, "savefig", half_written)
+    png = tmp_path / "hit_rate.png"
+    png.write_bytes(b"the previous plot")
+    code, _, err = run_cli(capsys, "sweep", "builtin:shared-prompt", "--limit", "8", "--capacities", "10k",
+                           "--plot", str(png))
+    assert code == (130 if fails_with is KeyboardInterrupt else 2), err
+    assert png.read_bytes() == b"the previous plot"
+    assert [p.name for p in tmp_path.iterdir()] == ["hit_rate.png"]
+
+
 def test_sweep_plot_errors(tmp_path, capsys):
     code, _, err = run_cli(capsys, "sweep", "builtin:shared-prompt", "--limit", "8", "--capacities", "10k",
                            "--plot", str(tmp_path / "missing-dir" / "x.png"))

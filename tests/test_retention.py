@@ -13,6 +13,7 @@ from kvblock import KVCacheManager, Request
 from kvblock.events import BlockStored
 from kvblock.reference.manager import KVCacheManager as RefManager
 from kvblock.request import RequestStatus, SamplingParams
+from cli_helpers import run_cli
 
 
 class Clock:
@@ -449,25 +450,13 @@ def test_clock_must_be_callable():
 # -- the replay CLI -------------------------------------------------------------------------------
 
 
-def _cli(capsys, *argv):
-    from kvblock.cli import main
-
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = int(e.code)
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return code, out, err
-
-
 @pytest.mark.parametrize("policy", ["priority", "pin-system-prompts", "ttl"])
 def test_replay_retention_kvblock_and_reference_agree(capsys, policy):
     """A scheduled replay with each policy: kvblock and the reference give identical results
     (hits, evictions, preemptions, block ids per step)."""
     import json
 
-    code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--limit", "60", "--num-blocks", "600",
+    code, out, _ = run_cli(capsys, "replay", "--workload", "chat", "--limit", "60", "--num-blocks", "600",
                         "--retention", policy, "--pin-tokens", "1024", "--ttl-s", "20", "--compare", "--json",
                         "--no-progress")
     assert code == 0
@@ -479,12 +468,12 @@ def test_replay_retention_changes_hits_and_lru_is_vllm(capsys):
 
     rates = {}
     for policy in ("lru", "priority"):
-        code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000",
+        code, out, _ = run_cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000",
                             "--retention", policy, "--json", "--no-progress", "--fingerprint")
         assert code == 0
         d = json.loads(out)
         rates[policy] = (d["prefix_cache"]["hits"], d["fingerprint"])
-    code, out, _ = _cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000", "--json",
+    code, out, _ = run_cli(capsys, "replay", "--workload", "chat", "--ideal", "--num-blocks", "1000", "--json",
                         "--no-progress", "--fingerprint")
     d = json.loads(out)
     assert (d["prefix_cache"]["hits"], d["fingerprint"]) == rates["lru"]  # --retention lru is the default
@@ -499,14 +488,14 @@ def test_replay_retention_changes_hits_and_lru_is_vllm(capsys):
     ["sweep", "builtin:chat", "--retention", "lru,mru"],
 ])
 def test_replay_retention_bad_options(capsys, argv):
-    code, _, err = _cli(capsys, *argv, "--no-progress")
+    code, _, err = run_cli(capsys, *argv, "--no-progress")
     assert code == 2 and err.strip()
 
 
 def test_sweep_one_series_per_policy(capsys):
     import json
 
-    code, out, _ = _cli(capsys, "sweep", "builtin:chat", "--capacities", "500,2k", "--retention",
+    code, out, _ = run_cli(capsys, "sweep", "builtin:chat", "--capacities", "500,2k", "--retention",
                         "lru,priority", "--json", "--no-progress")
     assert code == 0
     names = [s["name"] for s in json.loads(out)["series"]]

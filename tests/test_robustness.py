@@ -495,6 +495,21 @@ def test_uninitialised_core_refuses_before_allocating():
     assert core._block_ids("z") == [[]] and pool.get_num_free_blocks() == free
 
 
+def test_core_caller_names_one_of_the_two_dialects():
+    """The caller dialect is named ("kvblock" or "vllm"); anything else is refused before the
+    manager takes a block of its pool."""
+    from kvblock import _core
+
+    pool = _core.BlockPoolCore(10, True, 4)
+    groups = [{"kind": "full_attention", "block_size": 4}]
+    for caller in ("kvblock", "vllm"):
+        _core.KVCacheManagerCore(pool, groups, 100, 4, 4, caller=caller)
+    for bad in ("strict", "", "KVBLOCK"):
+        with pytest.raises(ValueError, match="caller: expected 'kvblock' or 'vllm'"):
+            _core.KVCacheManagerCore(pool, groups, 100, 4, 4, caller=bad)
+    assert pool.get_num_free_blocks() == 9
+
+
 def test_block_pool_cannot_be_replaced():
     mgr = KVCacheManager(num_blocks=16, block_size=4)
     pool = mgr.block_pool

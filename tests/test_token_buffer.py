@@ -14,7 +14,7 @@ import pytest
 
 from kvblock import _core
 from kvblock import hashing as H
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 from kvblock.request import Request as KRequest
 
 ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

@@ -19,11 +19,12 @@ import judge  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-#: Tests that build kvblock's manager, at least, per release (the rest fall back: HiSparse on
-#: every release, and on 0.32 Mamba prefix caching; or build no manager).
-MIN_ON_KVBLOCK = {"0.32": 70, "0.33": 130, "0.34": 135}
-#: At most this many fall back to vLLM's own manager, each for a reason kvblock.vllm.describe names.
-MAX_FALLBACK = {"0.32": 86, "0.33": 66, "0.34": 70}
+#: Tests that build kvblock's manager, at least, per release (the rest fall back: HiSparse; or
+#: build no manager). 0.32's Mamba prefix caching runs on kvblock (its release rules).
+MIN_ON_KVBLOCK = {"0.32": 90, "0.33": 130, "0.34": 135}
+#: At most this many fall back to vLLM's own manager, each for a reason kvblock.vllm.describe
+#: names (HiSparse, on every release).
+MAX_FALLBACK = {"0.32": 66, "0.33": 66, "0.34": 70}
 
 
 def _exclusions(release: str) -> list[str]:

@@ -23,7 +23,12 @@ hit lengths, None vs blocks), every group's ``req_to_blocks`` and ``num_cached_b
 Mamba "align" bookkeeping of every request, the blocks recorded for zeroing, the free queue
 order, every block's ref count, hash and hashed token count, the hash -> block map (and the
 blocks' further keys), the KV events (vLLM's event objects), prefix cache stats and the free
-block count. Where vLLM raises, kvblock raises the same exception type and changes nothing;
+block count; with residency metrics on (a third of the configurations: vLLM's
+``KVCacheMetricsCollector`` at sample rate 1.0 on each side), the sampled blocks in the
+collector's dict order, the call each one was born and last accessed in and the calls of its
+access history (kvblock's Rust clock against vLLM's ``time.monotonic_ns``, each timestamp
+placed in the window of the call that made it), and the eviction events in order with their
+number of reuse gaps. Where vLLM raises, kvblock raises the same exception type and changes nothing;
 where vLLM changed its own state before raising, kvblock either made exactly the same change
 (vLLM's frees outside the attention window before a refusal, its empty table) and the example
 goes on, or changed nothing, and then the two can no longer be compared and the example stops
@@ -38,8 +43,10 @@ and errors compared.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -67,6 +74,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # no
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector  # noqa: E402
 from vllm.v1.core import single_type_kv_cache_manager as vst  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -94,13 +102,11 @@ from kvblock.vllm.releases import current as _current_release  # noqa: E402
 HIT_LIMIT = _current_release().hit_limit_field == "prefix_cache_hit_limit"
 #: vLLM 0.33+ hashes blocks with lookahead tokens; 0.32 has no such parameter.
 HASH_LOOKAHEAD = _current_release().hash_lookahead
-#: vLLM 0.32's Mamba prefix caching (mode "none" too; null blocks kept): kvblock does not manage it.
+#: vLLM 0.32's Mamba prefix caching ("none" groups cache too; a partial tail is re-keyed).
 MAMBA_PREFIX_CACHING_DIFFERS = _current_release().mamba_prefix_caching_differs
 #: vLLM 0.32 returns leading null blocks from pop_blocks_for_free / get_blocks and counts the
 #: null block's ref_cnt down; 0.33 skips it ("not maintained"): compared without the null block.
 NULL_BLOCKS_COUNTED = _current_release().null_blocks_counted
-#: vLLM 0.32 drops the EAGLE block of flagged groups even with use_eagle off.
-EAGLE_GROUPS_DROP_ALWAYS = _current_release().eagle_groups_drop_always
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -176,9 +182,6 @@ def configs(draw) -> dict:
             max_size=n,
         )
     )
-    if caching and MAMBA_PREFIX_CACHING_DIFFERS:
-        # vLLM 0.32's Mamba prefix caching is a configuration kvblock hands to vLLM
-        kinds = ["sw" if k == "mamba" else k for k in kinds]
     if caching and not wild:
         kinds = ["full" if k == "cross" else k for k in kinds]
         if n > 1 and all(k == "circ" for k in kinds):
@@ -197,8 +200,8 @@ def configs(draw) -> dict:
             p["chunk_mult"] = draw(st.sampled_from([1, 2, 3]))
         elif k == "mamba":
             mode = draw(st.sampled_from(["align", "none"]))
-            if caching and not wild:
-                mode = "align"
+            if caching and not wild and not MAMBA_PREFIX_CACHING_DIFFERS:
+                mode = "align"  # from 0.33 vLLM asserts that Mamba prefix caching is "align"
             p.update(
                 mode=mode,
                 spec=draw(st.sampled_from([0, 0, 1, 2])),
@@ -248,11 +251,6 @@ def configs(draw) -> dict:
         npl = 0
     if not wild and caching and use_eagle and any(g["kind"] == "chunked" for g in groups):
         use_eagle = False  # vLLM asserts chunked local attention has no EAGLE drop
-    if EAGLE_GROUPS_DROP_ALWAYS and not use_eagle:
-        # vLLM 0.32 drops a flagged group's EAGLE block without use_eagle (kvblock hands that
-        # configuration to vLLM; a real engine flags draft groups only with EAGLE on)
-        for g in groups:
-            g["eagle_group"] = False
     return dict(
         groups=groups,
         hash_block_size=h,
@@ -269,6 +267,7 @@ def configs(draw) -> dict:
         max_in_flight_tokens=draw(st.one_of(st.none(), st.integers(1, max_model_len))),
         retention=retention,
         shared_prefix_checkpoint=draw(st.booleans()),
+        metrics=draw(st.sampled_from([None, None, 1.0])),
         wild=wild,
     )
 
@@ -315,6 +314,7 @@ def build_manager(cls: type, c: dict):
         enable_kv_cache_events=c["events"],
         watermark=c["watermark"],
         enable_mamba_shared_prefix_checkpoint=c["shared_prefix_checkpoint"],
+        metrics_collector=KVCacheMetricsCollector(c["metrics"]) if c["metrics"] else None,
     )
 
 
@@ -432,6 +432,9 @@ class VllmLockstep(RuleBasedStateMachine):
         assert type(v) is VllmKVCacheManager, type(v)
         assert type(k) is kv.KVCacheManager, f"kvblock fell back to vLLM's manager for {c}"
         COVERAGE["configurations"] += 1
+        COVERAGE["residency metrics"] += c["metrics"] is not None
+        # the [start, end] clock windows of every call on each side (residency timestamps)
+        self.windows: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         COVERAGE[f"groups={len(c['groups'])}"] += 1
         for g in c["groups"]:
             COVERAGE[f"kind={g['kind']}" + (f"/{g['p']['mode']}" if g["kind"] == "mamba" else "")] += 1
@@ -464,6 +467,8 @@ class VllmLockstep(RuleBasedStateMachine):
             if hasattr(cv, attr):
                 assert getattr(cv, attr) == getattr(ck, attr), attr
         for mv, mk in zip(cv.single_type_managers, ck.single_type_managers):
+            # vLLM's code finds a group's manager by class (isinstance CrossAttentionManager ...)
+            assert isinstance(mk, type(mv)) and type(mk).__name__ == type(mv).__name__
             for attr in ("block_size", "use_eagle", "cache_hit_alignment_tokens", "records_new_block_ids",
                          "max_admission_blocks_per_request", "shared_prefix_checkpoint"):
                 assert getattr(mv, attr) == getattr(mk, attr), attr
@@ -509,24 +514,21 @@ class VllmLockstep(RuleBasedStateMachine):
             num_cached = dict(stm.num_cached_block.items())
             spec = stm.kv_cache_spec
             per_req = {}
+            align = isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align"
+            # the same vLLM attributes on both sides: kvblock's are views of its Rust state
             for rid in rids:
-                if vllm_side:
-                    ph = stm._partial_hit_reqs.get(rid)
-                    ph = None if ph is None else (ph[0], ph[1].block_id)
-                    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-                        st_ = (stm.last_state_block_idx.get(rid), stm._num_retired_blocks.get(rid),
-                               rid in stm._allocated_block_reqs, stm._checkpoints.get(rid), ph)
-                    else:
-                        st_ = ph
+                ph = stm._partial_hit_reqs.get(rid)
+                ph = None if ph is None else (ph[0], ph[1].block_id)
+                if align:
+                    tail = stm._producer_partial_tail_reqs.get(rid)
+                    st_ = (stm.last_state_block_idx.get(rid), stm._num_retired_blocks.get(rid),
+                           rid in stm._allocated_block_reqs, stm._checkpoints.get(rid), ph,
+                           None if tail is None else (tail[0].block_id, tail[1]))
                 else:
-                    raw = m._group_mamba_state(g, rid)
-                    if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-                        st_ = None if raw is None else (raw[0], raw[1], raw[2], raw[3], raw[4])
-                        if st_ is None:
-                            st_ = (None, None, False, None, None)
-                    else:
-                        st_ = None if raw is None else raw[4]
+                    st_ = ph
                 per_req[rid] = st_
+            per_req["pending copies"] = [(s_.block_id, d.block_id) for s_, d in stm._pending_cow_copies]
+            per_req["pending offloads"] = [(r, gg, b.block_id, t) for r, gg, b, t in stm._pending_boundary_state_offloads]
             groups.append((tables, num_cached, per_req, list(stm.new_block_ids)))
         blocks = [(b.ref_cnt, b.block_hash, b.block_hash_num_tokens) for b in pool.blocks]
         if NULL_BLOCKS_COUNTED:
@@ -540,7 +542,34 @@ class VllmLockstep(RuleBasedStateMachine):
             {b: set(keys) for b, keys in pool.cached_block_hashes_by_block.items()},
             events_as_vllm_defines(list(pool.kv_event_queue), self._seen_further(pool, vllm_side)),
             None if m.prefix_cache_stats is None else vars(m.prefix_cache_stats).copy(),
+            self._residency(m, vllm_side),
         )
+
+    def _call_of(self, t: int, vllm_side: bool) -> int | str:
+        """The index of the call whose clock window holds timestamp ``t`` on that side."""
+        w = self.windows[vllm_side]
+        i = bisect.bisect_right(w, (t, 1 << 64)) - 1
+        return i if i >= 0 and w[i][0] <= t <= w[i][1] else f"outside every call: {t}"
+
+    def _residency(self, m, vllm_side: bool):
+        """The residency metrics: the sampled blocks in dict order, each with the calls it was
+        born and last accessed in and those of its access history; the eviction events (not
+        drained yet) as their number of reuse gaps, in order."""
+        c = m.metrics_collector
+        if c is None:
+            return None
+        at = lambda t: self._call_of(t, vllm_side)  # noqa: E731
+        blocks = [(b, at(s.birth_time_ns), at(s.last_access_ns), [at(t) for t in s.access_history])
+                  for b, s in c.block_metrics.items()]
+        events = list(c._eviction_events)
+        for e in events:
+            # vLLM's own fields, seconds as floats; kvblock reads the clock once per eviction, so
+            # its idle time and gaps lie within the lifetime (vLLM reads it again for the idle
+            # time, which can then exceed the lifetime of a block never accessed)
+            assert e.idle_seconds >= 0 and len(e.reuse_gaps_seconds) <= 3 and min(e.reuse_gaps_seconds, default=0) >= 0
+            if not vllm_side:
+                assert e.idle_seconds + sum(e.reuse_gaps_seconds) <= e.lifetime_seconds + 1e-9, e
+        return blocks, [len(e.reuse_gaps_seconds) for e in events]
 
     def _seen_further(self, pool, vllm_side: bool) -> set:
         """Every further key vLLM's pool has held in this example (read on vLLM's side, which
@@ -561,14 +590,18 @@ class VllmLockstep(RuleBasedStateMachine):
         COVERAGE[name] += 1
         before_v = self._state(self.v, True)
         before_k = self._state(self.k, False)
+        t0 = time.monotonic_ns()
         try:
             rv, ev = fv(), None
         except Exception as e:  # noqa: BLE001
             rv, ev = None, e
+        t1 = time.monotonic_ns()
         try:
             rk, ek = fk(), None
         except Exception as e:  # noqa: BLE001
             rk, ek = None, e
+        self.windows[True].append((t0, t1))
+        self.windows[False].append((t1, time.monotonic_ns()))
         if ev is None and ek is None:
             return rv, rk, False
         assert type(ev) is type(ek), f"{name}: vLLM {ev!r}, kvblock {ek!r}"
@@ -894,6 +927,13 @@ class VllmLockstep(RuleBasedStateMachine):
                 self.call("cow.free_blocks", lambda: self.v.block_pool.free_blocks(rv[1]),
                           lambda: self.k.block_pool.free_blocks(rk[1]))
         self.call("new_step_starts", self.v.new_step_starts, self.k.new_step_starts)
+        if self.v.metrics_collector is not None and data.draw(st.booleans(), label="drain_events"):
+            # the scheduler's stats read: vLLM's drain_events() on the collector each side holds
+            rv, rk, _ = self.call("drain_events", self.v.metrics_collector.drain_events,
+                                  self.k.metrics_collector.drain_events)
+            assert [len(e.reuse_gaps_seconds) for e in rv] == [len(e.reuse_gaps_seconds) for e in rk]
+            assert all(type(e) is type(rv[0]) for e in rk) if rv else not rk
+            COVERAGE["eviction events drained"] += len(rk)
 
     @precondition(lambda self: self.alive() and self.pairs)
     @rule(data=st.data())
@@ -1015,10 +1055,22 @@ class VllmLockstep(RuleBasedStateMachine):
     def _check_state(self):
         sv, sk = self._state(self.v, True), self._state(self.k, False)
         if sv != sk:
-            names = ["groups", "free queue", "free count", "blocks", "hash map", "further keys", "events", "stats"]
+            names = ["groups", "free queue", "free count", "blocks", "hash map", "further keys", "events", "stats",
+                     "residency metrics"]
             diff = [n for n, a, b in zip(names, sv, sk) if a != b]
             detail = "\n".join(f"  {n}:\n    vLLM    {a}\n    kvblock {b}" for n, a, b in zip(names, sv, sk) if a != b)
             raise AssertionError(f"state differs in {diff}\n{detail}")
+        if sk[8] is not None:
+            # coverage: the eviction events compared since the last check (the list only grows
+            # between drains and resets)
+            gaps = [g for g in sk[8][1]]
+            seen, seen_gaps = getattr(self, "events_seen", (0, 0))
+            now_gaps = sum(1 for g in gaps if g)
+            if len(gaps) >= seen:
+                COVERAGE["eviction events compared"] += len(gaps) - seen
+                COVERAGE["eviction events with reuse gaps"] += max(0, now_gaps - seen_gaps)
+            self.events_seen = (len(gaps), now_gaps)
+            COVERAGE["sampled block accesses compared"] += sum(len(blk[3]) for blk in sk[8][0])
         further = self._seen_further(self.v.block_pool, True)
         assert events_as_vllm_defines(self.v.take_events(), further) == events_as_vllm_defines(
             self.k.take_events(), further)
@@ -1126,7 +1178,10 @@ def test_vllm_lockstep() -> None:
     assert not missing, f"group kinds never compared with vLLM: {missing}"
     for key in ("groups=1", "groups=2", "groups=3", "groups=4", "caching off", "eagle", "tiny pool",
                 "mixed block sizes", "window < block", "window >= block",
-                "admit.allocate_slots", "step.allocate_slots", "free"):
+                "admit.allocate_slots", "step.allocate_slots", "free", "residency metrics",
+                "eviction events compared"):
         assert COVERAGE[key], f"never covered: {key}"
+    # (sampled blocks hit again and reuse gaps are rare here, where resets and connector
+    # evictions are frequent: tests/test_vllm_metrics.py's shared-prefix lockstep covers them)
     assert any(k.endswith(" raised AssertionError") for k in COVERAGE), "no error path compared"
     assert COVERAGE["configurations"] > SETTINGS.max_examples // 2

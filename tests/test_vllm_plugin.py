@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -85,10 +86,6 @@ COORDINATOR_ONLY = {
     vst.SingleTypeKVCacheManager: {
         "add_local_computed_blocks",
         "allocate_external_computed_blocks",
-        "take_pending_cow_copies",
-        "take_pending_boundary_state_offloads",
-        "finalize_partial_tail_offload",
-        "cache_blocks",
         "reachable_block_mask",
         "pop_blocks_for_free",
         "new_step_starts",
@@ -170,26 +167,34 @@ def test_describe_names_the_path():
     sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
     assert str(kv.describe(_config([_full(), sw], 64))) == "kvblock"
     mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
-    from kvblock.vllm.releases import current
-
-    path = kv.describe(_config([_full(), mamba], 64))
-    if current().mamba_prefix_caching_differs:
-        # vLLM 0.32's Mamba prefix caching is handed to vLLM's own manager, with its reason
-        assert not path.on_kvblock and "Mamba prefix caching" in path.reason
-        assert kv.describe(_config([_full(), mamba], 64), enable_caching=False).on_kvblock
-    else:
-        assert path.on_kvblock
+    # every release's Mamba prefix caching, 0.32's "none" groups that cache included
+    assert kv.describe(_config([_full(), mamba], 64)).on_kvblock
+    assert kv.describe(_config([_full(), replace(mamba, mamba_cache_mode="none")], 64)).on_kvblock
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
-    path = kv.describe(_config([_full()], 64), metrics_collector=KVCacheMetricsCollector())
+    # residency metrics run on kvblock (tests/test_vllm_metrics.py); a collector whose hooks
+    # are Python code of its own runs on vLLM's manager, with the reason
+    assert kv.describe(_config([_full()], 64), metrics_collector=KVCacheMetricsCollector()).on_kvblock
+    path = kv.describe(_config([_full()], 64), metrics_collector=_own_hooks_class()())
     assert not path.on_kvblock and "metrics_collector" in path.reason
     assert str(path).startswith("vLLM's own manager: ")
 
 
-def test_fallback_warns_once_and_strict_raises(monkeypatch):
+def _own_hooks_class():
+    """A collector subclass with a Python hook of its own (kvblock hands it to vLLM's manager)."""
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
+    class OwnHooks(KVCacheMetricsCollector):
+        def on_block_accessed(self, block) -> None:
+            super().on_block_accessed(block)
+
+    return OwnHooks
+
+
+def test_fallback_warns_once_and_strict_raises(monkeypatch):
     from kvblock.vllm import manager as km
+
+    KVCacheMetricsCollector = _own_hooks_class()
 
     monkeypatch.setattr(km, "_warned", set())
     monkeypatch.delenv("KVBLOCK_VLLM_STRICT", raising=False)
@@ -216,7 +221,9 @@ def test_fallback_warns_once_and_strict_raises(monkeypatch):
 
     code = (
         "import torch\n"
-        "from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector\n"
+        "from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector as C\n"
+        "class KVCacheMetricsCollector(C):\n"
+        "    def on_block_accessed(self, block): super().on_block_accessed(block)\n"
         "from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec\n"
         "from vllm.config.logging import LoggingConfig\n"
         "from vllm.logger import configure_logging\n"

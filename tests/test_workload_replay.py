@@ -14,7 +14,7 @@ import os
 import pytest
 
 from impls import IMPLS
-from kvblock import workload as W
+from kvblock.replay import peer_workload as W
 
 FINGERPRINT = "e1adc1cd1c42a40f37d245eccd477680bf3e4bffd3257b00fe1db5613e488fb4"
 

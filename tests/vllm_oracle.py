@@ -9,7 +9,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_utils as vku
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
 import kvblock.vllm as kv
@@ -29,8 +29,6 @@ def both(specs, num_blocks: int, block_size: int, hash_block_size: int, **kw):
 
     if not current().hash_lookahead and kw.pop("num_hash_lookahead_tokens", 0):
         pytest.skip(f"vLLM {current().series} has no hash lookahead")
-    if current().mamba_prefix_caching_differs and any(isinstance(s, MambaSpec) for s in specs):
-        pytest.skip(f"vLLM {current().series}'s Mamba prefix caching is handed to vLLM's own manager")
     init_none_hash(sha256)
     out = []
     for cls in (VllmKVCacheManager, kv.KVCacheManager):

@@ -43,7 +43,7 @@ def __getattr__(name: str):
     if name == "NONE_HASH":
         return hashing.NONE_HASH
     if name in ("BlockTable", "MultiGroupBlockTable", "PAD_SLOT_ID"):
-        from . import block_table  # imports torch: only when asked for
+        from .worker import block_table  # imports torch: only when asked for
 
         return getattr(block_table, name)
     raise AttributeError(f"module 'kvblock' has no attribute {name!r}")

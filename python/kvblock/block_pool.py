@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
 
-from . import _core
+import kvblock._core as _core
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored_for_request
 
 __all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
@@ -372,8 +372,9 @@ class BlockPool(_core.BlockPoolCore):
         hash_block_size: tokens per hashed block (> 0).
         enable_kv_cache_events: record ``BlockStored`` / ``BlockRemoved`` /
             ``AllBlocksCleared`` for :meth:`take_events`.
-        metrics_collector: vLLM's ``KVCacheMetricsCollector`` (kept; kvblock's pool does not
-            report block residency to it).
+        metrics_collector: vLLM's ``KVCacheMetricsCollector`` (kept, and reset by a successful
+            :meth:`reset_prefix_cache`; :class:`kvblock.vllm.BlockPool` has the Rust pool record
+            its residency metrics).
         num_hash_lookahead_tokens: tokens after each block its hash covers (events report
             them as ``lookahead_token_ids``).
         medium: the ``medium`` field of events (``"GPU"``).
@@ -603,6 +604,9 @@ class BlockPool(_core.BlockPoolCore):
         ok = super().reset_prefix_cache()
         if ok and self._watchers:
             self._fire_reuse_watchers()
+        if ok and self.metrics_collector:
+            # as vLLM's pool, after the reuse watchers (the Rust metrics were reset with the keys)
+            self.metrics_collector.reset()
         return ok
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -139,7 +139,7 @@ def block_stored_for_request(
             :mod:`kvblock.vllm`).
     """
     from .hashing import maybe_convert_block_hash
-    from .multimodal import generate_block_hash_extra_keys, to_event_extra_keys
+    from .extra_keys import generate_block_hash_extra_keys, to_event_extra_keys
 
     if cls is None:
         cls = BlockStored

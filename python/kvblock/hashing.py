@@ -22,8 +22,8 @@ import operator
 import os
 from typing import Any, Callable, NewType, Sequence
 
-from . import _core
-from .multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
+import kvblock._core as _core
+from .extra_keys import generate_block_hash_extra_keys, get_mm_features_in_window
 
 __all__ = [
     "ALGORITHMS",
@@ -375,7 +375,7 @@ def get_request_block_hasher(
     The hasher starts at ``len(request.block_hashes) * block_size``, returns ``[]`` when no
     new block is complete, and otherwise hashes every newly completed block, chained from
     ``request.block_hashes[-1]``, with the per-block extra keys of
-    :func:`kvblock.multimodal.generate_block_hash_extra_keys`. It does not mutate the request.
+    :func:`kvblock.extra_keys.generate_block_hash_extra_keys`. It does not mutate the request.
     With a kvblock hash function it is a ``kvblock._core.RequestBlockHasher``: one Rust call
     hashes all new blocks, and its ``block_size`` lets :class:`kvblock.Request` skip calls
     that cannot complete a block. Any other callable gets a Python closure, called per block

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from . import _core, hashing
+import kvblock._core as _core
+
+from . import hashing
 from .block_pool import BlockPool, KVCacheBlock
 from .events import BlockStored, KVCacheEvent
 from .request import Request, RequestStatus
@@ -130,6 +132,15 @@ def _check_flags(**flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name}: must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_num_blocks(num_blocks: Any) -> None:
+    """``num_blocks`` is an int > 0 (the error names it as the caller passed it, not the
+    pool's ``num_gpu_blocks``)."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)):
+        raise TypeError(f"num_blocks: must be an int, got {type(num_blocks).__name__}")
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks: must be > 0 (block 0 is the null block), got {num_blocks}")
 
 
 def _check_own_arguments(
@@ -331,6 +342,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
         clock: Callable[[], float] | None = None,
         verify_hits: bool = False,
     ) -> "KVCacheManager":
+        _check_num_blocks(num_blocks)
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
         _check_flags(
@@ -385,7 +397,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
             needs_kv_cache_zeroing=any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups),
             retention_interval=prefix_cache_retention_interval,
             enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
-            strict_inputs=True,
+            caller="kvblock",
             priority_retention=priority_retention,
             default_retention_priority=default_retention_priority,
             decay_granularity_s=decay_granularity_s,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import _core
+import kvblock._core as _core
 
 __all__ = [
     "LoRARequest",

@@ -6,11 +6,13 @@
 //! * [`hashing`]: chained block hashing (serializers, digests, the digest memo).
 //! * [`pool`]: the block pool (free queue, cache map, arena, events).
 //! * [`manager`]: the KV cache manager (per-request block tables, allocation, caching).
+//! * [`hisparse`]: vLLM's HiSparse residency (host tier, spills, released GPU pages).
 //! * [`index`]: the fleet prefix index (block hash -> holding instances, from KV events).
 
 pub mod capacity;
 pub mod error;
 pub mod hashing;
+pub mod hisparse;
 pub mod index;
 pub mod manager;
 pub mod pool;

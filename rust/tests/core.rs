@@ -183,7 +183,8 @@ mod pool_and_manager {
             needs_kv_cache_zeroing: false,
             retention_interval: None,
             enable_mamba_shared_prefix_checkpoint: false,
-            strict_inputs: true,
+            caller: _core::manager::spec::Caller::Kvblock,
+            rules: Default::default(),
         }
     }
 
@@ -218,6 +219,32 @@ mod pool_and_manager {
         };
         let new = m.allocate_slots(p, &req, &hs, &args).unwrap().unwrap();
         (hit, new)
+    }
+
+    #[test]
+    fn release_rules_decide_032s_mamba_caching_and_eagle_drops() {
+        use _core::manager::release::ReleaseRules;
+        use _core::manager::spec::MambaMode;
+        let mamba = Kind::Mamba {
+            mode: MambaMode::None,
+            num_speculative_blocks: 0,
+            num_prefill_checkpoint_blocks: 0,
+            prefill_checkpoint_alignment: None,
+        };
+        let groups = vec![group(Kind::FullAttention, 4, 0), group(mamba, 4, 1)];
+        // 0.33's rule (the default): Mamba prefix caching needs "align"
+        assert!(KVCacheManager::new(&config(groups.clone(), 16, 4)).is_err());
+        // 0.32's: a "none" group caches too
+        let rules = ReleaseRules { mamba_none_mode_caches: true, ..ReleaseRules::default() };
+        assert!(KVCacheManager::new(&ManagerConfig { rules, ..config(groups.clone(), 16, 4) }).is_ok());
+        // an EAGLE-flagged group without use_eagle drops its EAGLE block on 0.32 only
+        let mut flagged = vec![group(Kind::FullAttention, 4, 0), group(Kind::FullAttention, 4, 0)];
+        flagged[1].is_eagle_group = true;
+        let m = KVCacheManager::new(&config(flagged.clone(), 16, 4)).unwrap();
+        assert_eq!(m.coord.drop_eagle_groups, vec![false, false]);
+        let rules = ReleaseRules { eagle_groups_drop_always: true, ..ReleaseRules::default() };
+        let m = KVCacheManager::new(&ManagerConfig { rules, ..config(flagged, 16, 4) }).unwrap();
+        assert_eq!(m.coord.drop_eagle_groups, vec![false, true]);
     }
 
     #[test]
@@ -634,5 +661,82 @@ mod digest_memo_admission {
         for t in 0..3 {
             assert_eq!(m.get(&parent, &[t]), Some(&1));
         }
+    }
+}
+
+/// `unpin_blocks` and its reuse watchers (vLLM's `BlockPool.unpin_blocks`, HiSparse residency):
+/// released blocks join the queue tail whatever their hash, watchers fire when the pool hands
+/// a block out or the cache is reset, in vLLM's order.
+mod unpin_watchers {
+    use _core::pool::block_pool::BlockPool;
+
+    fn queue(p: &BlockPool) -> Vec<u32> {
+        p.free_queue().collect()
+    }
+
+    #[test]
+    fn released_blocks_join_the_tail_and_fire_when_reused() {
+        let mut p = BlockPool::new(5, false, 4, false).unwrap();
+        let mut held = Vec::new();
+        p.get_new_blocks(2, &mut held).unwrap(); // 1, 2
+        assert_eq!(queue(&p), vec![3, 4]);
+        p.unpin_blocks(&[2, 1], 7).unwrap();
+        // last-resort candidates, after the blocks already free, in the order released
+        assert_eq!(queue(&p), vec![3, 4, 2, 1]);
+        assert_eq!(p.num_free_blocks(), 4);
+        assert!(p.has_watchers());
+        let mut out = Vec::new();
+        p.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, vec![3, 4, 2]);
+        assert_eq!(p.take_fired_watchers(), vec![(2, 7)]);
+        assert!(p.take_fired_watchers().is_empty());
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_block_still_referenced_elsewhere_stays_in_use() {
+        let mut p = BlockPool::new(4, true, 4, false).unwrap();
+        let mut held = Vec::new();
+        p.get_new_blocks(1, &mut held).unwrap();
+        p.touch(&[1], true).unwrap(); // a second owner
+        p.unpin_blocks(&[1], 3).unwrap();
+        assert_eq!(p.ref_cnt(1).unwrap(), 1);
+        assert_eq!(queue(&p), vec![2, 3]);
+        // the watcher stays recorded: it fires once the other owner frees it and it is reused
+        p.free_blocks(&[1], true).unwrap();
+        let mut out = Vec::new();
+        p.get_new_blocks(3, &mut out).unwrap();
+        assert_eq!(out, vec![1, 2, 3]);
+        assert_eq!(p.take_fired_watchers(), vec![(1, 3)]);
+    }
+
+    #[test]
+    fn reset_fires_in_first_registration_order() {
+        let mut p = BlockPool::new(6, true, 4, false).unwrap();
+        let mut held = Vec::new();
+        p.get_new_blocks(3, &mut held).unwrap(); // 1, 2, 3
+        p.unpin_blocks(&[3], 10).unwrap();
+        p.unpin_blocks(&[1], 11).unwrap();
+        p.touch(&[3], true).unwrap();
+        // re-registering block 3 keeps its place (a dict key re-assigned) with the new watcher
+        p.unpin_blocks(&[3, 2], 12).unwrap();
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.take_fired_watchers(), vec![(3, 12), (1, 11), (2, 12)]);
+        assert!(!p.has_watchers());
+    }
+
+    #[test]
+    fn bad_unpins_change_nothing() {
+        let mut p = BlockPool::new(4, true, 4, false).unwrap();
+        let mut held = Vec::new();
+        p.get_new_blocks(1, &mut held).unwrap();
+        let before = queue(&p);
+        assert!(p.unpin_blocks(&[0], 1).is_err()); // the null block
+        assert!(p.unpin_blocks(&[1, 2], 1).is_err()); // 2 holds no reference
+        assert!(p.unpin_blocks(&[1, 1], 1).is_err()); // one reference released twice
+        assert!(p.unpin_blocks(&[9], 1).is_err()); // no such block
+        assert_eq!(queue(&p), before);
+        assert_eq!(p.ref_cnt(1).unwrap(), 1);
+        assert!(!p.has_watchers());
     }
 }

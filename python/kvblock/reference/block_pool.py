@@ -37,7 +37,7 @@ from ..hashing import (
     make_block_hash_with_group_id,
     resolve_block_hashes,
 )
-from ..multimodal import (
+from ..extra_keys import (
     generate_block_hash_extra_keys,
     get_mm_features_in_window,
     to_event_extra_keys,

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import cbor2
 import xxhash as _xxhash
 
-from ..multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
+from ..extra_keys import generate_block_hash_extra_keys, get_mm_features_in_window
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 NONE_HASH: bytes | None = None

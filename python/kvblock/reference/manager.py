@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import BlockStored, KVCacheEvent
-from ..multimodal import generate_block_hash_extra_keys, get_mm_features_in_window
+from ..extra_keys import generate_block_hash_extra_keys, get_mm_features_in_window
 from ..request import RequestStatus
 from ..stats import PrefixCacheStats
 from . import hashing as ref_hashing

@@ -17,6 +17,7 @@ from vllm.v1.core import block_pool as _vbp
 from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
 from ..block_pool import KVCacheBlock
+from .metrics import bind, pool_finalized, unsupported_reason
 from .releases import current as _current_release
 
 __all__ = ["BlockHashToBlockMap", "BlockPool", "IdsBlockHashToBlockMap"]
@@ -143,7 +144,11 @@ BlockHashToBlockMap: type[_BlockHashToBlockMap] = (
 
 class BlockPool(_BlockPool):
     """vLLM 0.33.0's ``BlockPool`` (same constructor and methods) on kvblock's Rust pool;
-    its KV events are vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
+    its KV events are vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``. A
+    ``metrics_collector`` (vLLM's ``KVCacheMetricsCollector``) gets its residency metrics
+    from the Rust pool (:mod:`kvblock.vllm.metrics`); a collector kvblock cannot feed (a
+    subclass overriding a hook, a non-number ``sample_rate``) is a ``TypeError``, nothing
+    built."""
 
     event_classes = (BlockStored, BlockRemoved, AllBlocksCleared)
 
@@ -204,7 +209,20 @@ class BlockPool(_BlockPool):
         return super().__new__(cls, **a)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(**_pool_arguments(args, kwargs))
+        a = _pool_arguments(args, kwargs)
+        collector = a.get("metrics_collector")
+        if collector is not None:
+            reason = unsupported_reason(collector)
+            if reason is not None:
+                raise TypeError(f"kvblock's block pool cannot record residency metrics: {reason}")
+        super().__init__(**a)
+        if collector is not None:
+            bind(collector, self)
+
+    def __del__(self) -> None:
+        # residency metrics: the events recorded and not read yet stay the collector's
+        if self.__dict__.get("metrics_collector") is not None:
+            pool_finalized(self)
 
     @classmethod
     def _for_manager(cls, **kwargs: Any) -> "BlockPool":

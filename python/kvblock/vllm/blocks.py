@@ -15,6 +15,8 @@ from .. import _core
 
 __all__ = ["KVCacheBlocks"]
 
+_BlockIds = _core.BlockIds
+
 #: vLLM's class (read before any patching: kvblock's subclass stands in for it).
 _VllmKVCacheBlocks = getattr(_vkm, "_kvblock_original_KVCacheBlocks", _vkm.KVCacheBlocks)
 
@@ -52,13 +54,20 @@ class KVCacheBlocks(_VllmKVCacheBlocks):  # type: ignore[misc, valid-type]
         self._ids = None
 
     def get_block_ids(self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None):  # type: ignore[override]
+        # vLLM's scheduler calls get_block_ids(allow_none=True) on every running request's
+        # new blocks every step, mostly the shared empty result: no generator, no per-group
+        # isinstance (a generator expression cost twice vLLM's own method here)
         ids = self._ids
         if ids is None:
             return super().get_block_ids(allow_none, group_ids=group_ids)
-        groups = ids if group_ids is None else tuple(ids[g] for g in group_ids)
-        if allow_none and all(len(g) == 0 for g in groups):
+        if group_ids is not None:
+            ids = tuple([ids[g] for g in group_ids])
+        if allow_none and not any(ids):  # every group empty (a group's truth is its length)
             return None
-        return tuple(g.tolist() if isinstance(g, _core.BlockIds) else list(g) for g in groups)
+        if len(ids) == 1:
+            g = ids[0]
+            return (g.tolist() if type(g) is _BlockIds else list(g),)
+        return tuple([g.tolist() if type(g) is _BlockIds else list(g) for g in ids])
 
     def __repr__(self) -> str:
         return f"KVCacheBlocks(blocks={self.blocks!r})"

@@ -2,8 +2,9 @@
 
 kvblock manages the groups whose vLLM manager class it implements (full attention and its
 MLA / hidden-state / sink / R-SWA variants, sliding window, chunked local attention, Mamba in
-"none" and "align" modes, cross attention, circular buffers). Anything else falls back to
-vLLM's own manager, with the reason: :func:`describe` names it.
+"none" and "align" modes, cross attention, circular buffers), with or without vLLM's KV-cache
+residency metrics (a ``metrics_collector``: :mod:`kvblock.vllm.metrics`). Anything else falls
+back to vLLM's own manager, with the reason: :func:`describe` names it.
 """
 
 from __future__ import annotations
@@ -58,25 +59,17 @@ def translate(
 ) -> Path:
     """The kvblock groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or the reason
     kvblock does not manage it."""
-    from .releases import current
-
-    if (
-        not use_eagle
-        and current().eagle_groups_drop_always
-        and any(getattr(g, "is_eagle_group", False) for g in kv_cache_config.kv_cache_groups)
-    ):
-        return Path(
-            "vllm",
-            f"EAGLE groups without use_eagle (vLLM {current().series} drops their EAGLE block anyway; "
-            "kvblock implements 0.33's rule)",
-        )
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheGroupRole, MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         return Path("vllm", "HiSparse host-tier KV cache (hisparse_host_num_blocks is set)")
     if metrics_collector is not None:
-        return Path("vllm", "KV cache residency metrics (a metrics_collector is set)")
+        from .metrics import unsupported_reason
+
+        reason = unsupported_reason(metrics_collector, kv_cache_config.num_blocks)
+        if reason is not None:
+            return Path("vllm", f"KV cache residency metrics: {reason}")
     kinds = _kinds()
     groups: list[dict[str, Any]] = []
     classes: list[tuple[Any, type]] = []
@@ -112,16 +105,10 @@ def translate(
             g["attention_chunk_size"] = spec.attention_chunk_size
         elif kind == "mamba":
             assert isinstance(spec, MambaSpec)
-            if spec.mamba_cache_mode not in ("none", "align"):
-                return Path("vllm", f"kv_cache_groups[{i}]: mamba_cache_mode {spec.mamba_cache_mode!r}")
-            if enable_caching and current().mamba_prefix_caching_differs:
-                return Path(
-                    "vllm",
-                    f"kv_cache_groups[{i}]: Mamba prefix caching (mamba_cache_mode {spec.mamba_cache_mode!r}) as vLLM "
-                    f"{current().series} does it; kvblock implements 0.33's ('align' only, null blocks skipped)",
-                )
             g.update(
-                mamba_cache_mode=spec.mamba_cache_mode,
+                # vLLM 0.32-0.34 know "align" and "none" (CacheConfig's MambaCacheMode); their
+                # MambaManager runs every mode other than "align" as it runs "none"
+                mamba_cache_mode="align" if spec.mamba_cache_mode == "align" else "none",
                 num_speculative_blocks=spec.num_speculative_blocks,
                 num_prefill_checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
                 prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,

@@ -9,7 +9,8 @@ every method are kvblock's.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+import operator
+from collections.abc import Iterator, Mapping, MutableMapping, Set
 from typing import Any, NamedTuple, Sequence
 
 from vllm.v1.core import kv_cache_coordinator as _vkc
@@ -149,6 +150,97 @@ class _NumCached(MutableMapping):
         return request_id in self._dict()
 
 
+class _RequestStateMap(Mapping[str, Any]):
+    """One per-request dict of a group's manager (vLLM's ``_checkpoints``,
+    ``_partial_hit_reqs``, ``_producer_partial_tail_reqs``, ``last_state_block_idx``,
+    ``_num_retired_blocks``), read live from the Rust state: ``{request_id: value}`` with
+    blocks as the pool's ``KVCacheBlock`` views. Read-only, except ``_partial_hit_reqs``
+    (``writable``), whose items vLLM's code and tests set and delete."""
+
+    #: the position of each field in ``_group_request_states`` rows
+    _FIELDS = {"last_state_block_idx": 1, "num_retired": 2, "checkpoint": 4, "partial_hit": 5, "producer_tail": 6}
+
+    def __init__(self, manager: Any, group: int, field: str, writable: bool = False) -> None:
+        self._m = manager
+        self._g = group
+        self._i = self._FIELDS[field]
+        self._field = field
+        self._writable = writable
+
+    def _value(self, raw: Any) -> Any:
+        view = self._m.block_pool._view
+        if self._field == "partial_hit":
+            return (raw[0], view(raw[1]))
+        if self._field == "producer_tail":
+            return (view(raw[0]), raw[1])
+        return raw
+
+    def _dict(self) -> dict[str, Any]:
+        return {row[0]: self._value(row[self._i]) for row in self._m._group_request_states(self._g) if row[self._i] is not None}
+
+    def __getitem__(self, request_id: str) -> Any:
+        return self._dict()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._dict()
+
+    def __setitem__(self, request_id: str, value: tuple[int, Any]) -> None:
+        if not self._writable:
+            raise TypeError(f"{self._field} is a read-only view of kvblock's manager")
+        block_idx, block = value
+        self._m._group_set_partial_hit(self._g, request_id, (operator.index(block_idx), _ids([block])[0]))
+
+    def __delitem__(self, request_id: str) -> None:
+        if not self._writable:
+            raise TypeError(f"{self._field} is a read-only view of kvblock's manager")
+        if request_id not in self:
+            raise KeyError(request_id)
+        self._m._group_set_partial_hit(self._g, request_id, None)
+
+    def pop(self, request_id: str, *default: Any) -> Any:
+        try:
+            value = self[request_id]
+        except KeyError:
+            if default:
+                return default[0]
+            raise
+        del self[request_id]
+        return value
+
+    def __repr__(self) -> str:
+        return repr(self._dict())
+
+
+class _AllocatedReqs(Set[str]):
+    """vLLM's ``_allocated_block_reqs`` of a Mamba "align" group (a set of request ids), read
+    live from the Rust state."""
+
+    def __init__(self, manager: Any, group: int) -> None:
+        self._m = manager
+        self._g = group
+
+    def _set(self) -> set[str]:
+        return {row[0] for row in self._m._group_request_states(self._g) if row[3]}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._set()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set())
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+    def __repr__(self) -> str:
+        return repr(self._set())
+
+
 class SingleTypeManagerView:
     """vLLM's ``SingleTypeKVCacheManager`` for group ``kv_cache_group_id`` of a kvblock
     manager: ``block_size``, ``kv_cache_spec``, ``req_to_blocks``, ``num_cached_block``,
@@ -174,9 +266,18 @@ class SingleTypeManagerView:
         self.retains_longer_hit = False
         self.req_to_blocks = _ReqToBlocks(manager, group)
         self.num_cached_block = _NumCached(manager, group)
+        self._partial_hit_reqs = _RequestStateMap(manager, group, "partial_hit", writable=True)
         if getattr(spec, "mamba_cache_mode", None) is not None:
             self.mamba_cache_mode = spec.mamba_cache_mode
             self.num_speculative_blocks = spec.num_speculative_blocks
+            self.has_prefill_checkpoint_blocks = spec.mamba_cache_mode == "align" and spec.num_prefill_checkpoint_blocks > 0
+            if spec.mamba_cache_mode == "align":
+                # vLLM's MambaManager has these in "align" mode only
+                self.last_state_block_idx = _RequestStateMap(manager, group, "last_state_block_idx")
+                self._num_retired_blocks = _RequestStateMap(manager, group, "num_retired")
+                self._allocated_block_reqs = _AllocatedReqs(manager, group)
+                self._checkpoints = _RequestStateMap(manager, group, "checkpoint")
+                self._producer_partial_tail_reqs = _RequestStateMap(manager, group, "producer_tail")
         if hasattr(spec, "sliding_window"):
             self.sliding_window = spec.sliding_window
         if hasattr(spec, "attention_chunk_size") and spec.attention_chunk_size is not None:
@@ -204,6 +305,56 @@ class SingleTypeManagerView:
 
     def take_new_block_ids(self) -> list[int]:
         return self._m._group_take_new_block_ids(self.kv_cache_group_id)
+
+    @property
+    def _pending_cow_copies(self) -> list[tuple[Any, Any]]:
+        """vLLM's ``_pending_cow_copies``: the (source, copy) blocks of partial hits whose
+        copy the worker has not been handed yet (a snapshot of the Rust list)."""
+        view = self._m.block_pool._view
+        return [(view(s), view(d)) for s, d in self._m._group_pending_cow_copies(self.kv_cache_group_id, False)]
+
+    def take_pending_cow_copies(self) -> list[tuple[Any, Any]]:
+        """vLLM's ``take_pending_cow_copies()``: the pending (source, copy) block pairs,
+        drained (the manager's ``take_kv_cache_block_copies`` then finds them gone)."""
+        view = self._m.block_pool._view
+        return [(view(s), view(d)) for s, d in self._m._group_pending_cow_copies(self.kv_cache_group_id, True)]
+
+    @property
+    def _pending_boundary_state_offloads(self) -> list[tuple[str, int, Any, int]]:
+        """vLLM's ``_pending_boundary_state_offloads``: ``(request_id, group, block,
+        boundary_tokens)`` not yet handed to a connector (a snapshot of the Rust list)."""
+        view = self._m.block_pool._view
+        return [(r, g, view(b), t) for r, g, b, t in self._m._group_pending_offloads(self.kv_cache_group_id, False)]
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, Any, int]]:
+        """vLLM's ``take_pending_boundary_state_offloads()``: the hand-offs, drained."""
+        view = self._m.block_pool._view
+        return [(r, g, view(b), t) for r, g, b, t in self._m._group_pending_offloads(self.kv_cache_group_id, True)]
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, Any, int] | None:
+        """vLLM's ``finalize_partial_tail_offload``: ``(group, block, boundary_tokens)`` of
+        the request's producer tail when it finished exactly there (consumed), else None."""
+        out = self._m._group_finalize_partial_tail_offload(
+            self.kv_cache_group_id, request_id, num_computed_tokens, num_in_flight_tokens
+        )
+        return None if out is None else (out[0], self._m.block_pool._view(out[1]), out[2])
+
+    def cache_blocks(
+        self,
+        request: Any,
+        num_tokens: int,
+        retention_interval: int | None = None,
+        *,
+        replay_boundaries: Sequence[int],
+    ) -> None:
+        """vLLM's per-group ``cache_blocks(request, num_tokens, retention_interval,
+        replay_boundaries=...)``: caches this group's full blocks of ``request`` up to
+        ``num_tokens`` tokens (and, for Mamba "align", its partial tail), in the Rust core."""
+        self._m._group_cache_blocks(
+            self.kv_cache_group_id, request, num_tokens, retention_interval, list(replay_boundaries)
+        )
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return self._m._group_num_skipped_tokens(self.kv_cache_group_id, num_computed_tokens)
@@ -282,6 +433,23 @@ class SingleTypeManagerView:
         return f"<kvblock {self.manager_cls.__name__} view of group {self.kv_cache_group_id}>"
 
 
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _view_class(manager_cls: Any) -> type:
+    """The view class of groups whose vLLM manager class is ``manager_cls``: a subclass of
+    :class:`SingleTypeManagerView` and of ``manager_cls`` itself, named as vLLM's, so that
+    vLLM's ``isinstance(manager, CrossAttentionManager)`` (``MambaManager`` ...) lookups over
+    ``coordinator.single_type_managers`` find it. The view's own state and methods come first;
+    vLLM's methods the view does not define run over the view (its tables and pool are
+    kvblock's)."""
+    cls = _VIEW_CLASSES.get(manager_cls)
+    if cls is None:
+        cls = type(manager_cls.__name__, (SingleTypeManagerView, manager_cls), {"__qualname__": manager_cls.__qualname__})
+        _VIEW_CLASSES[manager_cls] = cls
+    return cls
+
+
 class _CoordinatorView:
     """The coordinator face of a kvblock manager."""
 
@@ -302,7 +470,7 @@ class _CoordinatorView:
         groups = kv_cache_config.kv_cache_groups
         classes = [KVCacheSpecRegistry.get_manager_class(g.kv_cache_spec, getattr(g, "role", None)) for g in groups]
         self.single_type_managers = tuple(
-            SingleTypeManagerView(manager, i, gi, g.kv_cache_spec, cls)
+            _view_class(cls)(manager, i, gi, g.kv_cache_spec, cls)
             for i, (gi, g, cls) in enumerate(zip(info["groups"], groups, classes))
         )
         self.group_block_sizes = tuple(m.block_size for m in self.single_type_managers)

@@ -80,8 +80,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
     ``hash_block_size`` (tokens per block hash; divides every cacheable group's block size),
     ``max_in_flight_tokens`` (default ``max_model_len``), ``enable_caching``, ``use_eagle``,
     ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``, ``log_stats``,
-    ``enable_kv_cache_events``, ``dcp_world_size``, ``pcp_world_size``, ``metrics_collector``,
-    ``watermark`` (fraction of blocks), ``enable_mamba_shared_prefix_checkpoint``.
+    ``enable_kv_cache_events``, ``dcp_world_size``, ``pcp_world_size``, ``metrics_collector``
+    (vLLM's ``KVCacheMetricsCollector``: the Rust pool records its residency metrics, see
+    :mod:`kvblock.vllm.metrics`), ``watermark`` (fraction of blocks),
+    ``enable_mamba_shared_prefix_checkpoint``.
 
     Returns vLLM's own ``KVCacheManager`` for a configuration kvblock does not manage.
 
@@ -160,6 +162,7 @@ class KVCacheManager(_core.KVCacheManagerCore):
                 needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
                 retention_interval=kv_cache_config.prefix_cache_retention_interval,
                 enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+                release_rules=RELEASE.core_rules(),
             )
         except ValueError as e:
             # vLLM's constructors assert these (block sizes, hash block size)
@@ -170,6 +173,12 @@ class KVCacheManager(_core.KVCacheManagerCore):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle
         self.log_stats = log_stats
+        if metrics_collector is not None:
+            # the scheduler's collector, fed by the Rust pool from now on (translate() checked it)
+            from .metrics import bind
+
+            bind(metrics_collector, pool)
+            pool.metrics_collector = metrics_collector
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.kv_cache_config = kv_cache_config

@@ -45,10 +45,9 @@ class Release:
         common_prefix_blocks: ``KVCacheManager.get_num_common_prefix_blocks`` exists
             (deprecated in 0.33, removed in 0.34).
         eagle_groups_drop_always: a group flagged ``is_eagle_group`` drops the EAGLE block from
-            its hits even with ``use_eagle`` off (0.32; 0.33 drops only with ``use_eagle``). A
-            real engine flags draft groups only with EAGLE on; kvblock implements 0.33's rule,
-            so on 0.32 a flagged group without ``use_eagle`` is a configuration it does not
-            manage.
+            its hits even with ``use_eagle`` off (0.32: the coordinator's ``eagle_group_ids``
+            decide the drop; 0.33 added ``drop_eagle_group_ids``, empty without ``use_eagle``).
+            kvblock's Rust core applies the installed release's rule (:meth:`core_rules`).
         null_blocks_counted: ``pop_blocks_for_free`` and ``get_blocks`` return a table's leading
             null blocks, and freeing counts the null block's ``ref_cnt`` down (0.32; from 0.33
             both skip the null block, "never pooled; its ref_cnt is not maintained"). The blocks
@@ -56,13 +55,23 @@ class Release:
             difference on 0.32, listed in the docs).
         runner_output_index: ``ModelRunnerOutput`` takes ``req_id_to_index`` (0.32, 0.33; 0.34
             dropped it): see :func:`model_runner_output`.
-        mamba_prefix_caching_differs: a Mamba group in ``mamba_cache_mode="none"`` takes part in
-            prefix caching, and Mamba prefix caching keeps the null blocks of its tables
-            differently (0.32: ``pop_blocks_for_free`` returns them, freeing counts the null
-            block's references down). From 0.33 vLLM asserts that Mamba prefix caching uses
-            "align" and skips null blocks; kvblock implements 0.33's semantics, so on 0.32 a
-            Mamba group with prefix caching on is a configuration kvblock does not manage
+        mamba_prefix_caching_differs: vLLM 0.32's Mamba prefix caching: a Mamba group in
+            ``mamba_cache_mode="none"`` takes part in prefix caching (0.33 asserts "align"), and
+            ``_cache_partial_tail_block`` registers the prompt's last boundary state again when
+            its block already carries that key, marking it cached this step (0.33 leaves an
+            already keyed block alone). 0.32's tables also keep their null blocks in what
+            ``pop_blocks_for_free`` / ``get_blocks`` return: that is ``null_blocks_counted``.
+            kvblock's Rust core applies the installed release's rules (:meth:`core_rules`)
             (found by the lockstep against vLLM 0.32 from random seeds).
+        hisparse_after_forward: HiSparse's ``SparseKVPageTransfer`` has an ``after_forward``
+            field (0.32, 0.33: True for a write-back planned by ``advance_scheduled``, False for
+            an import's restore); 0.34 dropped it. See ``docs/hisparse.md``.
+        hisparse_import_reservations: HiSparse's coordinator reserves the host pages an
+            admitted import has yet to allocate (``size_import``, ``update_import_reservation``,
+            ``reserved_import_pages``; 0.34).
+        eagle_junction_block_retained: the base ``cache_blocks`` also keeps the block before a
+            shared-prefix junction under EAGLE (``shared_prefix_boundary - block_size`` among
+            the reachable boundaries of sparse retention; 0.33+, not 0.32).
     """
 
     series: str
@@ -79,6 +88,19 @@ class Release:
     runner_output_index: bool
     eagle_groups_drop_always: bool
     null_blocks_counted: bool
+    hisparse_after_forward: bool
+    hisparse_import_reservations: bool
+    eagle_junction_block_retained: bool
+
+    def core_rules(self) -> dict[str, bool]:
+        """This release's rules as kvblock's Rust core takes them (``KVCacheManagerCore``'s
+        ``release_rules``: ``rust/src/manager/release.rs``, whose defaults are 0.33's)."""
+        return {
+            "eagle_groups_drop_always": self.eagle_groups_drop_always,
+            "mamba_none_mode_caches": self.mamba_prefix_caching_differs,
+            "partial_tail_rekeyed": self.mamba_prefix_caching_differs,
+            "eagle_junction_block_retained": self.eagle_junction_block_retained,
+        }
 
 
 _V032 = Release(
@@ -96,6 +118,9 @@ _V032 = Release(
     runner_output_index=True,
     eagle_groups_drop_always=True,
     null_blocks_counted=True,
+    hisparse_after_forward=True,
+    hisparse_import_reservations=False,
+    eagle_junction_block_retained=False,
 )
 # each release as what it changed from the one before
 _V033 = replace(
@@ -106,6 +131,7 @@ _V033 = replace(
     mamba_prefix_caching_differs=False,
     eagle_groups_drop_always=False,
     null_blocks_counted=False,
+    eagle_junction_block_retained=True,
 )
 _V034 = replace(
     _V033,
@@ -118,6 +144,8 @@ _V034 = replace(
     token_buffer=True,
     common_prefix_blocks=False,
     runner_output_index=False,
+    hisparse_after_forward=False,
+    hisparse_import_reservations=True,
 )
 _RELEASES = {r.series: r for r in (_V032, _V033, _V034)}
 

@@ -209,12 +209,32 @@ impl<V> DigestMemo<V> {
         self.insert(parent, tokens, value)
     }
 
+    /// Start loading the doorkeeper set that [`DigestMemo::offer_sighted`] with `sighting`
+    /// reads (a hint, see [`crate::prefetch`]). A caller offering a run of blocks prefetches
+    /// every set first: the sets are random lines of a table larger than the CPU's nearest
+    /// caches, and offered one after another their misses followed each other (about 2.5 µs
+    /// of a 32-block prompt's 13 at block size 64, with 16384 slots).
+    #[inline]
+    pub fn prefetch_sighting(&self, sighting: u64) {
+        if self.seen.is_empty() {
+            return;
+        }
+        let set = &self.seen[self.seen_group(sighting)..];
+        crate::prefetch::prefetch_bytes(set.as_ptr().cast(), WAYS * std::mem::size_of::<u32>());
+    }
+
+    /// The first doorkeeper entry of the set of the key whose hash is `h`.
+    #[inline(always)]
+    fn seen_group(&self, h: u64) -> usize {
+        ((h as usize >> 1) & (self.seen.len() / WAYS).saturating_sub(1)) * WAYS
+    }
+
     /// Note a sighting of the key whose hash is `h` in the doorkeeper: false on a first
     /// sighting (its fingerprint is noted, the oldest of its set dropped), true on a second
     /// (the fingerprint is cleared: the key is stored now).
     #[inline]
     fn sighted(&mut self, h: u64) -> bool {
-        let group = ((h as usize >> 1) & (self.seen.len() / WAYS - 1)) * WAYS;
+        let group = self.seen_group(h);
         let seen = &mut self.seen[group..group + WAYS];
         let fingerprint = (h >> 32) as u32 | 1;
         match seen.iter().position(|&f| f == fingerprint) {
