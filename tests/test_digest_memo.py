@@ -75,16 +75,19 @@ def test_off_and_bad_sizes(roots):
         H.get_request_block_hasher(BS, R.sha256, digest_memo_blocks=-1)
 
 
-def test_large_blocks_get_a_bounded_memo(roots):
-    assert H.default_digest_memo_blocks(16) == 16384
-    assert H.default_digest_memo_blocks(1024) == 1024
-    assert H.default_digest_memo_blocks(100) == 8192  # 10485 rounded down: <= 2**20 token ids
+def test_the_default_memo_is_for_small_blocks_only(roots):
+    assert H.default_digest_memo_blocks(16) == H.DEFAULT_DIGEST_MEMO_BLOCKS == 16384
+    assert H.default_digest_memo_blocks(1) == 16384
+    for bs in (17, 32, 64, 100, 1024, 1 << 19):  # a lookup costs what the digest it saves does
+        assert H.default_digest_memo_blocks(bs) == 0
     with pytest.raises(ValueError, match="block_size"):
         H.default_digest_memo_blocks(0)
-    assert H.default_digest_memo_blocks(1 << 19) == 0  # fewer than 4 slots: off
-    for bs in (1024, 1 << 19, 1 << 40):
+    for bs in (16, 64, 1024, 1 << 19, 1 << 40):
         assert H.get_request_block_hasher(bs, H.sha256).digest_memo_blocks == H.default_digest_memo_blocks(bs)
-    big = H.get_request_block_hasher(1024, H.sha256)
+
+
+def test_large_blocks_can_ask_for_a_memo(roots):
+    big = H.get_request_block_hasher(1024, H.sha256, digest_memo_blocks=1024)
     prompt = list(range(3000))
     ref = Request("r", prompt, block_hasher=R.get_request_block_hasher(1024, R.sha256)).block_hashes
     for _ in range(3):

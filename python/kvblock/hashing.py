@@ -31,7 +31,7 @@ __all__ = [
     "BlockHashWithGroupId",
     "BlockHashListWithBlockSize",
     "DEFAULT_DIGEST_MEMO_BLOCKS",
-    "DEFAULT_DIGEST_MEMO_TOKENS",
+    "DIGEST_MEMO_MAX_BLOCK_SIZE",
     "MAX_DIGEST_MEMO_BLOCKS",
     "DEFAULT_NONE_HASH_SEED",
     "HashFunction",
@@ -76,12 +76,16 @@ _BY_NAME = {f.name: f for f in (sha256, sha256_cbor, xxhash, xxhash_cbor)}
 #: The seed string of the root hash when ``PYTHONHASHSEED`` is unset (sha256, sha256_cbor).
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
-#: Digest-memo slots of a request block hasher (see :func:`get_request_block_hasher`), for
-#: blocks of up to 64 tokens; larger blocks get fewer (:func:`default_digest_memo_blocks`).
+#: Digest-memo slots of a request block hasher (see :func:`get_request_block_hasher`) for
+#: blocks of up to :data:`DIGEST_MEMO_MAX_BLOCK_SIZE` tokens.
 DEFAULT_DIGEST_MEMO_BLOCKS = 16384
 
-#: Token ids a default digest memo may hold (8 MiB of keys).
-DEFAULT_DIGEST_MEMO_TOKENS = 1 << 20
+#: The largest block size whose request block hashers get a digest memo by default. Measured
+#: on 2,048-token prompts (docs/benchmarks.md): at 16 tokens a block the memo saves time on
+#: prompts that share a prefix; at 32 and 64 a memo lookup (hashing and comparing the key)
+#: costs about what the SHA-256 it saves does, so a prompt with no shared prefix pays 15-20%
+#: more and one with 24 of its 32 blocks shared gains nothing.
+DIGEST_MEMO_MAX_BLOCK_SIZE = 16
 
 #: Most digest-memo slots a request block hasher can be asked for.
 MAX_DIGEST_MEMO_BLOCKS = 1 << 24
@@ -103,20 +107,22 @@ def _count_arg(name: str, value: Any, minimum: int) -> int:
 def default_digest_memo_blocks(block_size: int, algo: str = "sha256") -> int:
     """Digest-memo slots a request block hasher gets by default.
 
-    For ``sha256`` and ``sha256_cbor``: 16384, or for blocks of over 64 tokens the largest
-    power of two of blocks that hold at most 2**20 token ids; 0 (no memo) when that is under
-    4 (blocks of over 262144 tokens). For ``xxhash`` and ``xxhash_cbor``: 0, since an XXH3
-    digest costs about what a memo lookup does (the lookup hashes the key with XXH3 too).
+    For ``sha256`` and ``sha256_cbor``: :data:`DEFAULT_DIGEST_MEMO_BLOCKS` (16384) for blocks
+    of up to :data:`DIGEST_MEMO_MAX_BLOCK_SIZE` (16) tokens, vLLM 0.32 and 0.33's default
+    block size; 0 (no memo) for larger blocks, vLLM 0.34's default of 64 among them, where a
+    memo lookup costs about what the digest it saves does. For ``xxhash`` and
+    ``xxhash_cbor``: 0, since an XXH3 digest costs about what a memo lookup does (the lookup
+    hashes the key with XXH3 too). A memo can still be asked for at any block size
+    (``digest_memo_blocks=`` of :func:`get_request_block_hasher`).
 
     Raises:
         ValueError: ``block_size <= 0``.
         TypeError: ``block_size`` is not an int.
     """
     block_size = _count_arg("block_size", block_size, 1)
-    if algo.startswith("xxhash"):
+    if algo.startswith("xxhash") or block_size > DIGEST_MEMO_MAX_BLOCK_SIZE:
         return 0
-    n = min(DEFAULT_DIGEST_MEMO_BLOCKS, DEFAULT_DIGEST_MEMO_TOKENS // block_size)
-    return 1 << (n.bit_length() - 1) if n >= 4 else 0
+    return DEFAULT_DIGEST_MEMO_BLOCKS
 
 #: The root of every chain; ``None`` until :func:`init_none_hash` runs (or the first hash).
 NONE_HASH: BlockHash | None = None
@@ -395,8 +401,8 @@ def get_request_block_hasher(
     is hashed in bulk. Blocks completed by output tokens, and blocks with extra keys (LoRA,
     multimodal, cache_salt, prompt embeds, lookahead), are always hashed.
 
-    ``digest_memo_blocks`` slots (None: :func:`default_digest_memo_blocks`, 0 for the xxhash
-    algorithms; 0: no memo; rounded up to a power of two, at least 4), in sets of 4 that each
+    ``digest_memo_blocks`` slots (None: :func:`default_digest_memo_blocks`: 16384 for sha256
+    blocks of up to 16 tokens, else 0; 0: no memo; rounded up to a power of two, at least 4), in sets of 4 that each
     drop their least recently used entry: ``8 * block_size + 68`` bytes per slot (3.1 MiB for
     16384 slots at block size 16) plus the ``bytes`` objects it keeps alive. Keep the shared
     prefixes it should hold under a quarter of its slots: beyond that more sets overflow, and
