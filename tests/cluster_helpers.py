@@ -64,3 +64,16 @@ def chain(seed: int, n: int, shared: int = 0, shared_seed: int = 7) -> list[int]
     head = rng_s.integers(1, 2**63, size=shared, dtype=np.int64).tolist()
     rng = np.random.default_rng(seed + 1000)
     return head + rng.integers(1, 2**63, size=n - shared, dtype=np.int64).tolist()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text exposition parsed by prometheus_client: ``{"name{l=v,...}": value}``
+    (labels sorted by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out

@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cluster_helpers import free_port, rebind
+from cluster_helpers import free_port, parse_metrics, rebind
 from conftest import require_module
 from redis_fixtures import redis_node  # noqa: F401  (the fixture)
 
 require_module("zmq")
 require_module("aiohttp")
-prom_parser = require_module("prometheus_client.parser")
+require_module("prometheus_client.parser")
 
 from kvblock import KVCacheManager, Request, SamplingParams, hashing  # noqa: E402
 from kvblock.cluster import KVEventPublisher, PrefixIndex  # noqa: E402
@@ -73,12 +73,7 @@ def metrics(url: str) -> dict[str, float]:
     """``/metrics`` parsed by prometheus_client: ``{"name{l=v,...}": value}``."""
     status, text = call(url + "/metrics")
     assert status == 200
-    out = {}
-    for fam in prom_parser.text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
+    return parse_metrics(text)
 
 
 class Engine:

@@ -43,12 +43,12 @@ from typing import Any, Sequence
 
 import pytest
 
-from cluster_helpers import free_port
+from cluster_helpers import free_port, parse_metrics
 from conftest import REPO, require_module
 
 require_module("zmq")
 require_module("aiohttp")
-prom_parser = require_module("prometheus_client.parser")
+require_module("prometheus_client.parser")
 
 sys.path.insert(0, str(REPO / "tests" / "vllm_judge"))
 import judge  # noqa: E402
@@ -170,13 +170,7 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in prom_parser.text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
+        return parse_metrics(r.read().decode())
 
 
 class ScoreClient:
