@@ -616,7 +616,7 @@ impl PyManager {
         let mut me = self.state.borrow_mut(py)?;
         let id = me.id_of(request)?;
         me.slots.remove(request);
-        Ok(me.inner.coord.pop_blocks_for_free(request_id_str(&id)?))
+        me.inner.coord.pop_blocks_for_free(request_id_str(&id)?).py_err()
     }
 
     /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to

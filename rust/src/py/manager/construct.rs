@@ -19,6 +19,7 @@ fn rules_of(d: &Bound<'_, PyDict>) -> PyResult<ReleaseRules> {
             "mamba_none_mode_caches" => r.mamba_none_mode_caches = on,
             "partial_tail_rekeyed" => r.partial_tail_rekeyed = on,
             "eagle_junction_block_retained" => r.eagle_junction_block_retained = on,
+            "hisparse_trim_null_head" => r.hisparse_trim_null_head = on,
             _ => return Err(value_err("release_rules", format!("unknown rule {key:?}"))),
         }
     }
@@ -186,6 +187,8 @@ impl PyManager {
                 Some(d) => rules_of(d)?,
                 None => ReleaseRules::default(),
             },
+            hisparse_host_num_blocks: None,
+            hisparse_import_step_tokens: None,
         };
         if pool_h != cfg.hash_block_size {
             return Err(value_err(
