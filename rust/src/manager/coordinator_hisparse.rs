@@ -283,7 +283,13 @@ impl Coordinator {
                     num_local_computed,
                     num_external,
                     record_for_zeroing,
-                )
+                )?;
+                if tier.import_step_tokens.is_some() {
+                    // 0.34: the import's reservation shrinks by the host pages now held
+                    let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());
+                    tier.residency.update_import_reservation(request_id, held);
+                }
+                Ok(())
             }
             Kind::HiSparseResident => {
                 let k = tier.role_index(gid)?;
@@ -326,13 +332,14 @@ impl Coordinator {
         let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
         let out = match kind {
             Kind::HiSparseSource => {
-                return managers[gid].allocate_new_blocks(
-                    &mut tier.host,
-                    slot,
-                    request_id,
-                    num_tokens,
-                    num_tokens_main_model,
-                );
+                let new =
+                    managers[gid].allocate_new_blocks(&mut tier.host, slot, request_id, num_tokens, num_tokens_main_model)?;
+                if !new.is_empty() && tier.import_step_tokens.is_some() {
+                    // 0.34: `update_import_reservation(request, len(req_to_blocks[request]))`
+                    let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());
+                    tier.residency.update_import_reservation(request_id, held);
+                }
+                return Ok(new);
             }
             Kind::HiSparseResident => {
                 let m = &mut managers[gid];

@@ -261,3 +261,71 @@ fn pop_blocks_for_free_is_refused_with_two_pools() {
     assert!(matches!(m.coord.pop_blocks_for_free("a"), Err(Error::NotImplemented(_))));
     assert_eq!(table(&m, "a", SOURCE).len(), 2);
 }
+
+#[test]
+fn the_residency_takes_only_its_own_fired_watchers() {
+    use crate::hisparse::residency::RESIDENCY_WATCHER;
+    let mut p = BlockPool::new(4, false, BS, false).unwrap();
+    let mut got = Vec::new();
+    p.get_new_blocks(3, &mut got).unwrap();
+    p.unpin_blocks(&[got[0]], 5).unwrap();
+    p.unpin_blocks(&[got[1]], RESIDENCY_WATCHER).unwrap();
+    p.unpin_blocks(&[got[2]], 6).unwrap();
+    let mut again = Vec::new();
+    p.get_new_blocks(3, &mut again).unwrap();
+    // a Python caller's take leaves the residency's entry for the manager
+    assert_eq!(p.take_fired_watchers_except(RESIDENCY_WATCHER), vec![(got[0], 5), (got[2], 6)]);
+    assert_eq!(p.take_fired_watchers_of(RESIDENCY_WATCHER), vec![got[1]]);
+    assert!(p.take_fired_watchers().is_empty());
+}
+
+#[test]
+fn an_external_import_keeps_its_host_reservation_on_0_34() {
+    let mut cfg = config(32, Some(16), false);
+    cfg.hisparse_import_step_tokens = Some(BS);
+    let mut m = KVCacheManager::new(&cfg).unwrap();
+    let mut p = BlockPool::new(32, false, BS, false).unwrap();
+    let hs = hashes(1, 64);
+    let req = RequestView { request_id: "a", num_tokens: 64, num_prompt_tokens: 64, ..Default::default() };
+    let args = AllocArgs {
+        num_new_tokens: 16,
+        num_external_computed_tokens: 48,
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    let new = m.allocate_slots(&mut p, &req, &hs, &args).unwrap().expect("fits");
+    // the admission gate sized the import at cdiv(64 + 16, 16) = 5 host pages; the request
+    // holds 4 (3 imported, 1 new): one page stays reserved
+    assert_eq!(table(&m, "a", SOURCE).len(), 4);
+    assert_eq!(m.coord.hisparse().unwrap().residency.reserved_import_pages(), 1);
+    // the resident group: host-only imported pages, a writable last imported page, one more
+    let resident = table(&m, "a", RESIDENT);
+    assert_eq!(resident.len(), 4);
+    assert_eq!(&resident[..2], &[NULL_BLOCK, NULL_BLOCK]);
+    assert!(resident[2] != NULL_BLOCK && resident[3] != NULL_BLOCK);
+    // the hot group: an import reads host-backed history
+    assert_eq!(new[HOT].len(), 2);
+    m.free(&mut p, "a").unwrap();
+    assert_eq!(m.coord.hisparse().unwrap().residency.reserved_import_pages(), 0);
+    assert_eq!(p.num_free_blocks(), 31);
+    assert_eq!(host_free(&m), 15);
+}
+
+#[test]
+fn release_0_32_pops_the_resident_row_with_its_null_head() {
+    for trim in [true, false] {
+        let mut cfg = config(32, Some(16), false);
+        cfg.rules.hisparse_trim_null_head = trim;
+        let mut m = KVCacheManager::new(&cfg).unwrap();
+        let mut p = BlockPool::new(32, false, BS, false).unwrap();
+        let hs = hashes(1, 64);
+        let req = RequestView { request_id: "a", num_tokens: 64, num_prompt_tokens: 64, ..Default::default() };
+        let args = AllocArgs { num_new_tokens: 16, num_external_computed_tokens: 48, ..Default::default() };
+        m.allocate_slots(&mut p, &req, &hs, &args).unwrap().expect("fits");
+        let resident = table(&m, "a", RESIDENT);
+        let slot = m.coord.slot("a").unwrap();
+        let row = m.coord.hisparse_pop(&mut p, RESIDENT, slot, "a", true).unwrap();
+        // 0.33+: trim_null_head; 0.32: the whole row, host-only head included
+        assert_eq!(row, if trim { resident[2..].to_vec() } else { resident.clone() }, "trim={trim}");
+    }
+}
