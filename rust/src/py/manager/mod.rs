@@ -249,6 +249,13 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
+    /// The free blocks of HiSparse's host pool (the source group's), None without HiSparse
+    /// groups.
+    #[getter]
+    fn _hisparse_host_free_blocks(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        self.state.with(py, |me| me.inner.coord.hisparse().map(|t| t.host.num_free_blocks()))
+    }
+
     /// Number of requests the manager knows.
     #[getter]
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {
