@@ -1,6 +1,6 @@
 """kvblock's manager holding HiSparse groups (the Rust core's ``manager::coordinator_hisparse``:
 the host pool and the residency in the manager) against vLLM's own ``KVCacheManager`` bound to
-its ``HiSparseCoordinator``, in lockstep, through ``allocate_slots`` and ``free`` alone.
+its ``HiSparseCoordinator``, in lockstep, driven as vLLM's HiSparse connector drives it.
 
 vLLM's side is built as vLLM's HiSparse tests build it (``make_hisparse_kv_cache_config``'s
 layout: source group on the host pool, indexer, resident, hot with two blocks per request,
@@ -8,11 +8,15 @@ then ``get_hisparse_coordinator``). kvblock's side is ``kvblock.vllm.KVCacheMana
 ``KVBLOCK_VLLM_HISPARSE=1`` (without it a HiSparse configuration still falls back: the views
 vLLM's HiSparse connector reads are not written yet). A hypothesis state machine admits
 requests (new prompts and external imports, with and without the full-sequence admission
-gate), runs decode steps and frees requests (finished or preempted); after every step both
-managers hold the same block ids in every group (host ids for the source group) and both pools
-have the same free blocks. The residency's own calls (spills, residency updates) go through
-the connector and are not reachable from here yet: ``tests/test_vllm_hisparse_lockstep.py``
-covers them through the ``_core.HiSparseResidency`` harness.
+gate), runs decode steps and frees requests (finished or preempted), and makes the
+connector's coordinator calls (``advance_scheduled``, ``update_residency``,
+``build_offload_command``, ``update_spills`` as every worker completes): kvblock's through the
+manager binding's ``_hisparse_*`` calls (the coordinator view vLLM's connector reads is not
+written yet). After every step both managers hold the same block ids in every group (host ids
+for the source group), the same residency rows and hot requirements, and both pools have the
+same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
+sides. Host-prefix hits are not driven here (``tests/test_vllm_hisparse_lockstep.py`` covers
+them through the ``_core.HiSparseResidency`` harness).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.km = KvblockManager(_config(num_blocks, host_num_blocks), **args)
         assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
         self.requests: dict[str, Request] = {}
-        self.step_no = 0
+        self.sent: list[int] = []
 
     def _both(self, call: str, *args, **kwargs):
         outs = []
@@ -141,7 +145,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
     @rule(
         request=st.sampled_from(REQUESTS),
         prompt=st.integers(1, 100),
-        external=st.integers(0, 64),
+        external=st.one_of(st.just(0), st.integers(1, 64)),
         must_fit=st.booleans(),
     )
     def admit(self, request: str, prompt: int, external: int, must_fit: bool) -> None:
@@ -192,6 +196,41 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.km.free(req)
         COVERAGE["freed"] += 1
 
+    @rule(request=st.sampled_from(REQUESTS))
+    def advance_scheduled(self, request: str) -> None:
+        req = self.requests.get(request)
+        if req is None:
+            return
+        self.vc.advance_scheduled([(request, req.num_computed_tokens)])
+        self.km._hisparse_advance_scheduled([(request, req.num_computed_tokens)])
+
+    @rule(request=st.sampled_from(REQUESTS))
+    def update_residency(self, request: str) -> None:
+        if request not in self.requests:
+            return
+        self.vc.update_residency(request)
+        self.km._hisparse_update_residency(request)
+
+    @rule()
+    def offload_command(self) -> None:
+        cmd = self.vc.build_offload_command()
+        theirs = list(cmd.page_transfers) if cmd is not None else []
+        ours = self.km._hisparse_take_offload_command() or []
+        assert [o[:3] + o[4:] for o in ours] == [
+            (t.transfer_id, t.host_block_id, list(t.resident_block_ids), t.restore) for t in theirs
+        ]
+        self.sent.extend(t.transfer_id for t in theirs)
+        COVERAGE["spills"] += bool(theirs)
+
+    @rule()
+    def every_worker_done(self) -> None:
+        if not self.sent:
+            return
+        counts = {i: 1 for i in self.sent}
+        self.vc.update_spills(counts, counts)
+        self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
+        self.sent = []
+
     @invariant()
     def same_tables_and_pools(self) -> None:
         if not hasattr(self, "km"):
@@ -202,6 +241,14 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             assert v == k, (r, v, k)
         assert self.vm.block_pool.get_num_free_blocks() == self.km.block_pool.get_num_free_blocks()
         assert self.vc.host_manager.block_pool.get_num_free_blocks() == self.km._hisparse_host_free_blocks
+        vres = self.vc.resident_managers[0]
+        for r in self.requests:
+            assert [b.block_id for b in vres.get_residency_row(r)] == self.km._hisparse_residency_row(0, r), r
+        hot = sorted(self.vc.hot_managers[0].hot_required)
+        assert hot == self.km._hisparse_hot_required(0)
+        COVERAGE["hot required"] += bool(hot)
+        COVERAGE["host-only pages"] += any(0 in self.km._hisparse_residency_row(0, r) for r in self.requests)
+        assert self.vc.has_pending_work() == self.km._hisparse_has_pending_work()
 
 
 @pytest.fixture
@@ -214,4 +261,6 @@ def test_hisparse_manager_lockstep(hisparse_on):
         max_examples=EXAMPLES, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
     )
     HiSparseManagerLockstep.TestCase().runTest()
-    assert all(COVERAGE[k] for k in ("import", "hot region", "refused", "freed")), COVERAGE
+    assert all(
+        COVERAGE[k] for k in ("import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages")
+    ), COVERAGE

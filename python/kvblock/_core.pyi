@@ -289,8 +289,11 @@ class KVCacheManagerCore:
         decay_granularity_s: float = 1.0, clock: Callable[[], float] | None = None,
         max_pinned_fraction: float = 0.0, verify_hits: bool = False,
         hit_extra_keys: Callable[[Any, int, int, int, int], list[Any]] | None = None,
-        release_rules: dict[str, bool] | None = None, **kwargs: Any,
+        release_rules: dict[str, bool] | None = None, hisparse_host_num_blocks: int | None = None,
+        hisparse_import_step_tokens: int | None = None, **kwargs: Any,
     ) -> Self: ...
+    @property
+    def _hisparse_host_free_blocks(self) -> int | None: ...
     @property
     def block_size(self) -> int: ...
     @property

@@ -371,10 +371,12 @@ impl Residency {
     /// the detached one a running spill of it keeps. The manager keeps the request's hashes
     /// for [`Env::publish`] / [`Env::publish_detached`] as long as this holds.
     pub fn has_publication(&self, request: &str) -> bool {
-        let live = self.by_request.get(request).and_then(|s| self.states.get(s)).is_some_and(|st| st.publication.is_some());
-        live || self.pending.values().any(|p| {
-            p.request == request && self.states.get(&p.state).is_some_and(|st| st.publication.is_some())
-        })
+        let live =
+            self.by_request.get(request).and_then(|s| self.states.get(s)).is_some_and(|st| st.publication.is_some());
+        live || self
+            .pending
+            .values()
+            .any(|p| p.request == request && self.states.get(&p.state).is_some_and(|st| st.publication.is_some()))
     }
 
     // ---- the hot groups (vLLM's HiSparseHotManager) -----------------------------------------

@@ -599,6 +599,7 @@ impl Coordinator {
 
     /// `allocate_new_computed_blocks`: adopt the hit blocks (touching every group's first),
     /// then allocate blocks for external tokens.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature, plus the slot
     pub fn allocate_new_computed_blocks(
         &mut self,
         pool: &mut BlockPool,

@@ -138,7 +138,13 @@ impl Coordinator {
                 no_hits(kind, new_computed)?;
                 let k = tier.role_index(gid)?;
                 let required = tier.residency.hot_required(k).contains(request_id);
-                Ok(rules::hot_num_blocks_to_allocate(st, blocks_per_request, required, total_computed, num_local_computed))
+                Ok(rules::hot_num_blocks_to_allocate(
+                    st,
+                    blocks_per_request,
+                    required,
+                    total_computed,
+                    num_local_computed,
+                ))
             }
             _ => Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
         }
@@ -204,6 +210,7 @@ impl Coordinator {
     /// `add_local_computed_blocks` of HiSparse group `gid`: the source group's hits adopted
     /// on the host pool; a resident group's host pages, then `commit_computed_blocks`; a hot
     /// group's `require_hot` when a host prefix is read.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature plus the group
     pub(crate) fn hisparse_add_local(
         &mut self,
         device: &mut BlockPool,
@@ -244,7 +251,8 @@ impl Coordinator {
                 let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
                 let k = tier.role_index(gid)?;
                 let has_resident = tier.has_resident_groups();
-                if rules::hot_add_local_computed_blocks(&mut managers[gid].reqs[slot], num_local_computed, has_resident) {
+                if rules::hot_add_local_computed_blocks(&mut managers[gid].reqs[slot], num_local_computed, has_resident)
+                {
                     tier.residency.require_hot(k, request_id);
                 }
                 Ok(())
@@ -257,6 +265,7 @@ impl Coordinator {
     /// source group records the pending host import and allocates host blocks; a resident
     /// group gives the import's last page a writable device block; a hot group requires its
     /// region.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature plus the group
     pub(crate) fn hisparse_external(
         &mut self,
         device: &mut BlockPool,
@@ -332,8 +341,13 @@ impl Coordinator {
         let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
         let out = match kind {
             Kind::HiSparseSource => {
-                let new =
-                    managers[gid].allocate_new_blocks(&mut tier.host, slot, request_id, num_tokens, num_tokens_main_model)?;
+                let new = managers[gid].allocate_new_blocks(
+                    &mut tier.host,
+                    slot,
+                    request_id,
+                    num_tokens,
+                    num_tokens_main_model,
+                )?;
                 if !new.is_empty() && tier.import_step_tokens.is_some() {
                     // 0.34: `update_import_reservation(request, len(req_to_blocks[request]))`
                     let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());

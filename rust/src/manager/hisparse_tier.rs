@@ -212,10 +212,7 @@ impl Env for TierEnv<'_> {
         r.present.then_some(r.blocks.as_slice())
     }
     fn num_cached(&self, group: usize, request: &str) -> usize {
-        self.slot(request)
-            .and_then(|s| self.managers.get(group)?.req(s))
-            .and_then(|r| r.num_cached)
-            .unwrap_or(0)
+        self.slot(request).and_then(|s| self.managers.get(group)?.req(s)).and_then(|r| r.num_cached).unwrap_or(0)
     }
     fn device(&mut self) -> &mut BlockPool {
         self.device

@@ -623,7 +623,6 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
-
     /// `pop_blocks_for_free(request)`: the request's block ids (every group, allocation order),
     /// the request forgotten; the caller frees them (reversed).
     fn _pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
