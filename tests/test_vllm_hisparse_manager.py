@@ -38,7 +38,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 hisparse = pytest.importorskip("vllm.v1.hisparse.coordinator")
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core import kv_cache_manager as _vkm  # noqa: E402
+from vllm.v1.core import kv_cache_utils as _vku  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     HiSparseHotSpec,
@@ -53,6 +55,8 @@ from kvblock.vllm.config import translate  # noqa: E402
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
 
 VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
+get_request_block_hasher = getattr(_vku, "_kvblock_original_get_request_block_hasher", _vku.get_request_block_hasher)
+init_none_hash = getattr(_vku, "_kvblock_original_init_none_hash", _vku.init_none_hash)
 EXAMPLES = int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES", "60"))
 BS = 16
 REQUESTS = ["r0", "r1", "r2", "r3"]
@@ -127,6 +131,8 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
         self.requests: dict[str, Request] = {}
         self.sent: list[int] = []
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BS, sha256)
 
     def _both(self, call: str, *args, **kwargs):
         outs = []
@@ -151,7 +157,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
     def admit(self, request: str, prompt: int, external: int, must_fit: bool) -> None:
         if request in self.requests:
             return
-        req = Request(request, list(range(prompt)), SamplingParams(max_tokens=8), None)
+        req = Request(request, list(range(prompt)), SamplingParams(max_tokens=8), None, block_hasher=self.hasher)
         external = min(external, prompt - 1)
         out = self._both(
             "allocate_slots",
@@ -182,9 +188,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             v, k = out
             assert [list(g) for g in v] == [list(g) for g in k], (v, k)
             req.num_computed_tokens = req.num_tokens
-        else:
-            del req._output_token_ids[-n:]
-            del req._all_token_ids[-n:]
+        # refused: the tokens stay, uncomputed, as with vLLM's scheduler
 
     @rule(request=st.sampled_from(REQUESTS), finished=st.booleans())
     def free(self, request: str, finished: bool) -> None:
