@@ -329,3 +329,34 @@ fn release_0_32_pops_the_resident_row_with_its_null_head() {
         assert_eq!(row, if trim { resident[2..].to_vec() } else { resident.clone() }, "trim={trim}");
     }
 }
+
+#[test]
+fn a_finished_request_publishes_its_host_pages_once_its_spills_complete() {
+    for finished in [true, false] {
+        let (mut m, mut p) = build(32, 16, true);
+        alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+        let host_blocks = table(&m, "a", SOURCE);
+        // the spills of pages 0 and 1 are planned and sent, not yet done
+        let ids: Vec<(u64, usize)> = m
+            .coord
+            .with_residency(&mut p, |res, env| {
+                res.advance_scheduled(env, &[("a".to_string(), 40)])?;
+                Ok(res.take_offload_command().unwrap_or_default().iter().map(|t| (t.transfer_id, 1)).collect())
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids.len(), 2);
+        m.free_request(&mut p, "a", finished).unwrap();
+        // a finished request's pages stay held for its publication; a preempted one's only
+        // for the running spills
+        assert_eq!(m.coord.hisparse().unwrap().num_kept_publications(), finished as usize);
+        m.coord.with_residency(&mut p, |res, env| res.update_spills(env, &ids, &ids)).unwrap();
+        let tier = m.coord.hisparse().unwrap();
+        assert_eq!(tier.host.num_free_blocks(), 15);
+        assert_eq!(tier.num_kept_publications(), 0);
+        for &b in &host_blocks[..2] {
+            assert_eq!(tier.host.block_key(b).unwrap().is_some(), finished, "finished={finished}");
+        }
+        assert_eq!(p.num_free_blocks(), 31);
+    }
+}
