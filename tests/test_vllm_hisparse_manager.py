@@ -151,7 +151,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
     @rule(
         request=st.sampled_from(REQUESTS),
         prompt=st.integers(1, 100),
-        external=st.one_of(st.just(0), st.integers(1, 64)),
+        external=st.one_of(st.just(0), st.just(0), st.integers(1, 64)),
         must_fit=st.booleans(),
     )
     def admit(self, request: str, prompt: int, external: int, must_fit: bool) -> None:
@@ -234,6 +234,15 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.vc.update_spills(counts, counts)
         self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
         self.sent = []
+
+    @rule()
+    def connector_step(self) -> None:
+        # one scheduler step's connector work: every live request advanced, the offload
+        # command built and every spill completed by the one worker
+        for request in sorted(self.requests):
+            self.advance_scheduled(request)
+        self.offload_command()
+        self.every_worker_done()
 
     @invariant()
     def same_tables_and_pools(self) -> None:

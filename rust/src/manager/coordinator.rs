@@ -965,7 +965,9 @@ impl Coordinator {
         Ok((blocks, lens))
     }
 
-    /// `emit_cached_block_events(request, computed_blocks)`.
+    /// `emit_cached_block_events(request, computed_blocks)`. HiSparse's source group is
+    /// skipped: its hits are host blocks, whose events (vLLM's host pool writes them into the
+    /// device pool's queue with medium CPU) kvblock does not emit yet.
     pub fn emit_cached_block_events(
         &self,
         pool: &mut BlockPool,
@@ -974,7 +976,7 @@ impl Coordinator {
         tag: u64,
     ) -> Result<()> {
         for (gid, blocks) in computed.iter().enumerate() {
-            if blocks.is_empty() {
+            if blocks.is_empty() || self.managers[gid].cfg.spec.kind == Kind::HiSparseSource {
                 continue;
             }
             let bs = self.managers[gid].cfg.spec.block_size;

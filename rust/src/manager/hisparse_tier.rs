@@ -51,7 +51,6 @@ pub struct HiSparseTier {
     /// What the tier was built from, to rebuild it empty.
     host_caching: bool,
     hash_block_size: usize,
-    events: bool,
 }
 
 impl std::fmt::Debug for HiSparseTier {
@@ -91,7 +90,9 @@ impl HiSparseTier {
             roles[g] = Some(k);
         }
         let residency = Residency::new(layout)?;
-        let host = BlockPool::new(host_num_blocks, host_caching, cfg.hash_block_size, cfg.enable_kv_cache_events)?;
+        // no KV events of its own: vLLM's host pool writes them into the device pool's queue,
+        // which kvblock does not do yet (a queue nobody drains would only grow)
+        let host = BlockPool::new(host_num_blocks, host_caching, cfg.hash_block_size, false)?;
         Ok(Some(HiSparseTier {
             host,
             residency,
@@ -101,7 +102,6 @@ impl HiSparseTier {
             publications: HashMap::new(),
             host_caching,
             hash_block_size: cfg.hash_block_size,
-            events: cfg.enable_kv_cache_events,
         }))
     }
 
@@ -168,7 +168,7 @@ impl HiSparseTier {
     /// Forget everything (a rebuilt device pool): an empty residency and host pool.
     pub fn reset(&mut self) -> Result<()> {
         let residency = Residency::new(self.residency.layout().clone())?;
-        let host = BlockPool::new(self.host.num_blocks(), self.host_caching, self.hash_block_size, self.events)?;
+        let host = BlockPool::new(self.host.num_blocks(), self.host_caching, self.hash_block_size, false)?;
         self.residency = residency;
         self.host = host;
         self.publications.clear();
