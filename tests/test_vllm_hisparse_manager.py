@@ -131,6 +131,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
         self.requests: dict[str, Request] = {}
         self.sent: list[int] = []
+        self.outsiders: list[tuple[list, list]] = []
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
 
@@ -235,6 +236,28 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
         self.sent = []
 
+    @rule(n=st.integers(1, 8), all_free=st.booleans())
+    def other_allocations(self, n: int, all_free: bool) -> None:
+        # vLLM code outside the manager (a connector) takes device blocks from the pool: released
+        # pages at the queue's tail are reused; vLLM's watcher fires at once, kvblock's manager
+        # drains it at its next call (the invariant's reads are such calls)
+        free = self.vm.block_pool.get_num_free_blocks()
+        n = free if all_free else n
+        if n == 0 or n > free:
+            return
+        theirs = self.vm.block_pool.get_new_blocks(n)
+        ours = self.km.block_pool.get_new_blocks(n)
+        assert [b.block_id for b in theirs] == [b.block_id for b in ours]
+        self.outsiders.append((theirs, ours))
+        COVERAGE["other allocations"] += 1
+
+    @rule()
+    def release_others(self) -> None:
+        if self.outsiders:
+            theirs, ours = self.outsiders.pop(0)
+            self.vm.block_pool.free_blocks(theirs)
+            self.km.block_pool.free_blocks(ours)
+
     @rule()
     def connector_step(self) -> None:
         # one scheduler step's connector work: every live request advanced, the offload
@@ -271,9 +294,40 @@ def hisparse_on(monkeypatch):
 
 def test_hisparse_manager_lockstep(hisparse_on):
     HiSparseManagerLockstep.TestCase.settings = settings(
-        max_examples=EXAMPLES, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+        max_examples=EXAMPLES,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        # the same examples every run, so that the coverage check below cannot flake
+        derandomize=True,
+        database=None,
     )
     HiSparseManagerLockstep.TestCase().runTest()
     assert all(
-        COVERAGE[k] for k in ("import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages")
+        COVERAGE[k]
+        for k in (
+            "import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages", "other allocations",
+        )
     ), COVERAGE
+
+
+def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on):
+    # a request that filled its admission window gets a hot region, reads from the host, and
+    # releases its clean sealed pages (unpin_blocks); vLLM code outside the manager then takes
+    # every free device block: kvblock's manager loses those pages at its next call, as
+    # vLLM's watcher does at once
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=32, caching=False)
+    m.admit(request="r0", prompt=64, external=0, must_fit=False)
+    m.connector_step()  # pages 0-2 spill; 4 resident pages fill the window of 2: hot required
+    m.same_tables_and_pools()
+    m.decode(request="r0", n=1)  # the hot region
+    m.connector_step()  # clean pages 0-2 released (3 and 4 are the active tail)
+    m.same_tables_and_pools()
+    table = list(m.km.get_block_ids("r0")[2])
+    assert m.km._hisparse_residency_row(0, "r0") == table
+    released = [i for i, b in enumerate(table) if m.km.block_pool.blocks[b].ref_cnt == 0]
+    assert released == [0, 1, 2]
+    m.other_allocations(n=0, all_free=True)
+    m.same_tables_and_pools()
+    assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
