@@ -252,4 +252,5 @@ def test_release_rules_bad_input_is_refused_before_anything_is_built():
         build({})
     assert build({"mamba_none_mode_caches": True}).block_pool.get_num_free_blocks() == 9
     assert set(current().core_rules()) == {
-        "eagle_groups_drop_always", "mamba_none_mode_caches", "partial_tail_rekeyed", "eagle_junction_block_retained"}
+        "eagle_groups_drop_always", "mamba_none_mode_caches", "partial_tail_rekeyed", "eagle_junction_block_retained",
+        "hisparse_trim_null_head"}

@@ -36,6 +36,7 @@ FILES = [
     "tests/test_vllm_request_reads.py",
     "tests/test_vllm_unpin_lockstep.py",
     "tests/test_vllm_hisparse_lockstep.py",
+    "tests/test_vllm_hisparse_manager.py",
     "tests/test_vllm_manager_views.py",
 ]
 #: Not ported to vLLM 0.32 yet: the kept cases, the bad-input comparison and the request-read

@@ -183,6 +183,8 @@ mod pool_and_manager {
             needs_kv_cache_zeroing: false,
             retention_interval: None,
             enable_mamba_shared_prefix_checkpoint: false,
+            hisparse_host_num_blocks: None,
+            hisparse_import_step_tokens: None,
             caller: _core::manager::spec::Caller::Kvblock,
             rules: Default::default(),
         }

@@ -5,6 +5,11 @@ MLA / hidden-state / sink / R-SWA variants, sliding window, chunked local attent
 "none" and "align" modes, cross attention, circular buffers), with or without vLLM's KV-cache
 residency metrics (a ``metrics_collector``: :mod:`kvblock.vllm.metrics`). Anything else falls
 back to vLLM's own manager, with the reason: :func:`describe` names it.
+
+HiSparse configurations (``hisparse_host_num_blocks`` with a ``HISPARSE_SOURCE`` group) are
+translated (``hisparse_source`` / ``hisparse_resident`` / ``hisparse_hot`` groups, the indexer as
+full attention) but still fall back unless ``KVBLOCK_VLLM_HISPARSE=1``: kvblock's Rust manager
+holds them, the views vLLM's HiSparse connector reads are not written yet (``docs/hisparse.md``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class Path:
     manager: str
     reason: str = ""
     groups: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    #: ``kv_cache_config.hisparse_host_num_blocks`` (None: no HiSparse host tier).
+    hisparse_host_num_blocks: int | None = None
 
     @property
     def on_kvblock(self) -> bool:
@@ -38,6 +45,9 @@ def _kinds() -> dict[type, str]:
     from vllm.v1.core import single_type_kv_cache_manager as st
 
     return {
+        st.HiSparseSourceManager: "hisparse_source",
+        st.HiSparseResidentManager: "hisparse_resident",
+        st.HiSparseHotManager: "hisparse_hot",
         st.FullAttentionManager: "full_attention",
         st.SinkFullAttentionManager: "full_attention",
         st.RSWAManager: "rswa",
@@ -58,12 +68,17 @@ def translate(
     use_eagle: bool = True,
 ) -> Path:
     """The kvblock groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or the reason
-    kvblock does not manage it."""
+    kvblock does not manage it. A HiSparse configuration's groups come with the fallback
+    (``Path("vllm", reason, groups)``) unless ``KVBLOCK_VLLM_HISPARSE=1``."""
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheGroupRole, MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
-        return Path("vllm", "HiSparse host-tier KV cache (hisparse_host_num_blocks is set)")
+    host_num_blocks = getattr(kv_cache_config, "hisparse_host_num_blocks", None)
+    hisparse_roles = (
+        {KVCacheGroupRole.HISPARSE_SOURCE, KVCacheGroupRole.HISPARSE_INDEXER} if host_num_blocks is not None else set()
+    )
+    if metrics_collector is not None and host_num_blocks is not None:
+        return Path("vllm", "HiSparse host-tier KV cache with KV cache residency metrics")
     if metrics_collector is not None:
         from .metrics import unsupported_reason
 
@@ -76,7 +91,7 @@ def translate(
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         role = getattr(group, "role", None)
-        if role is not None and role != KVCacheGroupRole.DEFAULT:
+        if role is not None and role != KVCacheGroupRole.DEFAULT and role not in hisparse_roles:
             return Path("vllm", f"kv_cache_groups[{i}] has role {getattr(role, 'value', role)!s} (HiSparse groups)")
         manager_cls = KVCacheSpecRegistry.get_manager_class(spec, role)
         kind = kinds.get(manager_cls)  # type: ignore[arg-type]
@@ -103,6 +118,8 @@ def translate(
             g["extra_retained_tokens"] = getattr(spec, "extra_retained_tokens", 0)
         elif kind == "chunked_local_attention":
             g["attention_chunk_size"] = spec.attention_chunk_size
+        elif kind == "hisparse_hot":
+            g["blocks_per_request"] = spec.blocks_per_request
         elif kind == "mamba":
             assert isinstance(spec, MambaSpec)
             g.update(
@@ -114,7 +131,16 @@ def translate(
                 prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
             )
         groups.append(g)
-    return Path("kvblock", "", groups)
+    if host_num_blocks is not None or any(g["kind"].startswith("hisparse_") for g in groups):
+        if not env_flag("KVBLOCK_VLLM_HISPARSE"):
+            return Path(
+                "vllm",
+                "HiSparse host-tier KV cache (hisparse_host_num_blocks is set): kvblock's manager holds it "
+                "(KVBLOCK_VLLM_HISPARSE=1), the views vLLM's HiSparse connector reads are not written yet",
+                groups,
+                host_num_blocks,
+            )
+    return Path("kvblock", "", groups, host_num_blocks)
 
 
 def describe(

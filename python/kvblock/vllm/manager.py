@@ -163,10 +163,14 @@ class KVCacheManager(_core.KVCacheManagerCore):
                 retention_interval=kv_cache_config.prefix_cache_retention_interval,
                 enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
                 release_rules=RELEASE.core_rules(),
+                hisparse_host_num_blocks=path.hisparse_host_num_blocks,
+                # 0.34's coordinator takes import_step_tokens (get_hisparse_coordinator's, 0 by default)
+                hisparse_import_step_tokens=0 if RELEASE.hisparse_import_reservations else None,
             )
         except ValueError as e:
-            # vLLM's constructors assert these (block sizes, hash block size)
-            if "prefix_cache_retention_interval" in str(e) or "Multi-module MTP" in str(e):
+            # vLLM's constructors assert these (block sizes, hash block size); HiSparse's
+            # coordinator raises its ValueErrors as they are
+            if any(k in str(e) for k in ("prefix_cache_retention_interval", "Multi-module MTP", "HiSparse")):
                 raise ValueError(str(e).split(": ", 1)[-1]) from None
             raise AssertionError(str(e)) from None
         self.enable_caching = enable_caching

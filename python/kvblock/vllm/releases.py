@@ -69,6 +69,9 @@ class Release:
         hisparse_import_reservations: HiSparse's coordinator reserves the host pages an
             admitted import has yet to allocate (``size_import``, ``update_import_reservation``,
             ``reserved_import_pages``; 0.34).
+        hisparse_trim_null_head: ``HiSparseResidentManager.pop_blocks_for_free`` trims the
+            row's leading null (host-only) pages (0.33+, ``trim_null_head``); 0.32 returns the
+            row whole. kvblock's Rust core applies it (:meth:`core_rules`).
         eagle_junction_block_retained: the base ``cache_blocks`` also keeps the block before a
             shared-prefix junction under EAGLE (``shared_prefix_boundary - block_size`` among
             the reachable boundaries of sparse retention; 0.33+, not 0.32).
@@ -90,6 +93,7 @@ class Release:
     null_blocks_counted: bool
     hisparse_after_forward: bool
     hisparse_import_reservations: bool
+    hisparse_trim_null_head: bool
     eagle_junction_block_retained: bool
 
     def core_rules(self) -> dict[str, bool]:
@@ -100,6 +104,7 @@ class Release:
             "mamba_none_mode_caches": self.mamba_prefix_caching_differs,
             "partial_tail_rekeyed": self.mamba_prefix_caching_differs,
             "eagle_junction_block_retained": self.eagle_junction_block_retained,
+            "hisparse_trim_null_head": self.hisparse_trim_null_head,
         }
 
 
@@ -120,6 +125,7 @@ _V032 = Release(
     null_blocks_counted=True,
     hisparse_after_forward=True,
     hisparse_import_reservations=False,
+    hisparse_trim_null_head=False,
     eagle_junction_block_retained=False,
 )
 # each release as what it changed from the one before
@@ -132,6 +138,7 @@ _V033 = replace(
     eagle_groups_drop_always=False,
     null_blocks_counted=False,
     eagle_junction_block_retained=True,
+    hisparse_trim_null_head=True,
 )
 _V034 = replace(
     _V033,

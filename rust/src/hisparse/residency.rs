@@ -359,6 +359,26 @@ impl Residency {
         }
     }
 
+    /// Forget a freed request's overlay in resident group `k` only (`pop_blocks_for_free` of
+    /// that group's manager, `residency_changes.pop(request)`).
+    pub fn forget_overlay_of(&mut self, k: usize, request: &str) {
+        if let Some(c) = self.changes.get_mut(k) {
+            c.remove(request);
+        }
+    }
+
+    /// True while a publication of `request` waits: its live state's, or (a finished request)
+    /// the detached one a running spill of it keeps. The manager keeps the request's hashes
+    /// for [`Env::publish`] / [`Env::publish_detached`] as long as this holds.
+    pub fn has_publication(&self, request: &str) -> bool {
+        let live =
+            self.by_request.get(request).and_then(|s| self.states.get(s)).is_some_and(|st| st.publication.is_some());
+        live || self
+            .pending
+            .values()
+            .any(|p| p.request == request && self.states.get(&p.state).is_some_and(|st| st.publication.is_some()))
+    }
+
     // ---- the hot groups (vLLM's HiSparseHotManager) -----------------------------------------
 
     /// `require_hot(request)` of hot group `k`.

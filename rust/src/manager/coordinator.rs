@@ -9,6 +9,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::group_state::{cdiv, HitQuery, ReqInfo, ReqState, TypeConfig, TypeManager};
+use crate::manager::hisparse_tier::HiSparseTier;
 use crate::manager::hit_verify::VerifyCtx;
 use crate::manager::requests::RequestTable;
 use crate::manager::spec::{Kind, MambaMode, ManagerConfig};
@@ -52,7 +53,10 @@ pub struct Coordinator {
     pub full_attention_group_id: Option<usize>,
     /// Lookups past a request's hashes raise as vLLM's ([`Caller::Vllm`](super::spec::Caller)).
     pub past_hashes_is_error: bool,
-    reqs: RequestTable<()>,
+    /// HiSparse's host pool and residency, when a group is HiSparse's
+    /// ([`super::coordinator_hisparse`] dispatches those groups' calls).
+    pub hisparse: Option<Box<HiSparseTier>>,
+    pub(crate) reqs: RequestTable<()>,
 }
 
 /// A few token positions kept inline (no heap allocation on the per-step caching path): the
@@ -124,6 +128,8 @@ impl Coordinator {
     /// have been validated).
     pub fn new(cfg: &ManagerConfig) -> Result<Self> {
         cfg.validate()?;
+        // vLLM's HiSparse configuration errors, before anything is built
+        let hisparse = HiSparseTier::from_config(cfg)?.map(Box::new);
         let n = cfg.groups.len();
         let kind = if !cfg.enable_caching {
             CoordinatorKind::NoPrefixCache
@@ -158,6 +164,12 @@ impl Coordinator {
                 ))
             })
             .collect();
+        for m in &mut managers {
+            // `HiSparseSourceManager.records_new_block_ids` is False (host blocks are never zeroed)
+            if m.cfg.spec.kind == Kind::HiSparseSource {
+                m.cfg.record_new_block_ids = false;
+            }
+        }
         if cfg.use_eagle {
             for m in &mut managers {
                 if m.cfg.spec.kind.is_mamba() {
@@ -178,6 +190,7 @@ impl Coordinator {
             attention_groups: Vec::new(),
             full_attention_group_id: None,
             past_hashes_is_error: !cfg.caller.is_kvblock(),
+            hisparse,
             reqs: RequestTable::default(),
         };
         match kind {
@@ -386,6 +399,7 @@ impl Coordinator {
         &mut self,
         pool: &BlockPool,
         slot: usize,
+        request_id: &str,
         num_tokens: usize,
         new_computed: &[&[u32]],
         num_encoder_tokens: usize,
@@ -397,7 +411,22 @@ impl Coordinator {
     ) -> Result<i64> {
         let prefill_end = if self.retention_interval != Some(0) { 0 } else { prefill_end };
         let mut total = 0i64;
-        for (i, m) in self.managers.iter_mut().enumerate() {
+        for i in 0..self.managers.len() {
+            if self.managers[i].cfg.spec.kind.is_hisparse() {
+                total += self.hisparse_num_blocks(
+                    pool,
+                    i,
+                    slot,
+                    request_id,
+                    num_tokens,
+                    new_computed.get(i).copied().unwrap_or(&[]),
+                    total_computed,
+                    num_local_computed,
+                    apply_admission_cap,
+                )? as i64;
+                continue;
+            }
+            let m = &mut self.managers[i];
             total += if m.cfg.spec.kind == Kind::CrossAttention {
                 m.get_num_blocks_to_allocate(
                     pool,
@@ -455,6 +484,7 @@ impl Coordinator {
         &self,
         pool: &BlockPool,
         slot: usize,
+        request_id: &str,
         adopts: bool,
         new_computed: &[&[u32]],
         num_local_computed: usize,
@@ -469,6 +499,19 @@ impl Coordinator {
         let mut touched: Vec<u32> = Vec::new();
         for (i, m) in self.managers.iter().enumerate() {
             let current = m.req(slot).unwrap_or(&empty);
+            if m.cfg.spec.kind.is_hisparse() {
+                let n_tokens = num_tokens;
+                need += self.hisparse_blocks_taken(
+                    i,
+                    current,
+                    request_id,
+                    phase_a,
+                    num_local_computed,
+                    num_external,
+                    n_tokens,
+                );
+                continue;
+            }
             let sim_owned;
             let sim: &ReqState = if phase_a {
                 let mut sim = current.clone();
@@ -532,7 +575,9 @@ impl Coordinator {
             return Ok(());
         }
         for (i, m) in self.managers.iter().enumerate() {
-            if matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::CrossAttention) {
+            if matches!(m.cfg.spec.kind, Kind::CircularBuffer | Kind::CrossAttention | Kind::HiSparseResident)
+                || matches!(m.cfg.spec.kind, Kind::HiSparseHot { .. })
+            {
                 continue;
             }
             let nc = new_computed.get(i).copied().unwrap_or(&[]);
@@ -554,10 +599,12 @@ impl Coordinator {
 
     /// `allocate_new_computed_blocks`: adopt the hit blocks (touching every group's first),
     /// then allocate blocks for external tokens.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature, plus the slot
     pub fn allocate_new_computed_blocks(
         &mut self,
         pool: &mut BlockPool,
         slot: usize,
+        request_id: &str,
         new_computed: &[&[u32]],
         num_local_computed: usize,
         num_external: usize,
@@ -569,24 +616,29 @@ impl Coordinator {
             }
             return Ok(());
         }
-        for (i, m) in self.managers.iter_mut().enumerate() {
-            m.add_local_computed_blocks(
-                pool,
-                slot,
-                new_computed.get(i).copied().unwrap_or(&[]),
-                num_local_computed,
-                num_external,
-            )?;
+        for i in 0..self.managers.len() {
+            let nc = new_computed.get(i).copied().unwrap_or(&[]);
+            if self.managers[i].cfg.spec.kind.is_hisparse() {
+                self.hisparse_add_local(pool, i, slot, request_id, nc, num_local_computed, num_external)?;
+                continue;
+            }
+            self.managers[i].add_local_computed_blocks(pool, slot, nc, num_local_computed, num_external)?;
         }
         if num_external > 0 {
-            for (i, m) in self.managers.iter_mut().enumerate() {
-                m.allocate_external_computed_blocks(
+            for i in 0..self.managers.len() {
+                let record = !skip_zeroing_group_ids.contains(&(i as u32));
+                if self.managers[i].cfg.spec.kind.is_hisparse() {
+                    self.hisparse_external(pool, i, slot, request_id, num_local_computed, num_external, record)?;
+                    continue;
+                }
+                self.managers[i].allocate_external_computed_blocks(
                     pool,
                     slot,
                     num_local_computed,
                     num_external,
-                    !skip_zeroing_group_ids.contains(&(i as u32)),
+                    record,
                 )?;
+                self.drain_reuse_watchers(pool)?;
             }
         }
         Ok(())
@@ -603,9 +655,15 @@ impl Coordinator {
         num_encoder_tokens: usize,
     ) -> Result<Vec<Vec<u32>>> {
         let mut out = Vec::with_capacity(self.managers.len());
-        for m in &mut self.managers {
+        for i in 0..self.managers.len() {
+            if self.managers[i].cfg.spec.kind.is_hisparse() {
+                out.push(self.hisparse_allocate_new(pool, i, slot, request_id, num_tokens, num_tokens_main_model)?);
+                continue;
+            }
+            let m = &mut self.managers[i];
             let n = if m.cfg.spec.kind == Kind::CrossAttention { num_encoder_tokens } else { num_tokens };
             out.push(m.allocate_new_blocks(pool, slot, request_id, n, num_tokens_main_model)?);
+            self.drain_reuse_watchers(pool)?;
         }
         Ok(out)
     }
@@ -656,6 +714,10 @@ impl Coordinator {
             }
             let n = self.num_cacheable_tokens(num_computed_tokens, gid);
             let retention = self.retention_interval;
+            if self.managers[gid].cfg.spec.kind == Kind::HiSparseSource {
+                self.hisparse_cache(pool, req, hashes, n, retention, &boundaries)?;
+                continue;
+            }
             self.managers[gid].cache_blocks(pool, slot, req, hashes, n, retention, &boundaries)?;
         }
         Ok(())
@@ -689,7 +751,9 @@ impl Coordinator {
             if m.cfg.spec.kind == Kind::CrossAttention {
                 break;
             }
-            if !m.cfg.spec.prefix_cacheable {
+            // the HiSparse groups cache nothing now (the source group's publication waits for
+            // durable host pages and caches what its table holds)
+            if !m.cfg.spec.prefix_cacheable || m.cfg.spec.kind.is_hisparse() {
                 continue;
             }
             let Some(r) = m.reqs.get(slot) else { continue };
@@ -766,7 +830,7 @@ impl Coordinator {
                     past_hashes_is_error: self.past_hashes_is_error,
                     verify,
                 };
-                let (blocks, len) = m.find_longest_cache_hit(pool, &q)?;
+                let (blocks, len) = m.find_longest_cache_hit(self.pool_of(0, pool), &q)?;
                 Ok((blocks, len, 0))
             }
             CoordinatorKind::Hybrid => self.find_hybrid(pool, hashes, max_length, verify),
@@ -818,7 +882,7 @@ impl Coordinator {
                     past_hashes_is_error: self.past_hashes_is_error,
                     verify,
                 };
-                let (hit_blocks, new_len) = m.find_longest_cache_hit(pool, &q)?;
+                let (hit_blocks, new_len) = m.find_longest_cache_hit(self.pool_of(first, pool), &q)?;
                 if drop {
                     eagle_verified[idx] = true;
                 } else if new_len < curr {
@@ -843,7 +907,12 @@ impl Coordinator {
             if !sg.is_full {
                 continue;
             }
-            let bs = self.managers[sg.group_ids[0] as usize].cfg.block_size;
+            let lead = &self.managers[sg.group_ids[0] as usize];
+            if lead.cfg.spec.kind == Kind::HiSparseSource {
+                // `retains_longer_hit`: the host tier keeps prefixes the device groups lost
+                continue;
+            }
+            let bs = lead.cfg.block_size;
             let nb = cdiv(hit_length, bs);
             for &gid in &sg.group_ids {
                 if let Some(b) = &mut blocks_by_group[gid as usize] {
@@ -887,7 +956,7 @@ impl Coordinator {
                 past_hashes_is_error: self.past_hashes_is_error,
                 verify: None,
             };
-            let (hb, hit) = m.find_longest_cache_hit(pool, &q)?;
+            let (hb, hit) = m.find_longest_cache_hit(self.pool_of(sg.group_ids[0] as usize, pool), &q)?;
             for (&gid, b) in sg.group_ids.iter().zip(hb) {
                 blocks[gid as usize] = b;
                 lens[gid as usize] = hit;
@@ -896,7 +965,9 @@ impl Coordinator {
         Ok((blocks, lens))
     }
 
-    /// `emit_cached_block_events(request, computed_blocks)`.
+    /// `emit_cached_block_events(request, computed_blocks)`. HiSparse's source group is
+    /// skipped: its hits are host blocks, whose events (vLLM's host pool writes them into the
+    /// device pool's queue with medium CPU) kvblock does not emit yet.
     pub fn emit_cached_block_events(
         &self,
         pool: &mut BlockPool,
@@ -905,7 +976,7 @@ impl Coordinator {
         tag: u64,
     ) -> Result<()> {
         for (gid, blocks) in computed.iter().enumerate() {
-            if blocks.is_empty() {
+            if blocks.is_empty() || self.managers[gid].cfg.spec.kind == Kind::HiSparseSource {
                 continue;
             }
             let bs = self.managers[gid].cfg.spec.block_size;
@@ -924,35 +995,58 @@ impl Coordinator {
         num_prompt_tokens: Option<usize>,
     ) -> Result<()> {
         for m in &mut self.managers {
+            if m.cfg.spec.kind.is_hisparse() {
+                // full attention and HiSparse's own kinds skip no tokens
+                continue;
+            }
             m.remove_skipped_blocks(pool, slot, processed_computed_tokens, num_prompt_tokens)?;
         }
         Ok(())
     }
 
-    /// `free(request_id)`: every group frees its table tail first, in group order.
+    /// `free(request_id)`: every group frees its table tail first, in group order (as
+    /// [`Coordinator::free_request`] for a finished request).
     pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
+        self.free_request(pool, request_id, true)
+    }
+
+    /// `free(request_id)` with `finished` = `request.is_finished()`, which HiSparse's
+    /// coordinator reads: a finished request with spills still running keeps its host blocks
+    /// until they complete and publish; a preempted one drops its pending publication.
+    pub fn free_request(&mut self, pool: &mut BlockPool, request_id: &str, finished: bool) -> Result<()> {
         let Some(slot) = self.slot(request_id) else {
             return Ok(());
         };
-        for m in &mut self.managers {
-            m.free(pool, slot, request_id)?;
+        for i in 0..self.managers.len() {
+            if self.managers[i].cfg.spec.kind.is_hisparse() {
+                self.hisparse_free(pool, i, slot, request_id, finished)?;
+                continue;
+            }
+            self.managers[i].free(pool, slot, request_id)?;
         }
         self.release_if_vacant(request_id);
         Ok(())
     }
 
     /// `pop_blocks_for_free(request_id)`: every group's blocks (allocation order), the
-    /// request forgotten; the caller frees them (reversed).
-    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Vec<u32> {
+    /// request forgotten; the caller frees them (reversed) into the one pool. Errors: a
+    /// manager with HiSparse groups (their blocks live in two pools and their coordinator
+    /// frees with the device pool: `NotImplementedError`), changing nothing.
+    pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Result<Vec<u32>> {
+        if self.hisparse.is_some() {
+            return Err(Error::NotImplemented(
+                "pop_blocks_for_free of a manager with HiSparse groups (free the request instead)".into(),
+            ));
+        }
         let Some(slot) = self.slot(request_id) else {
-            return Vec::new();
+            return Ok(Vec::new());
         };
         let mut out = Vec::new();
         for m in &mut self.managers {
             out.extend(m.pop_blocks_for_free(slot, request_id));
         }
         self.release_if_vacant(request_id);
-        out
+        Ok(out)
     }
 
     /// `get_blocks(request_id)`: per group, the table (empty when unknown).
@@ -1004,11 +1098,15 @@ impl Coordinator {
         std::hint::black_box(sum); // keeps the reads
     }
 
-    /// Forget every request (a rebuilt pool).
-    pub fn clear(&mut self) {
+    /// Forget every request (a rebuilt pool); HiSparse's tier starts empty again.
+    pub fn clear(&mut self) -> Result<()> {
+        if let Some(t) = self.hisparse.as_deref_mut() {
+            t.reset()?;
+        }
         self.reqs.clear();
         for m in &mut self.managers {
             m.reqs.clear();
         }
+        Ok(())
     }
 }

@@ -47,6 +47,8 @@ fn manager_config(groups: Vec<GroupSpec>) -> ManagerConfig {
         needs_kv_cache_zeroing: false,
         retention_interval: None,
         enable_mamba_shared_prefix_checkpoint: false,
+        hisparse_host_num_blocks: None,
+        hisparse_import_step_tokens: None,
         caller: crate::manager::spec::Caller::Vllm,
     }
 }
@@ -71,11 +73,17 @@ fn the_kinds_look_up_hits_as_vllm_classes_do() {
 }
 
 #[test]
-fn a_manager_config_with_hisparse_groups_is_refused_until_the_manager_holds_them() {
-    let c = manager_config(vec![spec(Kind::HiSparseSource), spec(Kind::HiSparseResident)]);
-    assert!(matches!(c.validate(), Err(Error::NotImplemented(m)) if m.contains("kv_cache_groups[0]")));
-    let c = manager_config(vec![spec(Kind::FullAttention), spec(Kind::HiSparseHot { blocks_per_request: 2 })]);
-    assert!(matches!(c.validate(), Err(Error::NotImplemented(m)) if m.contains("kv_cache_groups[1]")));
+fn a_manager_config_with_hisparse_groups_passes_validation_and_checks_its_host_size() {
+    let mut c = manager_config(vec![spec(Kind::HiSparseSource), spec(Kind::HiSparseResident)]);
+    assert!(c.validate().is_ok());
+    c.hisparse_host_num_blocks = Some(0);
+    assert!(matches!(c.validate(), Err(Error::Value(m)) if m.contains("hisparse_host_num_blocks")));
+    // hot groups without a host group: the tier refuses them when the manager is built
+    let full = GroupSpec { prefix_cacheable: true, ..spec(Kind::FullAttention) };
+    let c = manager_config(vec![full, spec(Kind::HiSparseHot { blocks_per_request: 2 })]);
+    assert!(c.validate().is_ok());
+    let e = crate::manager::KVCacheManager::new(&c).unwrap_err();
+    assert!(matches!(e, Error::NotImplemented(m) if m.contains("without a HiSparse host group")));
     let c = manager_config(vec![spec(Kind::HiSparseHot { blocks_per_request: 0 })]);
     assert!(matches!(c.validate(), Err(Error::Value(m)) if m.contains("blocks_per_request")));
 }

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::manager::coordinator::{CoordinatedHit, Coordinator};
-use crate::manager::group_state::ReqInfo;
+use crate::manager::group_state::{cdiv, ReqInfo};
 use crate::manager::hit_verify::{BlockContent, HitVerifier, VerifyCtx};
 use crate::manager::retention::RetentionState;
 use crate::manager::spec::{Caller, Kind, MambaMode, ManagerConfig};
@@ -307,7 +307,8 @@ impl KVCacheManager {
                     format!("has {} groups, the manager {}", nc.len(), self.coord.num_groups()),
                 ));
             }
-            for g in nc {
+            for (i, g) in nc.iter().enumerate() {
+                let pool = self.coord.pool_of(i, pool);
                 pool.check_ids(g)?;
                 for &b in g {
                     if b != NULL_BLOCK && pool.ref_of(b) == 0 && !pool.is_free(b) {
@@ -317,6 +318,7 @@ impl KVCacheManager {
             }
             if let Some(gens) = a.new_computed_generations {
                 for (i, (g, gg)) in nc.iter().zip(gens).enumerate() {
+                    let pool = self.coord.pool_of(i, pool);
                     for (j, (&b, &gen)) in g.iter().zip(gg).enumerate() {
                         if b != NULL_BLOCK && pool.generation_of(b) != gen {
                             return Err(Error::StaleHit(format!(
@@ -526,7 +528,16 @@ impl KVCacheManager {
         a: &AllocArgs<'_>,
         deferred: Deferred,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        let hits = hit_lists(a.new_computed, self.coord.num_groups());
+        let mut hits = hit_lists(a.new_computed, self.coord.num_groups());
+        if let (Some(tier), Some(_)) = (self.coord.hisparse(), a.new_computed) {
+            // `retained_hit_group_ids`: the host group keeps only the prefix the local and
+            // external hits cover
+            let h = tier.host_group();
+            let reused = a.num_new_computed_tokens.saturating_add(a.num_external_computed_tokens);
+            let keep = cdiv(reused, self.coord.managers[h].cfg.block_size);
+            let lists = hits.to_mut();
+            lists[h] = &lists[h][..keep.min(lists[h].len())];
+        }
         let new_computed: &[&[u32]] = &hits;
         let num_local_computed = req.num_computed_tokens.saturating_add(a.num_new_computed_tokens);
         let total_uncapped = num_local_computed.saturating_add(a.num_external_computed_tokens);
@@ -538,6 +549,7 @@ impl KVCacheManager {
             let need = self.coord.get_num_blocks_to_allocate(
                 pool,
                 slot,
+                req.request_id,
                 full,
                 new_computed,
                 a.num_encoder_tokens,
@@ -568,6 +580,7 @@ impl KVCacheManager {
         let need = self.coord.get_num_blocks_to_allocate(
             pool,
             slot,
+            req.request_id,
             need_slot,
             new_computed,
             a.num_encoder_tokens,
@@ -594,6 +607,7 @@ impl KVCacheManager {
             let taken = self.coord.blocks_taken(
                 pool,
                 slot,
+                req.request_id,
                 adopts,
                 new_computed,
                 num_local_computed,
@@ -613,6 +627,7 @@ impl KVCacheManager {
             self.coord.allocate_new_computed_blocks(
                 pool,
                 slot,
+                req.request_id,
                 new_computed,
                 num_local_computed,
                 a.num_external_computed_tokens,
@@ -859,10 +874,17 @@ impl KVCacheManager {
         res
     }
 
-    /// `free(request)`.
+    /// `free(request)` (as [`KVCacheManager::free_request`] for a finished request).
     pub fn free(&mut self, pool: &mut BlockPool, request_id: &str) -> Result<()> {
+        self.free_request(pool, request_id, true)
+    }
+
+    /// `free(request)`, with `finished` = `request.is_finished()` (HiSparse's coordinator
+    /// keeps a finished request's host blocks until its running spills publish them; see
+    /// [`Coordinator::free_request`]).
+    pub fn free_request(&mut self, pool: &mut BlockPool, request_id: &str, finished: bool) -> Result<()> {
         self.retention.apply_on_free(&self.coord, pool, request_id);
-        self.coord.free(pool, request_id)
+        self.coord.free_request(pool, request_id, finished)
     }
 
     /// `remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)`.
@@ -884,10 +906,11 @@ impl KVCacheManager {
     pub fn estimate_cached_tokens(&self, pool: &BlockPool, request_id: &str) -> Result<usize> {
         let tables = self.coord.get_blocks(request_id);
         let mut est: Option<usize> = None;
-        for (m, blocks) in self.coord.managers.iter().zip(tables) {
+        for (i, (m, blocks)) in self.coord.managers.iter().zip(tables).enumerate() {
             if !m.cfg.spec.prefix_cacheable || m.cfg.spec.kind == Kind::CrossAttention {
                 continue;
             }
+            let pool = self.coord.pool_of(i, pool);
             let mut g = 0;
             for &b in blocks {
                 g = g.max(pool.block_hash_num_tokens(b)?.unwrap_or(0));

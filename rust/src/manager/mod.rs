@@ -11,7 +11,10 @@
 //!   only allocates (in [`single_type`]).
 //! * [`hisparse`]: the rules of HiSparse's source, resident and hot groups (the books are in
 //!   [`crate::hisparse`]).
-//! * [`coordinator`]: vLLM's `KVCacheCoordinator` (no prefix cache, unitary, hybrid).
+//! * [`hisparse_tier`]: the host pool and the residency a manager with HiSparse groups
+//!   holds, and the residency's view of the manager.
+//! * [`coordinator`]: vLLM's `KVCacheCoordinator` (no prefix cache, unitary, hybrid);
+//!   [`coordinator_hisparse`] its per-group calls for the HiSparse kinds.
 //! * [`kv_cache_manager`]: vLLM's `KVCacheManager` on top.
 //! * [`requests`]: the request id -> slot table.
 //! * [`release`]: the rules that differ between vLLM releases (0.33's by default).
@@ -20,9 +23,11 @@
 
 pub mod chunked_local;
 pub mod coordinator;
+pub mod coordinator_hisparse;
 pub mod full_attention;
 pub mod group_state;
 pub mod hisparse;
+pub mod hisparse_tier;
 pub mod hit_verify;
 pub mod kv_cache_manager;
 pub mod mamba;

@@ -19,6 +19,9 @@ pub struct ReleaseRules {
     /// The base `cache_blocks` also retains the block before a shared-prefix junction under
     /// EAGLE (`shared_prefix_boundary - block_size`; vLLM 0.33+, not 0.32).
     pub eagle_junction_block_retained: bool,
+    /// `HiSparseResidentManager.pop_blocks_for_free` trims the row's null head (vLLM 0.33+,
+    /// `trim_null_head`); 0.32 returns the row whole.
+    pub hisparse_trim_null_head: bool,
 }
 
 impl Default for ReleaseRules {
@@ -29,6 +32,7 @@ impl Default for ReleaseRules {
             mamba_none_mode_caches: false,
             partial_tail_rekeyed: false,
             eagle_junction_block_retained: true,
+            hisparse_trim_null_head: true,
         }
     }
 }

@@ -120,6 +120,12 @@ pub struct ManagerConfig {
     pub caller: Caller,
     /// The installed vLLM release's rules where releases differ (0.33's by default).
     pub rules: ReleaseRules,
+    /// `kv_cache_config.hisparse_host_num_blocks`: the host pool's blocks (the null block
+    /// included) when a group is HiSparse's source group (None: no host tier).
+    pub hisparse_host_num_blocks: Option<usize>,
+    /// vLLM 0.34's HiSparse `import_step_tokens` (the source group's admission count sizes an
+    /// external import this much further and holds import reservations); None before 0.34.
+    pub hisparse_import_step_tokens: Option<usize>,
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -228,13 +234,9 @@ impl ManagerConfig {
         }
         for (i, g) in self.groups.iter().enumerate() {
             g.validate(i)?;
-            if g.kind.is_hisparse() {
-                // the rules are in crate::manager::hisparse, the books in crate::hisparse; the
-                // manager does not yet hold the host pool and the residency that join them
-                return Err(Error::NotImplemented(format!(
-                    "kv_cache_groups[{i}]: kvblock's manager does not hold HiSparse groups yet"
-                )));
-            }
+        }
+        if self.hisparse_host_num_blocks == Some(0) {
+            return Err(Error::value("hisparse_host_num_blocks", "must be > 0 (block 0 is the null block)"));
         }
         if !self.scheduler_block_size.is_multiple_of(self.hash_block_size) {
             return Err(self.asserted(

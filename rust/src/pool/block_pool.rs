@@ -732,6 +732,42 @@ impl BlockPool {
         std::mem::take(&mut self.fired)
     }
 
+    /// The watchers other than `watcher` fired since the last take, `(block, watcher id)` in
+    /// firing order; `watcher`'s entries stay for [`BlockPool::take_fired_watchers_of`].
+    pub fn take_fired_watchers_except(&mut self, watcher: u64) -> Vec<(u32, u64)> {
+        if !self.fired.iter().any(|&(_, w)| w == watcher) {
+            return std::mem::take(&mut self.fired);
+        }
+        let mut out = Vec::new();
+        self.fired.retain(|&e| {
+            if e.1 == watcher {
+                true
+            } else {
+                out.push(e);
+                false
+            }
+        });
+        out
+    }
+
+    /// The blocks whose watcher `watcher` fired since the last take, in firing order; the
+    /// other watchers' entries stay for [`BlockPool::take_fired_watchers`].
+    pub fn take_fired_watchers_of(&mut self, watcher: u64) -> Vec<u32> {
+        if !self.fired.iter().any(|&(_, w)| w == watcher) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        self.fired.retain(|&(b, w)| {
+            if w == watcher {
+                out.push(b);
+                false
+            } else {
+                true
+            }
+        });
+        out
+    }
+
     /// True if some reuse watcher is recorded.
     pub fn has_watchers(&self) -> bool {
         !self.watchers.is_empty()

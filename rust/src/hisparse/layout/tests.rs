@@ -37,6 +37,8 @@ fn config(groups: Vec<GroupSpec>) -> ManagerConfig {
         needs_kv_cache_zeroing: false,
         retention_interval: None,
         enable_mamba_shared_prefix_checkpoint: false,
+        hisparse_host_num_blocks: None,
+        hisparse_import_step_tokens: None,
         caller: crate::manager::spec::Caller::Vllm,
     }
 }

@@ -32,9 +32,12 @@ impl PyBlockPool {
         me.inner.unpin_blocks(&ids, watcher).py_err()
     }
 
-    /// The `(block id, watcher id)` pairs of the reuse watchers that fired since the last call.
+    /// The `(block id, watcher id)` pairs of the Python reuse watchers that fired since the
+    /// last call. The HiSparse residency's own entries (`RESIDENCY_WATCHER`) stay in the pool
+    /// for the manager that holds the residency, which drains them at its next call.
     fn _take_fired_watchers(&self, py: Python<'_>) -> PyResult<Vec<(u32, u64)>> {
-        Ok(self.state.borrow_mut(py)?.inner.take_fired_watchers())
+        let watcher = crate::hisparse::residency::RESIDENCY_WATCHER;
+        Ok(self.state.borrow_mut(py)?.inner.take_fired_watchers_except(watcher))
     }
 
     /// True if reuse watchers are recorded.

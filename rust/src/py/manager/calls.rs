@@ -588,17 +588,27 @@ impl PyManager {
     /// already-freed requests are a no-op (as in vLLM).
     fn free(slf: &Bound<'_, Self>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let py = slf.py();
-        let id = {
+        let (id, hisparse) = {
             let mut me = slf.get().state.borrow_mut(py)?;
             let id = me.id_of(request)?;
             me.slots.remove(request);
-            id
+            (id, me.inner.coord.hisparse().is_some())
         };
-        Self::free_request_id(slf, id.as_any())
+        // HiSparse's coordinator keeps a finished request's pending publication
+        // (`request.is_finished()`); other managers never read it
+        let finished = if hisparse { request.call_method0(intern!(py, "is_finished"))?.is_truthy()? } else { true };
+        Self::free_by_id(slf, id.as_any(), finished)
     }
 
     /// `free` by request id.
     fn free_request_id(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        Self::free_by_id(slf, request_id, true)
+    }
+}
+
+impl PyManager {
+    /// `free` by request id, `finished` as `request.is_finished()`.
+    fn free_by_id(slf: &Bound<'_, Self>, request_id: &Bound<'_, PyAny>, finished: bool) -> PyResult<()> {
         let py = slf.py();
         let mut guard = slf.get().state.borrow_mut(py)?;
         let me = &mut *guard;
@@ -607,16 +617,19 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         crate::py::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
-        me.inner.free(&mut p.inner, request_id).py_err()
+        me.inner.free_request(&mut p.inner, request_id, finished).py_err()
     }
+}
 
+#[pymethods]
+impl PyManager {
     /// `pop_blocks_for_free(request)`: the request's block ids (every group, allocation order),
     /// the request forgotten; the caller frees them (reversed).
     fn _pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         let mut me = self.state.borrow_mut(py)?;
         let id = me.id_of(request)?;
         me.slots.remove(request);
-        Ok(me.inner.coord.pop_blocks_for_free(request_id_str(&id)?))
+        me.inner.coord.pop_blocks_for_free(request_id_str(&id)?).py_err()
     }
 
     /// `cache_blocks(request, num_computed_tokens)`: cache the request's full blocks up to

@@ -19,10 +19,19 @@ fn rules_of(d: &Bound<'_, PyDict>) -> PyResult<ReleaseRules> {
             "mamba_none_mode_caches" => r.mamba_none_mode_caches = on,
             "partial_tail_rekeyed" => r.partial_tail_rekeyed = on,
             "eagle_junction_block_retained" => r.eagle_junction_block_retained = on,
+            "hisparse_trim_null_head" => r.hisparse_trim_null_head = on,
             _ => return Err(value_err("release_rules", format!("unknown rule {key:?}"))),
         }
     }
     Ok(r)
+}
+
+/// An optional count among the constructor's extra keywords (None: absent or None).
+fn kwarg_count(kwargs: Option<&Bound<'_, PyDict>>, key: &str) -> PyResult<Option<usize>> {
+    match kwargs.map(|k| k.get_item(key)).transpose()?.flatten() {
+        Some(v) if !v.is_none() => Ok(Some(crate::py::args::count(&v, key)?)),
+        _ => Ok(None),
+    }
 }
 
 /// A group's spec from its dict (see `kvblock.specs`).
@@ -77,13 +86,18 @@ fn group_spec(d: &Bound<'_, PyDict>, i: usize) -> PyResult<GroupSpec> {
         }
         "cross_attention" => Kind::CrossAttention,
         "circular_buffer" => Kind::CircularBuffer,
+        "hisparse_source" => Kind::HiSparseSource,
+        "hisparse_resident" => Kind::HiSparseResident,
+        "hisparse_hot" => Kind::HiSparseHot { blocks_per_request: need("blocks_per_request")? },
         k => return Err(value_err(&arg, format!("kvblock does not manage {k:?} groups"))),
     };
     let attention = !matches!(kind, Kind::Mamba { .. });
+    // HiSparse's resident and hot specs are never prefix-cacheable (their `prefix_cacheable`)
+    let cacheable = !matches!(kind, Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. });
     Ok(GroupSpec {
         kind,
         block_size: need("block_size")?,
-        prefix_cacheable: flag("prefix_cacheable", !matches!(kind, Kind::CircularBuffer))?,
+        prefix_cacheable: flag("prefix_cacheable", cacheable)?,
         dcp_sharded: flag("dcp_sharded", attention)?,
         is_eagle_group: flag("is_eagle_group", false)?,
         zeroed: flag("zeroed", attention && !matches!(kind, Kind::CircularBuffer))?,
@@ -186,6 +200,8 @@ impl PyManager {
                 Some(d) => rules_of(d)?,
                 None => ReleaseRules::default(),
             },
+            hisparse_host_num_blocks: kwarg_count(_kwargs, "hisparse_host_num_blocks")?,
+            hisparse_import_step_tokens: kwarg_count(_kwargs, "hisparse_import_step_tokens")?,
         };
         if pool_h != cfg.hash_block_size {
             return Err(value_err(

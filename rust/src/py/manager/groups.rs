@@ -32,6 +32,7 @@ impl PyManager {
         let res = me.inner.coord.get_num_blocks_to_allocate(
             &p.inner,
             slot,
+            request_id,
             num_tokens,
             &nc,
             num_encoder_tokens,

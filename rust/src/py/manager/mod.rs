@@ -3,11 +3,12 @@
 //! call, for every KV-cache group of the model. `kvblock.KVCacheManager` and
 //! `kvblock.vllm.KVCacheManager` subclass it in Python (stats, events, vLLM's views).
 //!
-//! The binding is one Python class in five rooms: this file holds its state (`ManagerState`),
+//! The binding is one Python class in six rooms: this file holds its state (`ManagerState`),
 //! the request-reading helpers and the read-only getters; `state.rs` the state's steps
 //! (lookups, allocation, caching, freeing on request objects); `construct.rs` the
 //! constructor; `calls.rs` the scheduler's calls; `groups.rs` the per-group views vLLM's
-//! coordinator and single-type managers read (`kvblock.vllm.coordinator`).
+//! coordinator and single-type managers read (`kvblock.vllm.coordinator`); `hisparse.rs` the
+//! HiSparse coordinator's calls on the residency the manager holds.
 
 use super::block_ids::PyBlockIds;
 use super::block_pool::{block_ids_of, ids_array, PyBlockPool};
@@ -31,6 +32,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 mod calls;
 mod construct;
 mod groups;
+mod hisparse;
 mod state;
 /// the interpreter; any other goes through `PyUnicode_AsUTF8AndSize`.
 #[inline(always)]
@@ -249,6 +251,13 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
+    /// The free blocks of HiSparse's host pool (the source group's), None without HiSparse
+    /// groups.
+    #[getter]
+    fn _hisparse_host_free_blocks(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        self.state.with(py, |me| me.inner.coord.hisparse().map(|t| t.host.num_free_blocks()))
+    }
+
     /// Number of requests the manager knows.
     #[getter]
     fn num_requests(&self, py: Python<'_>) -> PyResult<usize> {

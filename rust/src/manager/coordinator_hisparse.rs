@@ -1,0 +1,462 @@
+//! The coordinator's per-group calls for HiSparse's kinds (vLLM's `HiSparseSourceManager`,
+//! `HiSparseResidentManager`, `HiSparseHotManager` bound to a `HiSparseCoordinator`, 0.32 to
+//! 0.34): each call takes the group's pool (the tier's host pool for the source group, the
+//! device pool otherwise), applies the kind's rule ([`super::hisparse`]) and then makes the
+//! residency call vLLM's manager makes there. After every device allocation the device
+//! pool's fired reuse watchers are drained into the residency, as vLLM's watcher runs inside
+//! `get_new_blocks` (a page lost while one group allocates asks for a hot region before the
+//! hot groups allocate).
+
+use crate::error::{Error, Result};
+use crate::hashing::source::HashSource;
+use crate::hisparse::residency::{Residency, RESIDENCY_WATCHER};
+use crate::manager::coordinator::Coordinator;
+use crate::manager::group_state::{cdiv, ReqInfo, ReqState};
+use crate::manager::hisparse::{self as rules, ImportStep};
+use crate::manager::hisparse_tier::{HiSparseTier, TierEnv};
+use crate::manager::spec::Kind;
+use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
+
+fn no_tier() -> Error {
+    Error::State("a HiSparse group without the manager's HiSparse tier".into())
+}
+
+/// vLLM's `assert not new_computed_blocks` of the resident and hot managers.
+fn no_hits(kind: Kind, new_computed: &[u32]) -> Result<()> {
+    if new_computed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Assertion(format!("{kind:?} groups never have prefix-cache hits")))
+    }
+}
+
+impl Coordinator {
+    /// The tier, if the manager has HiSparse groups.
+    pub fn hisparse(&self) -> Option<&HiSparseTier> {
+        self.hisparse.as_deref()
+    }
+
+    /// The pool group `gid`'s block ids belong to: the host pool for HiSparse's source group,
+    /// `device` otherwise.
+    pub fn pool_of<'p>(&'p self, gid: usize, device: &'p BlockPool) -> &'p BlockPool {
+        match &self.hisparse {
+            Some(t) if t.host_group() == gid => &t.host,
+            _ => device,
+        }
+    }
+
+    /// Run `f` on the residency with its view of this coordinator and `device` (None without
+    /// a tier), after draining the reuse watchers that fired since the last call. Publication
+    /// inputs the residency no longer owes are dropped afterwards.
+    pub fn with_residency<R>(
+        &mut self,
+        device: &mut BlockPool,
+        f: impl FnOnce(&mut Residency, &mut TierEnv<'_>) -> Result<R>,
+    ) -> Result<Option<R>> {
+        let Coordinator { managers, reqs, hisparse, .. } = self;
+        let Some(tier) = hisparse.as_deref_mut() else { return Ok(None) };
+        let out = {
+            let (residency, mut env) = tier.split(managers, reqs, device);
+            let fired = env.device_fired();
+            if !fired.is_empty() {
+                residency.on_blocks_reused(&env, &fired);
+            }
+            f(residency, &mut env)
+        };
+        tier.collect_publications();
+        out.map(Some)
+    }
+
+    /// Hand the device pool's fired residency watchers to the residency (pages whose
+    /// released blocks the pool handed out are lost). A no-op without a tier.
+    pub fn drain_reuse_watchers(&mut self, device: &mut BlockPool) -> Result<()> {
+        if self.hisparse.is_some() {
+            self.with_residency(device, |_, _| Ok(()))?;
+        }
+        Ok(())
+    }
+
+    /// `get_num_blocks_to_allocate` of HiSparse group `gid` (device blocks; the source
+    /// group's admission sentinel when the host pool cannot back the request). The source
+    /// group on 0.34 sizes an external import (`size_import`).
+    #[allow(clippy::too_many_arguments)] // vLLM's signature plus the group
+    pub(crate) fn hisparse_num_blocks(
+        &mut self,
+        device: &BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        num_tokens: usize,
+        new_computed: &[u32],
+        total_computed: usize,
+        num_local_computed: usize,
+        apply_admission_cap: bool,
+    ) -> Result<usize> {
+        let Coordinator { managers, hisparse, .. } = self;
+        let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        let m = &mut managers[gid];
+        m.ensure_slot(slot);
+        let st = &m.reqs[slot];
+        match m.cfg.spec.kind {
+            Kind::HiSparseSource => {
+                let import_step = tier.import_step_tokens.map(|t| ImportStep {
+                    import_step_tokens: t,
+                    reserved_import_pages: tier.residency.reserved_import_pages(),
+                });
+                let c = rules::source_num_blocks_to_allocate(
+                    &m.cfg,
+                    &tier.host,
+                    st,
+                    num_tokens,
+                    new_computed,
+                    total_computed,
+                    num_local_computed,
+                    apply_admission_cap,
+                    device.num_blocks(),
+                    import_step,
+                )?;
+                if let Some(pages) = c.size_import {
+                    tier.residency.size_import(request_id, pages);
+                }
+                Ok(c.blocks)
+            }
+            kind @ Kind::HiSparseResident => {
+                no_hits(kind, new_computed)?;
+                let k = tier.role_index(gid)?;
+                let overlay = tier.residency.residency_changes(k).get(request_id);
+                Ok(rules::resident_num_blocks_to_allocate(
+                    &m.cfg,
+                    st,
+                    overlay,
+                    num_tokens,
+                    total_computed,
+                    num_local_computed,
+                    apply_admission_cap,
+                ))
+            }
+            kind @ Kind::HiSparseHot { blocks_per_request } => {
+                no_hits(kind, new_computed)?;
+                let k = tier.role_index(gid)?;
+                let required = tier.residency.hot_required(k).contains(request_id);
+                Ok(rules::hot_num_blocks_to_allocate(
+                    st,
+                    blocks_per_request,
+                    required,
+                    total_computed,
+                    num_local_computed,
+                ))
+            }
+            _ => Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
+        }
+    }
+
+    /// Device blocks HiSparse group `gid` takes in `allocate_new_computed_blocks` (when
+    /// `phase_a`: the request adopts) and `allocate_new_blocks` (see
+    /// [`Coordinator::blocks_taken`]): the source group takes host blocks only.
+    #[allow(clippy::too_many_arguments)] // the allocation's arguments
+    pub(crate) fn hisparse_blocks_taken(
+        &self,
+        gid: usize,
+        current: &ReqState,
+        request_id: &str,
+        phase_a: bool,
+        num_local_computed: usize,
+        num_external: usize,
+        num_tokens: usize,
+    ) -> usize {
+        let Some(tier) = self.hisparse.as_deref() else { return 0 };
+        let m = &self.managers[gid];
+        let bs = m.cfg.block_size;
+        match m.cfg.spec.kind {
+            Kind::HiSparseResident => {
+                let Ok(k) = tier.role_index(gid) else { return 0 };
+                let overlay = tier.residency.residency_changes(k).get(request_id);
+                let mut sim = current.clone();
+                let mut need = 0;
+                if phase_a {
+                    sim.present = true;
+                    sim.blocks = vec![NULL_BLOCK; cdiv(num_local_computed, bs)];
+                    if num_external > 0 {
+                        need += rules::resident_external_blocks_needed(
+                            &m.cfg,
+                            &sim,
+                            overlay,
+                            num_local_computed,
+                            num_external,
+                        );
+                        let tail = (num_local_computed + num_external - 1) / bs;
+                        if sim.blocks.len() <= tail {
+                            sim.blocks.resize(tail + 1, NULL_BLOCK);
+                        }
+                    }
+                }
+                let have = if sim.present { sim.blocks.len() } else { 0 };
+                need + cdiv(num_tokens, bs).saturating_sub(have)
+            }
+            Kind::HiSparseHot { blocks_per_request } => {
+                let Ok(k) = tier.role_index(gid) else { return 0 };
+                let required = tier.residency.hot_required(k).contains(request_id)
+                    || (phase_a && (num_local_computed > 0 || !tier.has_resident_groups() || num_external > 0));
+                if required {
+                    rules::hot_num_required_blocks(current, blocks_per_request)
+                } else {
+                    0
+                }
+            }
+            _ => 0,
+        }
+    }
+
+    /// `add_local_computed_blocks` of HiSparse group `gid`: the source group's hits adopted
+    /// on the host pool; a resident group's host pages, then `commit_computed_blocks`; a hot
+    /// group's `require_hot` when a host prefix is read.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature plus the group
+    pub(crate) fn hisparse_add_local(
+        &mut self,
+        device: &mut BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        new_computed: &[u32],
+        num_local_computed: usize,
+        num_external: usize,
+    ) -> Result<()> {
+        let kind = self.managers[gid].cfg.spec.kind;
+        self.managers[gid].ensure_slot(slot);
+        match kind {
+            Kind::HiSparseSource => {
+                let Coordinator { managers, hisparse, .. } = self;
+                let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+                managers[gid].add_local_computed_blocks(
+                    &mut tier.host,
+                    slot,
+                    new_computed,
+                    num_local_computed,
+                    num_external,
+                )
+            }
+            Kind::HiSparseResident => {
+                no_hits(kind, new_computed)?;
+                let m = &mut self.managers[gid];
+                let pages = rules::resident_add_local_computed_blocks(&m.cfg, &mut m.reqs[slot], num_local_computed)?;
+                self.with_residency(device, |res, env| {
+                    res.commit_computed_blocks(env, request_id, pages);
+                    Ok(())
+                })?;
+                Ok(())
+            }
+            Kind::HiSparseHot { .. } => {
+                no_hits(kind, new_computed)?;
+                let Coordinator { managers, hisparse, .. } = self;
+                let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+                let k = tier.role_index(gid)?;
+                let has_resident = tier.has_resident_groups();
+                if rules::hot_add_local_computed_blocks(&mut managers[gid].reqs[slot], num_local_computed, has_resident)
+                {
+                    tier.residency.require_hot(k, request_id);
+                }
+                Ok(())
+            }
+            _ => Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
+        }
+    }
+
+    /// `allocate_external_computed_blocks` of HiSparse group `gid` (`num_external > 0`): the
+    /// source group records the pending host import and allocates host blocks; a resident
+    /// group gives the import's last page a writable device block; a hot group requires its
+    /// region.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature plus the group
+    pub(crate) fn hisparse_external(
+        &mut self,
+        device: &mut BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        num_local_computed: usize,
+        num_external: usize,
+        record_for_zeroing: bool,
+    ) -> Result<()> {
+        let kind = self.managers[gid].cfg.spec.kind;
+        self.managers[gid].ensure_slot(slot);
+        let Coordinator { managers, hisparse, .. } = self;
+        let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        match kind {
+            Kind::HiSparseSource => {
+                if num_external == 0 {
+                    return Ok(());
+                }
+                tier.residency.record_pending_host_import(request_id, num_local_computed + num_external);
+                managers[gid].allocate_external_computed_blocks(
+                    &mut tier.host,
+                    slot,
+                    num_local_computed,
+                    num_external,
+                    record_for_zeroing,
+                )?;
+                if tier.import_step_tokens.is_some() {
+                    // 0.34: the import's reservation shrinks by the host pages now held
+                    let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());
+                    tier.residency.update_import_reservation(request_id, held);
+                }
+                Ok(())
+            }
+            Kind::HiSparseResident => {
+                let k = tier.role_index(gid)?;
+                let m = &mut managers[gid];
+                let overlay = tier.residency.residency_changes(k).get(request_id);
+                rules::resident_allocate_external_computed_blocks(
+                    &m.cfg,
+                    device,
+                    &mut m.reqs[slot],
+                    overlay,
+                    num_local_computed,
+                    num_external,
+                )?;
+                self.drain_reuse_watchers(device)
+            }
+            Kind::HiSparseHot { .. } => {
+                let k = tier.role_index(gid)?;
+                tier.residency.require_hot(k, request_id);
+                Ok(())
+            }
+            _ => Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
+        }
+    }
+
+    /// `allocate_new_blocks` of HiSparse group `gid`: host blocks for the source group; the
+    /// resident group's blocks up to `num_tokens`; a hot group's region when required. The
+    /// reuse watchers the device allocation fired are drained.
+    pub(crate) fn hisparse_allocate_new(
+        &mut self,
+        device: &mut BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        num_tokens: usize,
+        num_tokens_main_model: usize,
+    ) -> Result<Vec<u32>> {
+        let kind = self.managers[gid].cfg.spec.kind;
+        self.managers[gid].ensure_slot(slot);
+        let Coordinator { managers, hisparse, .. } = self;
+        let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        let out = match kind {
+            Kind::HiSparseSource => {
+                let new = managers[gid].allocate_new_blocks(
+                    &mut tier.host,
+                    slot,
+                    request_id,
+                    num_tokens,
+                    num_tokens_main_model,
+                )?;
+                if !new.is_empty() && tier.import_step_tokens.is_some() {
+                    // 0.34: `update_import_reservation(request, len(req_to_blocks[request]))`
+                    let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());
+                    tier.residency.update_import_reservation(request_id, held);
+                }
+                return Ok(new);
+            }
+            Kind::HiSparseResident => {
+                let m = &mut managers[gid];
+                rules::resident_allocate_new_blocks(&m.cfg, device, &mut m.reqs[slot], num_tokens)?
+            }
+            Kind::HiSparseHot { blocks_per_request } => {
+                let k = tier.role_index(gid)?;
+                let required = tier.residency.hot_required(k).contains(request_id);
+                rules::hot_allocate_new_blocks(device, &mut managers[gid].reqs[slot], blocks_per_request, required)?
+            }
+            _ => return Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
+        };
+        self.drain_reuse_watchers(device)?;
+        Ok(out)
+    }
+
+    /// The source group's `cache_blocks(request, num_tokens)`: the coordinator's
+    /// `publish_when_ready` (the host blocks of the durable prefix now, the rest as spills
+    /// complete), the request's hashes kept for it.
+    #[allow(clippy::too_many_arguments)] // vLLM's signature
+    pub(crate) fn hisparse_cache(
+        &mut self,
+        device: &mut BlockPool,
+        req: &ReqInfo<'_>,
+        hashes: &dyn HashSource,
+        num_tokens: usize,
+        retention_interval: Option<usize>,
+        replay_boundaries: &[usize],
+    ) -> Result<()> {
+        let tier = self.hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        tier.keep_publication(req, hashes, num_tokens, retention_interval, replay_boundaries)?;
+        let id = req.request_id;
+        self.with_residency(device, |res, env| res.publish_when_ready(env, id, num_tokens))?;
+        Ok(())
+    }
+
+    /// `free` of HiSparse group `gid`: the coordinator's `free(request)` first (source and
+    /// resident groups; `finished`: `request.is_finished()`), then the group's blocks back to
+    /// its pool, tail first (a resident group's row with its overlay, null head trimmed from
+    /// 0.33; a hot group's region, `hot_required` dropped).
+    pub(crate) fn hisparse_free(
+        &mut self,
+        device: &mut BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        finished: bool,
+    ) -> Result<()> {
+        let blocks = self.hisparse_pop(device, gid, slot, request_id, finished)?;
+        let kind = self.managers[gid].cfg.spec.kind;
+        let rev: Vec<u32> = blocks.into_iter().rev().collect();
+        if kind == Kind::HiSparseSource {
+            let tier = self.hisparse.as_deref_mut().ok_or_else(no_tier)?;
+            tier.host.free_blocks(&rev, true)
+        } else {
+            device.free_blocks(&rev, true)
+        }
+    }
+
+    /// `pop_blocks_for_free` of HiSparse group `gid` (see [`Coordinator::hisparse_free`]): the
+    /// group's blocks (host block ids for the source group), the request forgotten there.
+    pub(crate) fn hisparse_pop(
+        &mut self,
+        device: &mut BlockPool,
+        gid: usize,
+        slot: usize,
+        request_id: &str,
+        finished: bool,
+    ) -> Result<Vec<u32>> {
+        let kind = self.managers[gid].cfg.spec.kind;
+        self.managers[gid].ensure_slot(slot);
+        if matches!(kind, Kind::HiSparseSource | Kind::HiSparseResident) {
+            self.with_residency(device, |res, env| res.free(env, request_id, finished))?;
+        }
+        let Coordinator { managers, hisparse, .. } = self;
+        let tier = hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        let m = &mut managers[gid];
+        match kind {
+            Kind::HiSparseSource => Ok(m.pop_blocks_for_free(slot, request_id)),
+            Kind::HiSparseResident => {
+                let k = tier.role_index(gid)?;
+                let overlay = tier.residency.residency_changes(k).get(request_id);
+                let row = rules::resident_pop_blocks_for_free(&mut m.reqs[slot], overlay, tier.trim_null_head);
+                tier.residency.forget_overlay_of(k, request_id);
+                Ok(row)
+            }
+            Kind::HiSparseHot { .. } => {
+                let k = tier.role_index(gid)?;
+                tier.residency.release_hot(k, request_id);
+                Ok(m.pop_blocks_for_free(slot, request_id))
+            }
+            _ => Err(Error::State(format!("kv_cache_groups[{gid}] is not a HiSparse group"))),
+        }
+    }
+}
+
+impl TierEnv<'_> {
+    /// The device blocks whose residency watcher fired since the last drain.
+    pub fn device_fired(&mut self) -> Vec<u32> {
+        crate::hisparse::residency::Env::device(self).take_fired_watchers_of(RESIDENCY_WATCHER)
+    }
+}
+
+#[cfg(test)]
+#[path = "coordinator_hisparse/tests.rs"]
+mod tests;

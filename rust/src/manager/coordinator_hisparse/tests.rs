@@ -1,0 +1,362 @@
+//! A manager with HiSparse groups, in vLLM's test layout (`make_hisparse_kv_cache_config`:
+//! source, indexer, resident, hot with two blocks per request), driven through
+//! `KVCacheManager` as the connector drives vLLM's: counts and tables worked from vLLM
+//! 0.33.0's `HiSparseSourceManager` / `HiSparseResidentManager` / `HiSparseHotManager` and
+//! `HiSparseCoordinator`.
+
+use crate::error::Error;
+use crate::hashing::Digest;
+use crate::hisparse::residency::Env;
+use crate::manager::spec::{Caller, GroupSpec, Kind, ManagerConfig};
+use crate::manager::{AllocArgs, KVCacheManager, RequestView};
+use crate::pool::block_pool::{BlockPool, NULL_BLOCK};
+
+const BS: usize = 16;
+const SOURCE: usize = 0;
+const INDEXER: usize = 1;
+const RESIDENT: usize = 2;
+const HOT: usize = 3;
+
+fn group(kind: Kind, class: u32, prefix_cacheable: bool) -> GroupSpec {
+    GroupSpec {
+        kind,
+        block_size: BS,
+        prefix_cacheable,
+        dcp_sharded: false,
+        is_eagle_group: false,
+        zeroed: false,
+        spec_class: class,
+    }
+}
+
+fn config(num_blocks: usize, host: Option<usize>, caching: bool) -> ManagerConfig {
+    ManagerConfig {
+        groups: vec![
+            group(Kind::HiSparseSource, 0, true),
+            group(Kind::FullAttention, 1, true),
+            group(Kind::HiSparseResident, 2, false),
+            group(Kind::HiSparseHot { blocks_per_request: 2 }, 3, false),
+        ],
+        num_blocks,
+        max_model_len: 256,
+        max_in_flight_tokens: 32,
+        scheduler_block_size: BS,
+        hash_block_size: BS,
+        enable_caching: caching,
+        use_eagle: false,
+        num_hash_lookahead_tokens: 0,
+        num_prefill_lookahead: 0,
+        dcp_world_size: 1,
+        pcp_world_size: 1,
+        watermark_blocks: 0,
+        enable_kv_cache_events: false,
+        needs_kv_cache_zeroing: false,
+        retention_interval: None,
+        enable_mamba_shared_prefix_checkpoint: false,
+        caller: Caller::Vllm,
+        rules: Default::default(),
+        hisparse_host_num_blocks: host,
+        hisparse_import_step_tokens: None,
+    }
+}
+
+fn build(num_blocks: usize, host: usize, caching: bool) -> (KVCacheManager, BlockPool) {
+    let m = KVCacheManager::new(&config(num_blocks, Some(host), caching)).unwrap();
+    (m, BlockPool::new(num_blocks, caching, BS, false).unwrap())
+}
+
+/// One hash per block; requests with equal `seed` share a prompt.
+fn hashes(seed: u8, num_tokens: usize) -> Vec<Digest> {
+    (0..num_tokens / BS).map(|i| Digest::from_slice(&[seed, i as u8, 7, 7]).unwrap()).collect()
+}
+
+/// `allocate_slots(request, num_new_tokens)` for a request of `num_tokens` tokens of which
+/// `computed` are computed.
+fn alloc(
+    m: &mut KVCacheManager,
+    p: &mut BlockPool,
+    id: &str,
+    seed: u8,
+    num_tokens: usize,
+    computed: usize,
+    num_new: usize,
+) -> Option<Vec<Vec<u32>>> {
+    let hs = hashes(seed, num_tokens);
+    let req = RequestView {
+        request_id: id,
+        num_computed_tokens: computed,
+        num_tokens,
+        num_prompt_tokens: num_tokens,
+        ..Default::default()
+    };
+    let args = AllocArgs { num_new_tokens: num_new, ..Default::default() };
+    m.allocate_slots(p, &req, &hs, &args).unwrap()
+}
+
+fn table(m: &KVCacheManager, id: &str, group: usize) -> Vec<u32> {
+    m.coord.get_blocks(id)[group].to_vec()
+}
+
+fn host_free(m: &KVCacheManager) -> usize {
+    m.coord.hisparse().unwrap().host.num_free_blocks()
+}
+
+/// The connector's step for `id`: `advance_scheduled`, then every planned spill enqueued and
+/// completed by one worker (`build_offload_command`, `update_spills`).
+fn spill_all(m: &mut KVCacheManager, p: &mut BlockPool, id: &str, num_tokens: usize) {
+    m.coord
+        .with_residency(p, |res, env| {
+            res.advance_scheduled(env, &[(id.to_string(), num_tokens)])?;
+            let ids: Vec<(u64, usize)> =
+                res.take_offload_command().unwrap_or_default().iter().map(|t| (t.transfer_id, 1)).collect();
+            res.update_spills(env, &ids, &ids)
+        })
+        .unwrap();
+}
+
+#[test]
+fn a_hisparse_configuration_builds_a_host_pool_and_a_residency() {
+    let (m, _) = build(32, 16, false);
+    let tier = m.coord.hisparse().expect("a HiSparse tier");
+    assert_eq!(tier.host.num_blocks(), 16);
+    assert_eq!(tier.host.num_free_blocks(), 15); // the host pool's own null block
+    assert_eq!(tier.host_group(), SOURCE);
+    assert_eq!(tier.residency.layout().resident_groups, vec![RESIDENT]);
+    assert_eq!(tier.residency.layout().hot_groups, vec![(HOT, 2)]);
+    // vLLM: max(hot blocks per request, num_blocks // 10)
+    assert_eq!(tier.residency.transition_watermark(), 3);
+    assert_eq!(tier.residency.max_spill_pages(), 256 / BS);
+}
+
+#[test]
+fn vllm_configuration_errors_build_nothing() {
+    let err = KVCacheManager::new(&config(32, None, false)).unwrap_err();
+    assert!(matches!(&err, Error::Value(m) if m == "HiSparse host group needs host capacity."), "{err:?}");
+    let mut cfg = config(32, Some(16), false);
+    cfg.groups.swap(SOURCE, RESIDENT);
+    let err = KVCacheManager::new(&cfg).unwrap_err();
+    assert!(matches!(&err, Error::Value(m) if m == "HiSparse host group must precede resident groups."), "{err:?}");
+    let mut cfg = config(32, Some(16), false);
+    cfg.groups.push(group(Kind::HiSparseSource, 4, true));
+    let err = KVCacheManager::new(&cfg).unwrap_err();
+    assert!(matches!(&err, Error::Value(m) if m == "Only one HiSparse host group is supported."), "{err:?}");
+    assert!(KVCacheManager::new(&config(32, Some(0), false)).is_err());
+}
+
+#[test]
+fn a_new_request_takes_host_blocks_for_the_source_group_and_no_hot_region() {
+    let (mut m, mut p) = build(32, 16, false);
+    let new = alloc(&mut m, &mut p, "a", 1, 40, 0, 40).expect("fits");
+    // source: 3 host blocks (host ids); indexer and resident: 3 device blocks each; hot: none
+    assert_eq!(new.iter().map(|g| g.len()).collect::<Vec<_>>(), vec![3, 3, 3, 0]);
+    assert_eq!(host_free(&m), 12);
+    assert_eq!(p.num_free_blocks(), 31 - 6);
+    assert_eq!(table(&m, "a", SOURCE), new[SOURCE]);
+    // freeing gives each group's blocks back to its own pool
+    m.free(&mut p, "a").unwrap();
+    assert_eq!(host_free(&m), 15);
+    assert_eq!(p.num_free_blocks(), 31);
+    assert!(m.coord.request_ids().is_empty());
+}
+
+#[test]
+fn a_full_host_pool_refuses_the_request_with_the_admission_sentinel() {
+    let (mut m, mut p) = build(32, 4, false);
+    // 3 host blocks free, 4 needed: the source group counts num_gpu_blocks + 1
+    assert_eq!(alloc(&mut m, &mut p, "a", 1, 64, 0, 64), None);
+    assert_eq!(host_free(&m), 3);
+    assert_eq!(p.num_free_blocks(), 31);
+    assert!(m.coord.request_ids().is_empty());
+    assert!(alloc(&mut m, &mut p, "a", 1, 48, 0, 48).is_some());
+}
+
+#[test]
+fn a_request_filling_its_admission_window_gets_a_hot_region_next_step() {
+    let (mut m, mut p) = build(32, 32, false);
+    alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+    // 3 resident pages >= the admission cap cdiv(32, 16) = 2: update_residency asks for hot
+    spill_all(&mut m, &mut p, "a", 40);
+    assert!(m.coord.hisparse().unwrap().residency.hot_required(0).contains("a"));
+    let new = alloc(&mut m, &mut p, "a", 1, 41, 40, 1).unwrap();
+    assert_eq!(new[HOT].len(), 2);
+    assert_eq!(table(&m, "a", HOT).len(), 2);
+    // freeing drops hot_required with the region
+    m.free(&mut p, "a").unwrap();
+    assert!(!m.coord.hisparse().unwrap().residency.hot_required(0).contains("a"));
+    assert_eq!(p.num_free_blocks(), 31);
+    assert_eq!(host_free(&m), 31);
+}
+
+#[test]
+fn a_released_page_reused_inside_allocate_slots_is_lost_at_once() {
+    let (mut m, mut p) = build(32, 40, false);
+    alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+    spill_all(&mut m, &mut p, "a", 40); // pages 0 and 1 spill; "a" needs a hot region
+    alloc(&mut m, &mut p, "a", 1, 41, 40, 1).unwrap(); // the hot region
+    spill_all(&mut m, &mut p, "a", 41); // no new page; "a" reads from the host now
+    let resident = table(&m, "a", RESIDENT);
+    let tier = m.coord.hisparse().unwrap();
+    let st = tier.residency.request_state("a").unwrap();
+    // page 0 is clean and released (page 1 is within ACTIVE_TAIL_PAGES of the tail)
+    assert!(st.unpinned_pages.contains(&0), "{st:?}");
+    assert!(p.is_free(resident[0]));
+    // "b" takes every free device block, the released one last
+    let free = p.num_free_blocks();
+    assert_eq!(free % 2, 0);
+    let tokens = free / 2 * BS;
+    let new = alloc(&mut m, &mut p, "b", 2, tokens, 0, tokens).unwrap();
+    assert!(new[RESIDENT].contains(&resident[0]));
+    // the watcher fired inside that call: page 0 of "a" is read from the host now
+    let tier = m.coord.hisparse().unwrap();
+    assert_eq!(tier.residency.residency_changes(0)["a"].get(&0), Some(&NULL_BLOCK));
+    assert!(!tier.residency.request_state("a").unwrap().unpinned_pages.contains(&0));
+    m.free(&mut p, "b").unwrap();
+    m.free(&mut p, "a").unwrap();
+    assert_eq!(p.num_free_blocks(), 31);
+}
+
+#[test]
+fn durable_host_pages_are_published_and_hit_from_the_host_pool() {
+    let (mut m, mut p) = build(32, 16, true);
+    alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+    let host_blocks = table(&m, "a", SOURCE);
+    // caching waits for durable pages: nothing published yet, the publication kept
+    let tier = m.coord.hisparse().unwrap();
+    assert_eq!(tier.host.block_key(host_blocks[0]).unwrap(), None);
+    assert_eq!(tier.num_kept_publications(), 1);
+    spill_all(&mut m, &mut p, "a", 40);
+    let tier = m.coord.hisparse().unwrap();
+    assert!(tier.host.block_key(host_blocks[0]).unwrap().is_some());
+    assert!(tier.host.block_key(host_blocks[1]).unwrap().is_some());
+    assert_eq!(tier.num_kept_publications(), 0);
+    // a request with the same prompt hits the host group on the host pool
+    let hs = hashes(1, 40);
+    let (hit, _, _) = m.get_computed_blocks(&p, true, 40, &hs, None, None, true).unwrap();
+    assert_eq!(hit[SOURCE], host_blocks[..2].to_vec());
+    assert!(hit[RESIDENT].is_empty() && hit[HOT].is_empty());
+}
+
+#[test]
+fn the_residency_reads_the_managers_tables() {
+    let (mut m, mut p) = build(32, 16, false);
+    alloc(&mut m, &mut p, "a", 1, 20, 0, 20).unwrap();
+    let (source, resident) = (table(&m, "a", SOURCE), table(&m, "a", RESIDENT));
+    m.coord
+        .with_residency(&mut p, |res, env| {
+            assert_eq!(env.table(SOURCE, "a"), Some(source.as_slice()));
+            assert_eq!(res.get_residency_row(env, 0, "a", 0), resident);
+            // vLLM's hot manager makes no table for a request that needs no region
+            assert_eq!(env.table(HOT, "a"), None);
+            assert_eq!(env.table(INDEXER, "a").map(|t| t.len()), Some(2));
+            assert_eq!(env.table(SOURCE, "b"), None);
+            Ok(())
+        })
+        .unwrap();
+}
+
+#[test]
+fn pop_blocks_for_free_is_refused_with_two_pools() {
+    let (mut m, mut p) = build(32, 16, false);
+    alloc(&mut m, &mut p, "a", 1, 20, 0, 20).unwrap();
+    assert!(matches!(m.coord.pop_blocks_for_free("a"), Err(Error::NotImplemented(_))));
+    assert_eq!(table(&m, "a", SOURCE).len(), 2);
+}
+
+#[test]
+fn the_residency_takes_only_its_own_fired_watchers() {
+    use crate::hisparse::residency::RESIDENCY_WATCHER;
+    let mut p = BlockPool::new(4, false, BS, false).unwrap();
+    let mut got = Vec::new();
+    p.get_new_blocks(3, &mut got).unwrap();
+    p.unpin_blocks(&[got[0]], 5).unwrap();
+    p.unpin_blocks(&[got[1]], RESIDENCY_WATCHER).unwrap();
+    p.unpin_blocks(&[got[2]], 6).unwrap();
+    let mut again = Vec::new();
+    p.get_new_blocks(3, &mut again).unwrap();
+    // a Python caller's take leaves the residency's entry for the manager
+    assert_eq!(p.take_fired_watchers_except(RESIDENCY_WATCHER), vec![(got[0], 5), (got[2], 6)]);
+    assert_eq!(p.take_fired_watchers_of(RESIDENCY_WATCHER), vec![got[1]]);
+    assert!(p.take_fired_watchers().is_empty());
+}
+
+#[test]
+fn an_external_import_keeps_its_host_reservation_on_0_34() {
+    let mut cfg = config(32, Some(16), false);
+    cfg.hisparse_import_step_tokens = Some(BS);
+    let mut m = KVCacheManager::new(&cfg).unwrap();
+    let mut p = BlockPool::new(32, false, BS, false).unwrap();
+    let hs = hashes(1, 64);
+    let req = RequestView { request_id: "a", num_tokens: 64, num_prompt_tokens: 64, ..Default::default() };
+    let args = AllocArgs {
+        num_new_tokens: 16,
+        num_external_computed_tokens: 48,
+        full_sequence_must_fit: true,
+        ..Default::default()
+    };
+    let new = m.allocate_slots(&mut p, &req, &hs, &args).unwrap().expect("fits");
+    // the admission gate sized the import at cdiv(64 + 16, 16) = 5 host pages; the request
+    // holds 4 (3 imported, 1 new): one page stays reserved
+    assert_eq!(table(&m, "a", SOURCE).len(), 4);
+    assert_eq!(m.coord.hisparse().unwrap().residency.reserved_import_pages(), 1);
+    // the resident group: host-only imported pages, a writable last imported page, one more
+    let resident = table(&m, "a", RESIDENT);
+    assert_eq!(resident.len(), 4);
+    assert_eq!(&resident[..2], &[NULL_BLOCK, NULL_BLOCK]);
+    assert!(resident[2] != NULL_BLOCK && resident[3] != NULL_BLOCK);
+    // the hot group: an import reads host-backed history
+    assert_eq!(new[HOT].len(), 2);
+    m.free(&mut p, "a").unwrap();
+    assert_eq!(m.coord.hisparse().unwrap().residency.reserved_import_pages(), 0);
+    assert_eq!(p.num_free_blocks(), 31);
+    assert_eq!(host_free(&m), 15);
+}
+
+#[test]
+fn release_0_32_pops_the_resident_row_with_its_null_head() {
+    for trim in [true, false] {
+        let mut cfg = config(32, Some(16), false);
+        cfg.rules.hisparse_trim_null_head = trim;
+        let mut m = KVCacheManager::new(&cfg).unwrap();
+        let mut p = BlockPool::new(32, false, BS, false).unwrap();
+        let hs = hashes(1, 64);
+        let req = RequestView { request_id: "a", num_tokens: 64, num_prompt_tokens: 64, ..Default::default() };
+        let args = AllocArgs { num_new_tokens: 16, num_external_computed_tokens: 48, ..Default::default() };
+        m.allocate_slots(&mut p, &req, &hs, &args).unwrap().expect("fits");
+        let resident = table(&m, "a", RESIDENT);
+        let slot = m.coord.slot("a").unwrap();
+        let row = m.coord.hisparse_pop(&mut p, RESIDENT, slot, "a", true).unwrap();
+        // 0.33+: trim_null_head; 0.32: the whole row, host-only head included
+        assert_eq!(row, if trim { resident[2..].to_vec() } else { resident.clone() }, "trim={trim}");
+    }
+}
+
+#[test]
+fn a_finished_request_publishes_its_host_pages_once_its_spills_complete() {
+    for finished in [true, false] {
+        let (mut m, mut p) = build(32, 16, true);
+        alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+        let host_blocks = table(&m, "a", SOURCE);
+        // the spills of pages 0 and 1 are planned and sent, not yet done
+        let ids: Vec<(u64, usize)> = m
+            .coord
+            .with_residency(&mut p, |res, env| {
+                res.advance_scheduled(env, &[("a".to_string(), 40)])?;
+                Ok(res.take_offload_command().unwrap_or_default().iter().map(|t| (t.transfer_id, 1)).collect())
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids.len(), 2);
+        m.free_request(&mut p, "a", finished).unwrap();
+        // a finished request's pages stay held for its publication; a preempted one's only
+        // for the running spills
+        assert_eq!(m.coord.hisparse().unwrap().num_kept_publications(), finished as usize);
+        m.coord.with_residency(&mut p, |res, env| res.update_spills(env, &ids, &ids)).unwrap();
+        let tier = m.coord.hisparse().unwrap();
+        assert_eq!(tier.host.num_free_blocks(), 15);
+        assert_eq!(tier.num_kept_publications(), 0);
+        for &b in &host_blocks[..2] {
+            assert_eq!(tier.host.block_key(b).unwrap().is_some(), finished, "finished={finished}");
+        }
+        assert_eq!(p.num_free_blocks(), 31);
+    }
+}

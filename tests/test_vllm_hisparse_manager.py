@@ -1,0 +1,333 @@
+"""kvblock's manager holding HiSparse groups (the Rust core's ``manager::coordinator_hisparse``:
+the host pool and the residency in the manager) against vLLM's own ``KVCacheManager`` bound to
+its ``HiSparseCoordinator``, in lockstep, driven as vLLM's HiSparse connector drives it.
+
+vLLM's side is built as vLLM's HiSparse tests build it (``make_hisparse_kv_cache_config``'s
+layout: source group on the host pool, indexer, resident, hot with two blocks per request,
+then ``get_hisparse_coordinator``). kvblock's side is ``kvblock.vllm.KVCacheManager`` with
+``KVBLOCK_VLLM_HISPARSE=1`` (without it a HiSparse configuration still falls back: the views
+vLLM's HiSparse connector reads are not written yet). A hypothesis state machine admits
+requests (new prompts and external imports, with and without the full-sequence admission
+gate), runs decode steps and frees requests (finished or preempted), and makes the
+connector's coordinator calls (``advance_scheduled``, ``update_residency``,
+``build_offload_command``, ``update_spills`` as every worker completes): kvblock's through the
+manager binding's ``_hisparse_*`` calls (the coordinator view vLLM's connector reads is not
+written yet). After every step both managers hold the same block ids in every group (host ids
+for the source group), the same residency rows and hot requirements, and both pools have the
+same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
+sides. Host-prefix hits are not driven here (``tests/test_vllm_hisparse_lockstep.py`` covers
+them through the ``_core.HiSparseResidency`` harness).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from conftest import require_module
+
+require_module("vllm")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+hisparse = pytest.importorskip("vllm.v1.hisparse.coordinator")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core import kv_cache_manager as _vkm  # noqa: E402
+from vllm.v1.core import kv_cache_utils as _vku  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
+    KVCacheConfig,
+    KVCacheGroupRole,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from kvblock.vllm.config import translate  # noqa: E402
+from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
+
+VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
+get_request_block_hasher = getattr(_vku, "_kvblock_original_get_request_block_hasher", _vku.get_request_block_hasher)
+init_none_hash = getattr(_vku, "_kvblock_original_init_none_hash", _vku.init_none_hash)
+EXAMPLES = int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES", "60"))
+BS = 16
+REQUESTS = ["r0", "r1", "r2", "r3"]
+#: What the run reached (checked by ``test_hisparse_manager_lockstep``).
+COVERAGE: Counter[str] = Counter()
+
+
+def _config(num_blocks: int, host_num_blocks: int | None) -> KVCacheConfig:
+    source = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    groups = [
+        KVCacheGroupSpec(["source"], source, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+        KVCacheGroupSpec(["indexer"], source, role=KVCacheGroupRole.HISPARSE_INDEXER),
+        KVCacheGroupSpec(["resident"], HiSparseResidentSpec(block_size=BS, page_size=BS * 4)),
+        KVCacheGroupSpec(["hot"], HiSparseHotSpec(block_size=BS, page_size=BS * 4, blocks_per_request=2)),
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks, hisparse_host_num_blocks=host_num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+    )
+
+
+def test_a_hisparse_configuration_is_translated_and_still_falls_back_by_default(monkeypatch):
+    monkeypatch.delenv("KVBLOCK_VLLM_HISPARSE", raising=False)
+    path = translate(_config(32, 16))
+    assert not path.on_kvblock and "HiSparse" in path.reason
+    assert [g["kind"] for g in path.groups] == ["hisparse_source", "full_attention", "hisparse_resident", "hisparse_hot"]
+    assert path.groups[3]["blocks_per_request"] == 2
+    assert [g["prefix_cacheable"] for g in path.groups] == [True, True, False, False]
+    # the source and the indexer share a spec but not a manager class: separate lookups
+    assert path.groups[0]["spec_class"] != path.groups[1]["spec_class"]
+    assert path.hisparse_host_num_blocks == 16
+    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+    path = translate(_config(32, 16))
+    assert path.on_kvblock and path.hisparse_host_num_blocks == 16
+
+
+def test_hisparse_roles_without_host_capacity_fall_back(monkeypatch):
+    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+    path = translate(_config(32, None))
+    assert not path.on_kvblock and "role" in path.reason
+
+
+def test_vllm_hisparse_errors_are_vllm_s_and_build_nothing(monkeypatch):
+    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+    cfg = _config(32, 16)
+    cfg.kv_cache_groups[0], cfg.kv_cache_groups[2] = cfg.kv_cache_groups[2], cfg.kv_cache_groups[0]
+    with pytest.raises(ValueError, match="HiSparse host group must precede resident groups."):
+        KvblockManager(cfg, max_model_len=128, scheduler_block_size=BS, hash_block_size=BS, enable_caching=False)
+    # vLLM raises it when its coordinator binds the groups
+    vm = VllmManager(cfg, max_model_len=128, scheduler_block_size=BS, hash_block_size=BS, enable_caching=False)
+    with pytest.raises(ValueError, match="HiSparse host group must precede resident groups."):
+        hisparse.get_hisparse_coordinator(vm)
+
+
+class HiSparseManagerLockstep(RuleBasedStateMachine):
+    @initialize(
+        num_blocks=st.integers(12, 48),
+        host_num_blocks=st.integers(6, 32),
+        max_in_flight_tokens=st.sampled_from([None, 32, 48]),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks: int, host_num_blocks: int, max_in_flight_tokens, caching: bool) -> None:
+        args = dict(
+            max_model_len=128,
+            scheduler_block_size=BS,
+            hash_block_size=BS,
+            max_in_flight_tokens=max_in_flight_tokens,
+            enable_caching=caching,
+        )
+        self.vm = VllmManager(_config(num_blocks, host_num_blocks), **args)
+        self.vc = hisparse.get_hisparse_coordinator(self.vm)
+        self.km = KvblockManager(_config(num_blocks, host_num_blocks), **args)
+        assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
+        self.requests: dict[str, Request] = {}
+        self.sent: list[int] = []
+        self.outsiders: list[tuple[list, list]] = []
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BS, sha256)
+
+    def _both(self, call: str, *args, **kwargs):
+        outs = []
+        for m in (self.vm, self.km):
+            try:
+                outs.append(("ok", getattr(m, call)(*args, **kwargs)))
+            except (AssertionError, ValueError) as e:
+                outs.append((type(e).__name__, None))
+        (vk, v), (kk, k) = outs
+        assert vk == kk, (call, outs)
+        if v is None or k is None:
+            assert v is None and k is None, (call, v, k)
+            return None
+        return v.get_block_ids(), k.get_block_ids()
+
+    @rule(
+        request=st.sampled_from(REQUESTS),
+        prompt=st.integers(1, 100),
+        external=st.one_of(st.just(0), st.just(0), st.integers(1, 64)),
+        must_fit=st.booleans(),
+    )
+    def admit(self, request: str, prompt: int, external: int, must_fit: bool) -> None:
+        if request in self.requests:
+            return
+        req = Request(request, list(range(prompt)), SamplingParams(max_tokens=8), None, block_hasher=self.hasher)
+        external = min(external, prompt - 1)
+        out = self._both(
+            "allocate_slots",
+            req,
+            prompt - external,
+            num_external_computed_tokens=external,
+            full_sequence_must_fit=must_fit,
+        )
+        if out is not None:
+            v, k = out
+            assert [list(g) for g in v] == [list(g) for g in k], (v, k)
+            req.num_computed_tokens = prompt
+            self.requests[request] = req
+            COVERAGE["import"] += external > 0
+            COVERAGE["hot region"] += bool(k[3])
+        else:
+            COVERAGE["refused"] += 1
+
+    @rule(request=st.sampled_from(REQUESTS), n=st.integers(1, 20))
+    def decode(self, request: str, n: int) -> None:
+        req = self.requests.get(request)
+        if req is None or req.num_tokens + n > 128:
+            return
+        for _ in range(n):
+            req.append_output_token_ids(7)
+        out = self._both("allocate_slots", req, n)
+        if out is not None:
+            v, k = out
+            assert [list(g) for g in v] == [list(g) for g in k], (v, k)
+            req.num_computed_tokens = req.num_tokens
+        # refused: the tokens stay, uncomputed, as with vLLM's scheduler
+
+    @rule(request=st.sampled_from(REQUESTS), finished=st.booleans())
+    def free(self, request: str, finished: bool) -> None:
+        req = self.requests.pop(request, None)
+        if req is None:
+            return
+        req.status = RequestStatus.FINISHED_STOPPED if finished else RequestStatus.PREEMPTED
+        self.vm.free(req)
+        self.km.free(req)
+        COVERAGE["freed"] += 1
+
+    @rule(request=st.sampled_from(REQUESTS))
+    def advance_scheduled(self, request: str) -> None:
+        req = self.requests.get(request)
+        if req is None:
+            return
+        self.vc.advance_scheduled([(request, req.num_computed_tokens)])
+        self.km._hisparse_advance_scheduled([(request, req.num_computed_tokens)])
+
+    @rule(request=st.sampled_from(REQUESTS))
+    def update_residency(self, request: str) -> None:
+        if request not in self.requests:
+            return
+        self.vc.update_residency(request)
+        self.km._hisparse_update_residency(request)
+
+    @rule()
+    def offload_command(self) -> None:
+        cmd = self.vc.build_offload_command()
+        theirs = list(cmd.page_transfers) if cmd is not None else []
+        ours = self.km._hisparse_take_offload_command() or []
+        assert [o[:3] + o[4:] for o in ours] == [
+            (t.transfer_id, t.host_block_id, list(t.resident_block_ids), t.restore) for t in theirs
+        ]
+        self.sent.extend(t.transfer_id for t in theirs)
+        COVERAGE["spills"] += bool(theirs)
+
+    @rule()
+    def every_worker_done(self) -> None:
+        if not self.sent:
+            return
+        counts = {i: 1 for i in self.sent}
+        self.vc.update_spills(counts, counts)
+        self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
+        self.sent = []
+
+    @rule(n=st.integers(1, 8), all_free=st.booleans())
+    def other_allocations(self, n: int, all_free: bool) -> None:
+        # vLLM code outside the manager (a connector) takes device blocks from the pool: released
+        # pages at the queue's tail are reused; vLLM's watcher fires at once, kvblock's manager
+        # drains it at its next call (the invariant's reads are such calls)
+        free = self.vm.block_pool.get_num_free_blocks()
+        n = free if all_free else n
+        if n == 0 or n > free:
+            return
+        theirs = self.vm.block_pool.get_new_blocks(n)
+        ours = self.km.block_pool.get_new_blocks(n)
+        assert [b.block_id for b in theirs] == [b.block_id for b in ours]
+        self.outsiders.append((theirs, ours))
+        COVERAGE["other allocations"] += 1
+
+    @rule()
+    def release_others(self) -> None:
+        if self.outsiders:
+            theirs, ours = self.outsiders.pop(0)
+            self.vm.block_pool.free_blocks(theirs)
+            self.km.block_pool.free_blocks(ours)
+
+    @rule()
+    def connector_step(self) -> None:
+        # one scheduler step's connector work: every live request advanced, the offload
+        # command built and every spill completed by the one worker
+        for request in sorted(self.requests):
+            self.advance_scheduled(request)
+        self.offload_command()
+        self.every_worker_done()
+
+    @invariant()
+    def same_tables_and_pools(self) -> None:
+        if not hasattr(self, "km"):
+            return
+        for r in self.requests:
+            v = [list(g) for g in self.vm.get_block_ids(r)]
+            k = [list(g) for g in self.km.get_block_ids(r)]
+            assert v == k, (r, v, k)
+        assert self.vm.block_pool.get_num_free_blocks() == self.km.block_pool.get_num_free_blocks()
+        assert self.vc.host_manager.block_pool.get_num_free_blocks() == self.km._hisparse_host_free_blocks
+        vres = self.vc.resident_managers[0]
+        for r in self.requests:
+            assert [b.block_id for b in vres.get_residency_row(r)] == self.km._hisparse_residency_row(0, r), r
+        hot = sorted(self.vc.hot_managers[0].hot_required)
+        assert hot == self.km._hisparse_hot_required(0)
+        COVERAGE["hot required"] += bool(hot)
+        COVERAGE["host-only pages"] += any(0 in self.km._hisparse_residency_row(0, r) for r in self.requests)
+        assert self.vc.has_pending_work() == self.km._hisparse_has_pending_work()
+
+
+@pytest.fixture
+def hisparse_on(monkeypatch):
+    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+
+
+def test_hisparse_manager_lockstep(hisparse_on):
+    HiSparseManagerLockstep.TestCase.settings = settings(
+        max_examples=EXAMPLES,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        # the same examples every run, so that the coverage check below cannot flake
+        derandomize=True,
+        database=None,
+    )
+    HiSparseManagerLockstep.TestCase().runTest()
+    assert all(
+        COVERAGE[k]
+        for k in (
+            "import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages", "other allocations",
+        )
+    ), COVERAGE
+
+
+def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on):
+    # a request that filled its admission window gets a hot region, reads from the host, and
+    # releases its clean sealed pages (unpin_blocks); vLLM code outside the manager then takes
+    # every free device block: kvblock's manager loses those pages at its next call, as
+    # vLLM's watcher does at once
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=32, caching=False)
+    m.admit(request="r0", prompt=64, external=0, must_fit=False)
+    m.connector_step()  # pages 0-2 spill; 4 resident pages fill the window of 2: hot required
+    m.same_tables_and_pools()
+    m.decode(request="r0", n=1)  # the hot region
+    m.connector_step()  # clean pages 0-2 released (3 and 4 are the active tail)
+    m.same_tables_and_pools()
+    table = list(m.km.get_block_ids("r0")[2])
+    assert m.km._hisparse_residency_row(0, "r0") == table
+    released = [i for i, b in enumerate(table) if m.km.block_pool.blocks[b].ref_cnt == 0]
+    assert released == [0, 1, 2]
+    m.other_allocations(n=0, all_free=True)
+    m.same_tables_and_pools()
+    assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
