@@ -85,3 +85,14 @@ def test_sweep_refuses_fleet_options_without_instances(capsys):
     code, out, err = run_cli(capsys, "sweep", "builtin:chat", "--capacities", "1k", "--load-weight", "1",
                           "--no-progress")
     assert code == 2 and out == "" and "--instances" in err
+
+
+def test_a_zero_index_cap_is_refused(capsys):
+    from kvblock.replay import ReplayError
+    from kvblock.replay.fleet import FleetConfig
+
+    code, out, err = run_cli(capsys, "replay", "builtin:chat", "--limit", "20", "--instances", "2",
+                             "--index-max-pairs", "0", "--no-progress")
+    assert code == 2 and "--index-max-pairs" in err and out == ""
+    with pytest.raises(ReplayError, match="--index-max-pairs must be an int >= 1"):
+        FleetConfig(index_max_pairs=0).validate()

@@ -64,3 +64,26 @@ def test_a_bare_import_of_an_optional_package_gets_the_hint_too():
     assert missing_message(e) == "No module named 'aiohttp': pip install aiohttp (kvblock's 'cluster' extra)"
     inner = ModuleNotFoundError("No module named 'kvblock_nothing'", name="kvblock_nothing")
     assert missing_message(inner) == "No module named 'kvblock_nothing'"
+
+
+@pytest.mark.parametrize("option,value", [("--redis-ttl-s", "0"), ("--redis-ttl-s", "-5"), ("--redis-ttl-s", "inf"),
+                                          ("--max-pairs", "0")])
+def test_a_setting_that_would_hold_nothing_is_refused(option, value):
+    """A TTL of 0 made every Redis entry expire as it was written and a cap of 0 held nothing,
+    while /health said ok: both are refused before anything is served."""
+    r = _serve([option, value])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvblock: error: argument {option}:"), r.stderr
+    assert r.stdout == ""
+
+
+def test_the_service_config_refuses_them_too():
+    from kvblock.cluster.service import ServiceConfig
+
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "300"):
+        with pytest.raises(ValueError, match="redis_ttl_s"):
+            ServiceConfig(redis_ttl_s=bad).check()
+    with pytest.raises(ValueError, match="max_pairs: must be an int >= 1"):
+        ServiceConfig(max_pairs=0).check()
+    assert ServiceConfig(redis_ttl_s=0.5, max_pairs=1).check().redis_ttl_s == 0.5

@@ -121,13 +121,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _nonneg_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def _tier_weight(text: str) -> tuple[str, float]:
     """``MEDIUM=W`` (``--tier-weight``): a medium's name and its weight, a number >= 0."""
     import math
@@ -165,6 +158,13 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def _add_input_options(p: argparse.ArgumentParser) -> None:
@@ -725,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--speculative-ttl-ms", type=_float, default=None, metavar="MS",
                     help="cache-aware: also count blocks just routed to an instance (speculative entries) until "
                     "its events confirm them or MS pass on the simulated clock (default 0: off)")
-    fl.add_argument("--index-max-pairs", type=_nonneg_int, default=None, metavar="N",
+    fl.add_argument("--index-max-pairs", type=_positive_int, default=None, metavar="N",
                     help="cap the in-process index at N (block, instance) pairs; the report counts the pairs "
                     "evicted (default: no cap)")
     o = rp.add_argument_group("output")
@@ -817,12 +817,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "without one have random roots, so token_ids queries are refused)")
     sv.add_argument("--redis", default=None, metavar="URL",
                     help="keep the index in Redis: redis://host:port or redis+cluster://host:port")
-    sv.add_argument("--redis-ttl-s", type=_float, default=300.0, metavar="S",
+    sv.add_argument("--redis-ttl-s", type=_positive_float, default=300.0, metavar="S",
                     help="a silent engine's entries expire from Redis after S seconds (default 300)")
     sv.add_argument("--speculative-ttl-ms", type=_float, default=0.0, metavar="MS",
                     help="keep speculative entries (POST /speculate) MS milliseconds unless the engines' events "
                     "confirm or drop them first (default 0: off)")
-    sv.add_argument("--max-pairs", type=_nonneg_int, default=None, metavar="N",
+    sv.add_argument("--max-pairs", type=_positive_int, default=None, metavar="N",
                     help="memory cap: keep at most N (block, engine) pairs, about 16-30 bytes each; past it whole "
                     "blocks are evicted (private ones first, then shared, then chains' first blocks) and counted "
                     "in kvblock_index_evicted_pairs (default: no cap)")

@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue
 import re
 import threading
@@ -288,12 +289,12 @@ class ServiceConfig:
             fixed for sha256 / sha256_cbor and random for xxhash / xxhash_cbor).
         redis: ``redis://host:port`` or ``redis+cluster://host:port`` to keep the index in
             Redis (namespace: the model, or ``kvblock``); None: in process.
-        redis_ttl_s: lifetime of a silent engine's entries in Redis.
+        redis_ttl_s: lifetime of a silent engine's entries in Redis, seconds, finite and > 0.
         idle_sync_s: an engine silent this long is asked for what it published since.
         max_query_blocks: most blocks per query.
         speculative_ttl_ms: > 0: keep speculative entries (``POST /speculate``) this long
             unless the engines' events confirm or drop them first; 0: off.
-        max_pairs: the in-process index's memory cap in (block, engine) pairs (None: none;
+        max_pairs: the in-process index's memory cap in (block, engine) pairs, >= 1 (None: none;
             see :class:`~kvblock.cluster.PrefixIndex`: what it evicts and in what order,
             counted in ``kvblock_index_evicted_pairs``).
         tier_weights: ``((medium, weight), ...)``: /score also answers each engine's
@@ -315,8 +316,9 @@ class ServiceConfig:
     def check(self) -> "ServiceConfig":
         """Self, or ValueError naming the bad field."""
         if self.max_pairs is not None:
-            if isinstance(self.max_pairs, bool) or not isinstance(self.max_pairs, int) or self.max_pairs < 0:
-                raise ValueError(f"max_pairs: must be an int >= 0 (or None), got {self.max_pairs!r}")
+            if isinstance(self.max_pairs, bool) or not isinstance(self.max_pairs, int) or self.max_pairs < 1:
+                raise ValueError(f"max_pairs: must be an int >= 1 (a cap of 0 would hold nothing; None: no cap), "
+                                 f"got {self.max_pairs!r}")
             if self.redis is not None:
                 raise ValueError("max_pairs: the memory cap is the in-process index's (Redis entries expire "
                                  "with --redis-ttl-s)")
@@ -333,6 +335,10 @@ class ServiceConfig:
             raise ValueError(f"block_size: must be an int > 0, got {self.block_size!r}")
         if self.hash_algo not in hashing.ALGORITHMS:
             raise ValueError(f"hash_algo: {self.hash_algo!r} is not one of {', '.join(hashing.ALGORITHMS)}")
+        if isinstance(self.redis_ttl_s, bool) or not isinstance(self.redis_ttl_s, (int, float)) \
+                or not 0 < self.redis_ttl_s < math.inf:
+            raise ValueError(f"redis_ttl_s: must be a finite number of seconds > 0 (entries would expire as soon "
+                             f"as they are written), got {self.redis_ttl_s!r}")
         if not self.speculative_ttl_ms >= 0:
             raise ValueError(f"speculative_ttl_ms: must be >= 0, got {self.speculative_ttl_ms}")
         if self.max_query_blocks <= 0:

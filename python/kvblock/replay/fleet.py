@@ -81,7 +81,7 @@ class FleetConfig:
         speculative_ttl_ms: > 0: the cache-aware router also records speculative entries
             (:class:`~kvblock.cluster.speculative.SpeculativeIndex`) living this long on the
             simulated clock unless the engines' events confirm or drop them first; 0: off.
-        index_max_pairs: the in-process index's memory cap in (block, instance) pairs (None:
+        index_max_pairs: the in-process index's memory cap in (block, instance) pairs, >= 1 (None:
             none); what it evicts is reported (``index.evicted_pairs``) and the claims are
             still checked against the engines (an evicted block is an under-report).
     """
@@ -111,8 +111,9 @@ class FleetConfig:
             raise ReplayError(f"unknown --transport {self.transport!r}; choose from {', '.join(TRANSPORTS)}")
         if self.index_max_pairs is not None:
             if isinstance(self.index_max_pairs, bool) or not isinstance(self.index_max_pairs, int) \
-                    or self.index_max_pairs < 0:
-                raise ReplayError(f"--index-max-pairs must be an int >= 0, got {self.index_max_pairs!r}")
+                    or self.index_max_pairs < 1:
+                raise ReplayError(f"--index-max-pairs must be an int >= 1 (a cap of 0 would hold nothing; omit it "
+                                  f"for no cap), got {self.index_max_pairs!r}")
             if self.index != "memory":
                 raise ReplayError("--index-max-pairs caps the in-process index ('--index memory')")
         if self.index != "memory" and not self.index.startswith(("redis://", "redis+cluster://", "unix://")):
