@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -106,8 +107,13 @@ class Router:
             raise ValueError("the cache-aware policy needs an index")
         if not load_weight >= 0:
             raise ValueError(f"load_weight must be >= 0, got {load_weight}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
+        indexed = getattr(index, "block_size", None)
+        if isinstance(indexed, int) and indexed != block_size:
+            # a hit of N blocks is N * block_size tokens: with the index's blocks of another
+            # size every claim would be off by their ratio
+            raise ValueError(f"block_size {block_size} differs from the index's block_size {indexed}")
         self.tier_weights = _check_tier_weights(tier_weights, index, medium)
         self.instances = names
         self.index = index
@@ -128,16 +134,25 @@ class Router:
 
         Raises:
             KeyError: an unknown instance.
+            ValueError: a negative token count (nothing is changed).
         """
         if instance not in self._pos:
             raise KeyError(f"unknown instance {instance!r}")
-        self._running[instance] = int(running_tokens)
-        self._waiting[instance] = int(waiting_tokens)
+        running, waiting = _tokens("running_tokens", running_tokens), _tokens("waiting_tokens", waiting_tokens)
+        self._running[instance] = running
+        self._waiting[instance] = waiting
 
     def add_waiting(self, instance: str, tokens: int) -> None:
         """A request of ``tokens`` prompt tokens was just sent to ``instance`` (counted as
-        waiting until the next :meth:`set_load`)."""
-        self._waiting[instance] += int(tokens)
+        waiting until the next :meth:`set_load`).
+
+        Raises:
+            KeyError: an unknown instance.
+            ValueError: a negative token count (nothing is changed).
+        """
+        if instance not in self._pos:
+            raise KeyError(f"unknown instance {instance!r}")
+        self._waiting[instance] += _tokens("tokens", tokens)
 
     def load(self, instance: str) -> int:
         return self._running[instance] + self._waiting[instance]
@@ -183,8 +198,10 @@ class Router:
         hash to ``block_hashes`` (vLLM's ``request.block_hashes``, bytes or event ints).
 
         Raises:
-            ValueError / TypeError: malformed block hashes (from the index).
+            ValueError / TypeError: malformed block hashes (from the index), or a negative
+                ``num_tokens``.
         """
+        num_tokens = _tokens("num_tokens", num_tokens)
         if self.policy == "round-robin":
             return Decision(self._turn(), "round-robin")
         if self.policy == "least-loaded":
@@ -233,6 +250,16 @@ class Router:
             self.index.speculate(best, block_hashes, blocks)
         return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens),
                         speculative_blocks=scored.get(best, 0))
+
+
+def _tokens(name: str, value: Any) -> int:
+    """A token count: an int >= 0, or ValueError / TypeError naming it."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = operator.index(value)
+    if value < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+    return value
 
 
 def _check_tier_weights(weights: Mapping[str | None, float] | None, index: Any,
