@@ -43,3 +43,22 @@ def test_json_byte_budgets_keep_their_labels(capsys):
     assert code == 0, err
     d = json.loads(out)
     assert d["capacities"] == [512] and d["capacity_labels"] == ["1GiB"]
+
+
+def test_standard_input_twice_is_refused_by_name(capsys):
+    code, out, err = run_cli(capsys, "sweep", "-", "-", "--capacities", "1k", "--no-progress")
+    assert code == 2 and out == ""
+    assert "standard input ('-') can be read once" in err
+
+
+@pytest.mark.parametrize("spec", ["8G", "1PiBB", "ten"])
+def test_a_bad_capacity_lists_the_units(capsys, spec):
+    code, out, err = run_cli(capsys, "sweep", "builtin:chat", "--limit", "10", "--capacities", spec, "--no-progress")
+    assert code == 2 and out == ""
+    assert f"bad capacity {spec!r}" in err and "GiB" in err and "PiB" in err
+
+
+def test_petabytes_are_a_unit():
+    from kvblock.replay.memory import parse_bytes
+
+    assert parse_bytes("1PiB") == 2**50 and parse_bytes("2pb") == 2 * 10**15

@@ -523,6 +523,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                       retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s).validate()
     if args.plot:
         check_plot_target(args.plot)  # before the sweep: it may take minutes
+    if args.traces.count("-") > 1:
+        raise ReplayError("standard input ('-') can be read once: give '-' as one TRACE at most")
     traces = _distinct_names([_load_input(spec, args) for spec in args.traces])
     for t in traces:
         _warn_skipped(t, err)

@@ -70,9 +70,11 @@ CATALOG: dict[str, dict[str, Any]] = {
 KV_DTYPES: dict[str, int] = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
                              "fp32": 4, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)", re.I)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50}
+_BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(" + "|".join(_UNITS) + ")", re.I)
+#: The byte units ``--capacities`` takes (any case), for messages.
+BYTE_UNITS = "B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB"
 
 
 def parse_bytes(text: str) -> int | None:

@@ -15,10 +15,12 @@ from typing import Any, Callable, Sequence
 
 from .config import MAX_NUM_BLOCKS, SimConfig
 from .errors import ReplayError
+from .memory import BYTE_UNITS
 from .simulator import Replayer
 from .trace import Trace
 
 __all__ = ["SweepPoint", "SweepSeries", "parse_capacities", "sweep"]
+
 
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
 
@@ -44,7 +46,8 @@ def parse_capacities(specs: Sequence[str]) -> list[int | None]:
                 continue
             m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", s)
             if m is None:
-                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf")
+                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf, "
+                                  f"or with --model a size in bytes such as 8GiB (units: {BYTE_UNITS})")
             value = float(m.group(1)) * _SUFFIX[m.group(2)]
             if value != int(value):
                 raise ReplayError(f"bad capacity {part.strip()!r}: not a whole number of blocks")
