@@ -63,6 +63,21 @@ impl Depths {
         Ok(std::mem::replace(&mut self.d, d))
     }
 
+    /// Room for slots `0..n` (new ones at depth 0) while tracking; fails only for memory.
+    pub fn ensure(&mut self, n: usize) -> Result<()> {
+        if self.on() && self.d.len() < n {
+            let extra = n - self.d.len();
+            self.d.try_reserve(extra).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            self.d.resize(n, 0);
+        }
+        Ok(())
+    }
+
+    /// Keep slots `0..n` only (the rest free).
+    pub fn truncate(&mut self, n: usize) {
+        self.d.truncate(n);
+    }
+
     /// The depth at slot `i` (0 when not tracking).
     #[inline(always)]
     pub fn at(&self, i: usize) -> u8 {
