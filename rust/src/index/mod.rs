@@ -20,8 +20,11 @@
 //! Events of another KV-cache group than the index's, or (when the index has a block size)
 //! of another block size, are skipped and counted.
 //!
-//! Layout: one [`table::Table`] per medium, 16 bytes per (block, parent) node in an
-//! open-addressing table kept 53-80% full; holder sets in one `u32` per node (an instance id inline, or a slot of
+//! Layout: one [`table::Table`] per medium: a chain arena of 16-byte (block, parent, holder
+//! set) nodes in which a chain's blocks lie next to each other (laid out in chain order as it
+//! grows), a 4-byte continuation hint per node, and an 8-byte-slot hash index kept 53-80%
+//! full; a lookup probes the index where a stored run starts and reads the rest of the run
+//! contiguously. Holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
 pub mod depth;

@@ -904,4 +904,43 @@ mod tests {
         assert_eq!(t.clear_instance(0, &mut slab), live.len());
         assert!(t.is_empty() && t.get(1, 5).is_none());
     }
+
+    /// Chains stored in batches of 8, each under the previous batch's last block, the
+    /// chains' batches interleaved (as engines' streams arrive): the runs are linked by
+    /// their hints, and the arena's growth lays every chain out contiguously.
+    #[test]
+    fn growth_lays_chains_out_contiguously() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
+        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        // room for all: no growth until asked for below
+        t.reserve(40 * 64).unwrap();
+        for batch in 0..8 {
+            for (c, ch) in chains.iter().enumerate() {
+                t.reserve(8).unwrap();
+                for i in batch * 8..batch * 8 + 8 {
+                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, &mut slab);
+                    if let Some(q) = prev[c] {
+                        t.link(q, at);
+                    }
+                    prev[c] = Some(at);
+                }
+            }
+        }
+        // before: a chain's next batch is where its last block's hint says
+        let ch = &chains[5];
+        let end = t.find(ch[7], tag_of(ch, 7)).unwrap();
+        assert_eq!(t.at(end + 1, ch[8], tag_of(ch, 8)), EMPTY);
+        assert_ne!(t.at(t.hint(end), ch[8], tag_of(ch, 8)), EMPTY);
+        t.reserve(t.nodes.capacity()).unwrap();
+        for ch in &chains {
+            let p0 = t.find(ch[0], 7).unwrap();
+            for i in 0..ch.len() {
+                assert_eq!(t.at(p0 + i, ch[i], tag_of(ch, i)), t.get(ch[i], tag_of(ch, i)).unwrap());
+            }
+        }
+        assert_eq!(t.len(), 40 * 64);
+    }
 }
