@@ -890,6 +890,7 @@ impl PrefixIndex {
         while i < n {
             let h = hashes[i];
             let tag = parent_tag(Some(hashes[i - 1]));
+            let before = sets;
             for (k, t) in tables.iter().enumerate() {
                 let p = pos[k] + 1;
                 t.prefetch_hint(p + HINT_AHEAD);
@@ -916,6 +917,12 @@ impl PrefixIndex {
                         }
                     }
                 }
+            }
+            if sets == before {
+                // the previous block's holders (a shared prefix's blocks share one interned
+                // set): every instance still alive holds this block too
+                i += 1;
+                continue;
             }
             self.gather(&sets[..nt], &mut cur);
             let mut any = 0;
