@@ -943,4 +943,47 @@ mod tests {
         }
         assert_eq!(t.len(), 40 * 64);
     }
+
+    /// Compaction (an arena left more than half dead) keeps every chain followable without
+    /// a probe: each block is right after the one before it or where that one's hint says.
+    #[test]
+    fn compaction_carries_the_hints_over() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        let chains: Vec<Vec<u64>> = (0..6u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
+        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        t.reserve(6 * 64).unwrap();
+        for batch in 0..8 {
+            for (c, ch) in chains.iter().enumerate() {
+                for i in batch * 8..batch * 8 + 8 {
+                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32, 2, &mut slab);
+                    if let Some(q) = prev[c] {
+                        t.link(q, at);
+                    }
+                    prev[c] = Some(at);
+                }
+            }
+        }
+        // chains 1.. go, but for the last one's first half
+        for (c, ch) in chains.iter().enumerate().skip(1) {
+            let keep = if c == 5 { 32 } else { 0 };
+            for &h in &ch[keep..] {
+                t.remove(h, c as u32, &mut slab);
+            }
+        }
+        assert!(t.dead > t.len && t.dead > 64);
+        t.maybe_shrink();
+        assert_eq!((t.dead, t.len(), t.nodes.len()), (0, 64 + 32, 64 + 32));
+        for (c, ch) in chains.iter().enumerate().filter(|(c, _)| [0, 5].contains(c)) {
+            let n = if c == 5 { 32 } else { 64 };
+            let mut p = t.find(ch[0], 7).unwrap();
+            for i in 1..n {
+                let (h, tag) = (ch[i], tag_of(ch, i));
+                p = if t.at(p + 1, h, tag) != EMPTY { p + 1 } else { t.hint(p) };
+                assert_eq!(t.at(p, h, tag), c as u32, "chain {c}, block {i}");
+            }
+            assert_eq!(t.get(ch[n - 1], tag_of(ch, n - 1)), Some(c as u32));
+        }
+    }
 }
