@@ -7,8 +7,8 @@
 //! are evicted first. vLLM's block hash covers the whole prefix, so a (hash, parent) node has
 //! one depth whoever holds it.
 //!
-//! Kept only while the index is capped: one byte per table slot, parallel to the slots
-//! (0 in a free slot), and the number of (block, holder) pairs at each depth, from which the
+//! Kept only while the index is capped: one byte per arena position of a table, parallel to
+//! its nodes (0 for a dead one), and the number of (block, holder) pairs at each depth, from which the
 //! cap finds in O(256) the depth it must cut at. Off (no allocation, every call a no-op
 //! after one branch) in an uncapped index.
 
@@ -63,6 +63,16 @@ impl Depths {
         Ok(std::mem::replace(&mut self.d, d))
     }
 
+    /// Room for slots `0..n` (new ones at depth 0) while tracking; fails only for memory.
+    pub fn ensure(&mut self, n: usize) -> Result<()> {
+        if self.on() && self.d.len() < n {
+            let extra = n - self.d.len();
+            self.d.try_reserve(extra).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            self.d.resize(n, 0);
+        }
+        Ok(())
+    }
+
     /// The depth at slot `i` (0 when not tracking).
     #[inline(always)]
     pub fn at(&self, i: usize) -> u8 {
@@ -83,11 +93,6 @@ impl Depths {
         if self.on() {
             self.d[to] = self.d[from];
         }
-    }
-
-    /// Every slot free.
-    pub fn clear_slots(&mut self) {
-        self.d.fill(0);
     }
 
     /// The node at slot `i` gained `pairs` holders.

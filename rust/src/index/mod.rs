@@ -20,8 +20,11 @@
 //! Events of another KV-cache group than the index's, or (when the index has a block size)
 //! of another block size, are skipped and counted.
 //!
-//! Layout: one [`table::Table`] per medium, 16 bytes per (block, parent) node in an
-//! open-addressing table kept 53-80% full; holder sets in one `u32` per node (an instance id inline, or a slot of
+//! Layout: one [`table::Table`] per medium: a chain arena of 16-byte (block, parent, holder
+//! set) nodes in which a chain's blocks lie next to each other (laid out in chain order as it
+//! grows), a 4-byte continuation hint per node, and an 8-byte-slot hash index kept 53-80%
+//! full; a lookup probes the index where a stored run starts and reads the rest of the run
+//! contiguously. Holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
 pub mod depth;
@@ -55,6 +58,9 @@ struct Instance {
     name: String,
     last_seen_ms: u64,
     pairs: usize,
+    /// The medium, hash and arena position of the last block this instance stored outside
+    /// the roots (a hint: an engine's next `BlockStored` often continues it).
+    last: (usize, u64, usize),
 }
 
 /// The fleet's prefix index. See the module docs.
@@ -91,14 +97,13 @@ pub struct Evicted {
     pub sweeps: usize,
 }
 
-/// Media a pipelined walk handles (more fall back to the plain walk).
+/// Media the arena walk handles (more fall back to the plain walk).
 const MAX_MEDIA: usize = 4;
-/// How far ahead of the walk a block's home slot is requested.
-const PF: usize = 24;
-/// How far ahead of the walk a block's node is read (and its holder bitset requested).
-const PS: usize = 12;
-/// Probed nodes waiting for the walk (a power of two above `PS`).
-const RING: usize = 16;
+/// How far ahead of a `BlockStored`'s store its blocks' nodes are requested (their index
+/// slots twice as far).
+const STORE_AHEAD: usize = 3;
+/// How far ahead along a run the walk requests the node a continuation hint names.
+const HINT_AHEAD: usize = 6;
 
 /// One medium's chain-first blocks: their table, and in front of it a filter: one
 /// saturating count per hash bucket (4-8 buckets a node) kept for updates, and the bit
@@ -153,7 +158,7 @@ impl Roots {
 
     fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> isize {
         let n = self.table.len();
-        let d = self.table.store(key, ROOT_TAG, inst, 1, slab);
+        let (d, _) = self.table.store(key, ROOT_TAG, inst, 1, slab);
         self.count(key, self.table.len() as isize - n as isize);
         d
     }
@@ -284,7 +289,7 @@ impl PrefixIndex {
             }
         };
         self.slab.ensure_instance(id)?;
-        let inst = Instance { name: name.to_owned(), last_seen_ms: 0, pairs: 0 };
+        let inst = Instance { name: name.to_owned(), last_seen_ms: 0, pairs: 0, last: (usize::MAX, 0, 0) };
         if id as usize == self.instances.len() {
             self.instances.push(Some(inst));
         } else {
@@ -463,14 +468,38 @@ impl PrefixIndex {
                         Some(_) if !table.tracks_depths() => depth::DEEP,
                         Some(p) => Self::depth_in(roots, table, p),
                     };
-                    for &h in &batch.hashes[start..end] {
+                    // the arena position of the block before (to link a run to the one it
+                    // continues)
+                    let last = self.instances.get(id as usize).and_then(|i| i.as_ref()).map(|i| i.last);
+                    let mut prev = match (parent, last) {
+                        (Some(p), Some((lm, lk, lp))) if lm == m && lk == p && table.key_at(lp) == Some(p) => Some(lp),
+                        (Some(p), _) if tag != ROOT_TAG => table.find_key(p),
+                        _ => None,
+                    };
+                    for (j, &h) in batch.hashes[start..end].iter().enumerate() {
+                        let run = &batch.hashes[start..end];
+                        if j == 0 {
+                            for &ahead in run.iter().take(2 * STORE_AHEAD) {
+                                table.prefetch(ahead);
+                            }
+                        } else if let Some(&ahead) = run.get(j + 2 * STORE_AHEAD - 1) {
+                            table.prefetch(ahead);
+                        }
+                        if let Some(&ahead) = run.get(j + STORE_AHEAD) {
+                            table.prefetch_node(ahead);
+                        }
                         depth = depth.saturating_add(1);
                         // stored under one tag: the other table loses it
                         let d = if tag == ROOT_TAG {
+                            prev = None;
                             roots.store(h, id, &mut self.slab) - table.remove(h, id, &mut self.slab) as isize
                         } else {
-                            table.store(h, tag, id, depth, &mut self.slab)
-                                - roots.remove(h, id, &mut self.slab) as isize
+                            let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
+                            if let Some(q) = prev {
+                                table.link(q, at);
+                            }
+                            prev = Some(at);
+                            d - roots.remove(h, id, &mut self.slab) as isize
                         };
                         if d > 0 {
                             added += d as usize;
@@ -478,6 +507,9 @@ impl PrefixIndex {
                             dropped += d.unsigned_abs();
                         }
                         tag = parent_tag(Some(h));
+                    }
+                    if let (Some(p), Some(Some(inst))) = (prev, self.instances.get_mut(id as usize)) {
+                        inst.last = (m, batch.hashes[end - 1], p);
                     }
                 }
                 Event::Removed { start, end, medium, group } => {
@@ -833,52 +865,66 @@ impl PrefixIndex {
         }
     }
 
-    /// The chain walk, its probes pipelined: every key is in the query, so block `j`'s home
-    /// slot is requested [`PF`] blocks before the walk reaches it, its node read (and a shared
-    /// holder set's bitset requested) [`PS`] blocks before; the walk itself then finds both in
-    /// cache. Nothing allocated; stops at the first block no instance still matching holds.
+    /// The chain walk over the tables' arenas: after block `j` was found at arena position
+    /// `p` of a table, block `j + 1` is first looked for at `p + 1` (the next node a run
+    /// stored, memory the hardware streams in), and the table's index is probed only where
+    /// that is not it (a run's start, a divergence, a hole). Exact either way: a table has
+    /// one node per (key, parent tag). Nothing allocated; stops at the first block no
+    /// instance still matching holds.
     fn walk<const W: usize>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut [u32]) {
+        const NONE: usize = usize::MAX - 1;
         let n = hashes.len();
         let nt = tables.len();
-        let mut ring = [[table::EMPTY; MAX_MEDIA]; RING];
-        let probe = |j: usize, ring: &mut [[u32; MAX_MEDIA]; RING]| {
-            let tag = parent_tag(Some(hashes[j - 1]));
-            let slot = &mut ring[j % RING];
-            for (k, t) in tables.iter().enumerate() {
-                let s = t.get(hashes[j], tag).unwrap_or(table::EMPTY);
-                self.slab.prefetch(s);
-                slot[k] = s;
-            }
-        };
-        // the first block alone decides a miss: no prefetch traffic for it
+        let mut sets = [table::EMPTY; MAX_MEDIA];
         for (k, r) in roots.iter().enumerate() {
-            ring[0][k] = r.get(hashes[0]);
+            sets[k] = r.get(hashes[0]);
         }
         let mut alive = [0u64; W];
-        self.gather(&ring[0][..nt], &mut alive);
+        self.gather(&sets[..nt], &mut alive);
         if alive == [0; W] {
             return;
         }
-        for &h in &hashes[1..n.min(PF)] {
-            for t in tables {
-                t.prefetch(h);
-            }
-        }
-        for j in 1..n.min(PS) {
-            probe(j, &mut ring);
-        }
+        let mut pos = [NONE; MAX_MEDIA];
         let mut cur = [0u64; W];
         let mut i = 1;
         while i < n {
-            if let Some(&h) = hashes.get(i + PF - 1) {
-                for t in tables {
-                    t.prefetch(h);
+            let h = hashes[i];
+            let tag = parent_tag(Some(hashes[i - 1]));
+            let before = sets;
+            for (k, t) in tables.iter().enumerate() {
+                let p = pos[k] + 1;
+                t.prefetch_hint(p + HINT_AHEAD);
+                let s = t.at(p, h, tag);
+                if s != table::EMPTY {
+                    sets[k] = s;
+                    pos[k] = p;
+                    continue;
+                }
+                let q = t.hint(pos[k]);
+                let s = t.at(q, h, tag);
+                if s != table::EMPTY {
+                    sets[k] = s;
+                    pos[k] = q;
+                } else {
+                    match t.find(h, tag) {
+                        Some(p) => {
+                            sets[k] = t.at(p, h, tag);
+                            pos[k] = p;
+                        }
+                        None => {
+                            sets[k] = table::EMPTY;
+                            pos[k] = NONE;
+                        }
+                    }
                 }
             }
-            if i + PS - 1 < n {
-                probe(i + PS - 1, &mut ring);
+            if sets == before {
+                // the previous block's holders (a shared prefix's blocks share one interned
+                // set): every instance still alive holds this block too
+                i += 1;
+                continue;
             }
-            self.gather(&ring[i % RING][..nt], &mut cur);
+            self.gather(&sets[..nt], &mut cur);
             let mut any = 0;
             for k in 0..W {
                 let mut dead = alive[k] & !cur[k];

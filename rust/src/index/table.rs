@@ -1,4 +1,4 @@
-//! One medium's blocks: 64-bit block hash -> (parent tag, holder set), 16 bytes a block.
+//! One medium's blocks: 64-bit block hash -> (parent tag, holder set), in a chain arena.
 //!
 //! Each [`Node`] carries a 32-bit tag of the parent hash its holders reported, so a lookup
 //! that walks a request's chain only follows a block whose parent is the chain's previous
@@ -6,12 +6,17 @@
 //! by different instances under different parents (a 64-bit collision, or bad input) gets
 //! one node per parent tag.
 //!
-//! The table is open addressing with linear probing over a flat array of nodes (no control
-//! bytes: an empty slot has the set word [`EMPTY`]), any capacity (the home slot is a
-//! multiply-shift of the hash, not a power-of-two mask), grown at 80% load (doubled up to
-//! 65,536 slots, then by 1.5x) and shrunk below 25%, with backward-shift deletion (no
-//! tombstones). Past 65,536 slots the load stays between about 53% and 80%: 20-30 bytes per
-//! block, where a power-of-two SwissTable swings between 19 and 39.
+//! Layout: the nodes (16 bytes: key, parent tag, holder set) live in an arena in the order
+//! they were first stored, so the blocks of one `BlockStored` run (each stored under the one
+//! before it) sit next to each other; a dead node (every holder gone) keeps its place with
+//! the set word [`EMPTY`] until a compaction slides the live ones down (order kept). An
+//! index maps a hash to its node: open addressing with linear probing over 8-byte slots
+//! (the top 32 bits of the hash's mix, which also give its home slot, and the node's arena
+//! position), any capacity (multiply-shift home), grown at 80% load and shrunk below 25%,
+//! backward-shift deletion (no tombstones). A lookup walking a chain probes the index where
+//! a run starts and then reads the arena's next node ([`Table::follow`]): a hit when its key
+//! and tag are the query's next block and parent (a node is unique per (key, tag), so the
+//! answer is the one a probe gives), contiguous memory the hardware streams in.
 
 use super::depth::Depths;
 use super::holders::Slab;
@@ -70,30 +75,53 @@ pub(crate) fn huge_pages(addr: usize, len: usize) {
 pub struct Node {
     pub key: u64,
     pub tag: u32,
-    /// An instance id, or `MULTI | slab slot`; [`EMPTY`] for a free slot.
+    /// An instance id, or `MULTI | slab slot`; [`EMPTY`] for a dead node.
     pub set: u32,
 }
 
-/// The set word of a free slot (a slab slot the slab never hands out).
+/// The set word of a dead node (a slab slot the slab never hands out).
 pub const EMPTY: u32 = u32::MAX;
 
-const FREE: Node = Node { key: 0, tag: 0, set: EMPTY };
+/// No continuation hint.
+const NO_NEXT: u32 = u32::MAX;
+
+/// A free index slot.
+const FREE_SLOT: u64 = u64::MAX;
 const MIN_CAP: usize = 16;
-/// Below this many slots a table doubles when it grows.
+/// Below this many index slots an index doubles when it grows.
 const SMALL: usize = 1 << 16;
+/// Most nodes an arena holds (positions are `u32`, `u32::MAX` never used).
+const MAX_NODES: usize = u32::MAX as usize - 1;
+
+/// The 32-bit fingerprint of a key (the top of its mix; it also picks the home slot).
+#[inline(always)]
+fn fp(key: u64) -> u32 {
+    (mix(key) >> 32) as u32
+}
 
 #[derive(Debug, Default)]
 pub struct Table {
-    slots: Vec<Node>,
+    /// The arena, in first-store order (dead nodes: set [`EMPTY`]).
+    nodes: Vec<Node>,
+    /// Per arena position, a hint: the arena position of the node last stored under this
+    /// one when that did not go right after it (a run stored later under a run's last
+    /// block), [`NO_NEXT`] for none. Only ever a hint: the walk checks the node it names.
+    next: Vec<u32>,
+    /// Open addressing: `fingerprint << 32 | arena position`, [`FREE_SLOT`] for none.
+    index: Vec<u64>,
+    /// Live nodes.
     len: usize,
+    /// Dead nodes in the arena.
+    dead: usize,
     /// Some hash has had nodes under two parent tags at once (a collision or bad input):
     /// scans for a hash go to the end of its run. Never set by vLLM's own streams, whose
     /// scans stop at the hash's node.
     dups: bool,
-    /// The eviction clock's hand: the slot a capped index's next eviction sweep starts at.
+    /// The eviction clock's hand: the arena position a capped index's next eviction sweep
+    /// starts at.
     hand: usize,
-    /// Chain depths, kept only while the index is capped (empty otherwise): `depth[i]` for
-    /// slot `i` (0: a free slot), and the (block, holder) pairs at each depth. See
+    /// Chain depths, kept only while the index is capped (empty otherwise): `depth[p]` for
+    /// arena position `p` (0: a dead node), and the (block, holder) pairs at each depth. See
     /// [`super::depth`].
     depth: Depths,
 }
@@ -120,17 +148,20 @@ impl Table {
     }
 
     pub fn allocation_size(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Node>() + self.depth.allocation_size()
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.next.capacity() * std::mem::size_of::<u32>()
+            + self.index.capacity() * std::mem::size_of::<u64>()
+            + self.depth.allocation_size()
     }
 
     #[inline(always)]
-    fn home(&self, key: u64) -> usize {
-        ((mix(key) as u128 * self.slots.len() as u128) >> 64) as usize
+    fn home_of(f: u32, cap: usize) -> usize {
+        ((f as u64 * cap as u64) >> 32) as usize
     }
 
     #[inline(always)]
     fn next(&self, i: usize) -> usize {
-        if i + 1 == self.slots.len() {
+        if i + 1 == self.index.len() {
             0
         } else {
             i + 1
@@ -141,151 +172,423 @@ impl Table {
         cap / 5 * 4 + (cap % 5) * 4 / 5
     }
 
-    /// Rebuild with `cap` slots (at least `len / 0.8`).
-    fn rebuild(&mut self, cap: usize) -> Result<()> {
+    /// Put arena position `p` (key `key`) in the first free index slot from its home.
+    fn place(index: &mut [u64], key: u64, p: usize) {
+        let f = fp(key);
+        let cap = index.len();
+        let mut i = Self::home_of(f, cap);
+        while index[i] != FREE_SLOT {
+            i = if i + 1 == cap { 0 } else { i + 1 };
+        }
+        index[i] = (f as u64) << 32 | p as u64;
+    }
+
+    /// Rebuild the index with `cap` slots (at least `len / 0.8`) from the arena.
+    fn reindex(&mut self, cap: usize) -> Result<()> {
         let cap = cap.max(MIN_CAP);
-        let mut slots = Vec::new();
-        slots.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
-        huge_pages(slots.as_ptr() as usize, cap * std::mem::size_of::<Node>());
-        let old_depth = self.depth.resized(cap)?;
-        slots.resize(cap, FREE);
-        let old = std::mem::replace(&mut self.slots, slots);
-        for (j, n) in old.into_iter().enumerate().filter(|(_, n)| n.set != EMPTY) {
-            self.place(n, old_depth.get(j).copied().unwrap_or(0));
+        if cap != self.index.len() {
+            let mut index = Vec::new();
+            index.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            huge_pages(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
+            index.resize(cap, FREE_SLOT);
+            self.index = index;
+        } else {
+            self.index.fill(FREE_SLOT);
+        }
+        for (p, n) in self.nodes.iter().enumerate() {
+            if n.set != EMPTY {
+                Self::place(&mut self.index, n.key, p);
+            }
         }
         Ok(())
     }
 
-    /// Put `n` (at chain depth `d`) in the first free slot from its home (room must exist).
-    fn place(&mut self, n: Node, d: u8) {
-        let mut i = self.home(n.key);
-        while self.slots[i].set != EMPTY {
-            i = self.next(i);
+    /// Slide the live nodes down over the dead ones (order kept), then rebuild the index in
+    /// place. Never fails.
+    fn compact(&mut self) {
+        // old position -> new (NO_NEXT: dead), to carry the hints over; without the memory
+        // for it the hints are dropped (they are only hints)
+        let mut moved: Vec<u32> = Vec::new();
+        let remap = moved.try_reserve_exact(self.nodes.len()).is_ok();
+        let mut w = 0;
+        for r in 0..self.nodes.len() {
+            let n = self.nodes[r];
+            if n.set != EMPTY {
+                if remap {
+                    moved.push(w as u32);
+                }
+                if w != r {
+                    self.nodes[w] = n;
+                    self.next[w] = self.next[r];
+                    self.depth.shift(r, w);
+                }
+                w += 1;
+            } else if remap {
+                moved.push(NO_NEXT);
+            }
         }
-        self.slots[i] = n;
-        self.depth.put(i, d);
+        for p in w..self.nodes.len() {
+            self.depth.put(p, 0);
+        }
+        self.nodes.truncate(w);
+        self.next.truncate(w);
+        for x in &mut self.next {
+            if *x != NO_NEXT {
+                *x = if remap { moved.get(*x as usize).copied().unwrap_or(NO_NEXT) } else { NO_NEXT };
+            }
+        }
+        self.dead = 0;
+        self.hand = 0;
+        let cap = self.index.len();
+        // the same size: an in-place rebuild that allocates nothing
+        let _ = self.reindex(cap);
+    }
+
+    /// Grow the arena to `cap` nodes, writing the live ones in chain order: each run
+    /// followed by the run stored under its last block (its continuation hint), so a chain
+    /// stored in many small `BlockStored` batches, interleaved with other instances', reads
+    /// as one contiguous stretch afterwards; then re-index. Dead nodes go. Fails only for
+    /// memory (nothing changed then).
+    fn relayout(&mut self, cap: usize) -> Result<()> {
+        let oom = |_| Error::Memory("cannot grow the prefix index".into());
+        let n = self.nodes.len();
+        let cap = cap.max(self.len);
+        let mut nodes: Vec<Node> = Vec::new();
+        nodes.try_reserve_exact(cap).map_err(oom)?;
+        huge_pages(nodes.as_ptr() as usize, cap * std::mem::size_of::<Node>());
+        let mut next: Vec<u32> = Vec::new();
+        next.try_reserve_exact(cap).map_err(oom)?;
+        let mut moved: Vec<u32> = Vec::new();
+        moved.try_reserve_exact(n).map_err(oom)?;
+        moved.resize(n, NO_NEXT);
+        // an index sized for the new arena full at 80% (it grows with the arena, one rebuild)
+        let icap = (cap.saturating_mul(5) / 4 + 1).max(self.index.len()).max(MIN_CAP);
+        let mut index: Vec<u64> = Vec::new();
+        if icap != self.index.len() {
+            index.try_reserve_exact(icap).map_err(oom)?;
+            huge_pages(index.as_ptr() as usize, icap * std::mem::size_of::<u64>());
+        }
+        let old_depth = self.depth.resized(cap)?;
+        let old = &self.nodes;
+        for start in 0..n {
+            if old[start].set == EMPTY || moved[start] != NO_NEXT {
+                continue;
+            }
+            let mut p = start;
+            loop {
+                moved[p] = nodes.len() as u32;
+                nodes.push(old[p]);
+                next.push(self.next[p]);
+                // the successor: the node after it if it is its child, else the hinted one
+                let tag = parent_tag(Some(old[p].key));
+                let child = |c: usize| c < n && old[c].set != EMPTY && old[c].tag == tag && moved[c] == NO_NEXT;
+                p = if child(p + 1) {
+                    p + 1
+                } else if child(self.next[p] as usize) {
+                    self.next[p] as usize
+                } else {
+                    break;
+                };
+            }
+        }
+        for x in &mut next {
+            if *x != NO_NEXT {
+                *x = moved.get(*x as usize).copied().unwrap_or(NO_NEXT);
+            }
+        }
+        for (p, &m) in moved.iter().enumerate() {
+            if m != NO_NEXT {
+                self.depth.put(m as usize, old_depth.get(p).copied().unwrap_or(0));
+            }
+        }
+        self.nodes = nodes;
+        self.next = next;
+        self.dead = 0;
+        self.hand = 0;
+        if icap != self.index.len() {
+            // dropping the old index first: the new one is reserved
+            self.index = Vec::new();
+            index.resize(icap, FREE_SLOT);
+            self.index = index;
+        }
+        // the same size now: an in-place rebuild that allocates nothing
+        let _ = self.reindex(icap);
+        Ok(())
     }
 
     /// Make room for `n` more nodes.
     pub fn reserve(&mut self, n: usize) -> Result<()> {
         let need = self.len.saturating_add(n);
-        if self.slots.is_empty() || need > Self::max_len(self.slots.len()) {
+        if need > MAX_NODES {
+            return Err(Error::Memory("the prefix index is full".into()));
+        }
+        if self.nodes.len() + n > self.nodes.capacity() {
+            if self.dead > 0 && self.dead >= self.len / 4 && self.len + n <= self.nodes.capacity() {
+                self.compact();
+            } else {
+                let cap = self.nodes.capacity();
+                let want = (cap.saturating_mul(3) / 2).max(self.nodes.len() + n).max(MIN_CAP);
+                self.relayout(want)?;
+            }
+        }
+        self.depth.ensure(self.nodes.len() + n)?;
+        if self.index.is_empty() || need > Self::max_len(self.index.len()) {
             // double while small (fewer rebuilds), then 1.5x (a fuller table)
-            let cap = self.slots.len();
+            let cap = self.index.len();
             let grown = if cap < SMALL { cap.saturating_mul(2) } else { cap.saturating_mul(3) / 2 };
             let cap = grown.max(need.saturating_mul(5) / 4 + 1);
-            self.rebuild(cap)?;
+            self.reindex(cap)?;
         }
         Ok(())
     }
 
-    /// Shrink a table left below a quarter full (after evictions or a cleared instance).
+    /// Shrink a table left below a quarter full, compact an arena left more than half dead
+    /// (after evictions or a cleared instance).
     pub fn maybe_shrink(&mut self) {
-        let cap = self.slots.len();
+        if self.dead > 64 && self.dead > self.len {
+            self.compact();
+            if self.nodes.capacity() > 2 * self.nodes.len() + MIN_CAP {
+                self.nodes.shrink_to(self.nodes.len() * 5 / 4 + MIN_CAP);
+                self.next.shrink_to(self.nodes.len() * 5 / 4 + MIN_CAP);
+            }
+        }
+        let cap = self.index.len();
         if cap > MIN_CAP * 4 && self.len < cap / 4 {
-            // rebuilding into fewer slots only fails for memory: keep the big table then
-            let _ = self.rebuild(self.len * 5 / 3 + 1);
+            // rebuilding into fewer slots only fails for memory: keep the big index then
+            let _ = self.reindex(self.len * 5 / 3 + 1);
+        }
+    }
+
+    /// The arena position of `key`'s node under parent tag `tag`.
+    #[inline(always)]
+    pub fn find(&self, key: u64, tag: u32) -> Option<usize> {
+        if self.index.is_empty() {
+            return None;
+        }
+        let f = fp(key);
+        let mut i = Self::home_of(f, self.index.len());
+        loop {
+            let s = self.index[i];
+            if s == FREE_SLOT {
+                return None;
+            }
+            if (s >> 32) as u32 == f {
+                let p = s as u32 as usize;
+                let n = self.nodes[p];
+                if n.key == key && n.tag == tag {
+                    return Some(p);
+                }
+            }
+            i = self.next(i);
         }
     }
 
     /// The holders of `key` under parent tag `tag`.
     #[inline(always)]
     pub fn get(&self, key: u64, tag: u32) -> Option<u32> {
-        if self.slots.is_empty() {
+        self.find(key, tag).map(|p| self.nodes[p].set)
+    }
+
+    /// The holder set of the node at arena position `p` if it is `key` under `tag`
+    /// ([`EMPTY`] otherwise): the walk's contiguous step. Exact, since a table has one node
+    /// per (key, tag).
+    #[inline(always)]
+    pub fn at(&self, p: usize, key: u64, tag: u32) -> u32 {
+        match self.nodes.get(p) {
+            Some(n) if n.key == key && n.tag == tag => n.set,
+            _ => EMPTY,
+        }
+    }
+
+    /// The continuation hint of arena position `p` (a position, or past the arena's end).
+    #[inline(always)]
+    pub fn hint(&self, p: usize) -> usize {
+        self.next.get(p).map_or(usize::MAX - 1, |&x| x as usize)
+    }
+
+    /// Start loading the node of `key` its home index slot names, if that slot is in cache
+    /// by now (requested earlier with [`Self::prefetch`]) and holds `key`'s fingerprint.
+    #[inline(always)]
+    pub fn prefetch_node(&self, key: u64) {
+        if !self.index.is_empty() {
+            let f = fp(key);
+            let s = self.index[Self::home_of(f, self.index.len())];
+            if s != FREE_SLOT && (s >> 32) as u32 == f {
+                self.prefetch_at(s as u32 as usize);
+            }
+        }
+    }
+
+    /// Start loading the node the hint of arena position `p` names, if any.
+    #[inline(always)]
+    pub fn prefetch_hint(&self, p: usize) {
+        if let Some(&x) = self.next.get(p) {
+            if let Some(n) = self.nodes.get(x as usize) {
+                crate::prefetch::prefetch(n);
+            }
+        }
+    }
+
+    /// The node at arena position `a` was stored under the one at `q` (the block before it
+    /// in a chain): remember where it went unless that is right after `q`.
+    #[inline(always)]
+    pub fn link(&mut self, q: usize, a: usize) {
+        if a != q + 1 {
+            if let Some(x) = self.next.get_mut(q) {
+                *x = a as u32;
+            }
+        }
+    }
+
+    /// The key of the live node at arena position `p`.
+    #[inline(always)]
+    pub fn key_at(&self, p: usize) -> Option<u64> {
+        self.nodes.get(p).filter(|n| n.set != EMPTY).map(|n| n.key)
+    }
+
+    /// The arena position of a live node of `key` (under any tag).
+    pub fn find_key(&self, key: u64) -> Option<usize> {
+        if self.index.is_empty() {
             return None;
         }
-        let mut i = self.home(key);
+        let f = fp(key);
+        let mut i = Self::home_of(f, self.index.len());
         loop {
-            let n = self.slots[i];
-            if n.set == EMPTY {
+            let s = self.index[i];
+            if s == FREE_SLOT {
                 return None;
             }
-            if n.key == key && n.tag == tag {
-                return Some(n.set);
+            if (s >> 32) as u32 == f && self.nodes[s as u32 as usize].key == key {
+                return Some(s as u32 as usize);
             }
             i = self.next(i);
         }
     }
 
-    /// Start loading the home slot of `key` (a hint: see [`crate::prefetch`]).
+    /// Start loading the home index slot of `key` (a hint: see [`crate::prefetch`]).
     #[inline(always)]
     pub fn prefetch(&self, key: u64) {
-        if !self.slots.is_empty() {
-            crate::prefetch::prefetch(&self.slots[self.home(key)]);
+        if !self.index.is_empty() {
+            crate::prefetch::prefetch(&self.index[Self::home_of(fp(key), self.index.len())]);
         }
     }
 
-    /// Delete slot `i` by shifting back the nodes of its run that may move closer to home.
-    fn delete_at(&mut self, mut i: usize) {
-        let cap = self.slots.len();
+    /// Start loading the arena node at `p` (a hint).
+    #[inline(always)]
+    pub fn prefetch_at(&self, p: usize) {
+        if let Some(n) = self.nodes.get(p) {
+            crate::prefetch::prefetch(n);
+        }
+    }
+
+    /// Delete index slot `i` by shifting back the slots of its run that may move closer to
+    /// home.
+    fn unindex(&mut self, mut i: usize) {
+        let cap = self.index.len();
         let mut j = self.next(i);
-        while self.slots[j].set != EMPTY {
-            let h = self.home(self.slots[j].key);
-            // the node at j may fill the hole at i if its home is not in (i, j]
+        while self.index[j] != FREE_SLOT {
+            let h = Self::home_of((self.index[j] >> 32) as u32, cap);
+            // the slot at j may fill the hole at i if its home is not in (i, j]
             let dist_home = (j + cap - h) % cap;
             let dist_hole = (j + cap - i) % cap;
             if dist_home >= dist_hole {
-                self.slots[i] = self.slots[j];
-                self.depth.shift(j, i);
+                self.index[i] = self.index[j];
                 i = j;
             }
             j = self.next(j);
         }
-        self.slots[i] = FREE;
-        self.depth.put(i, 0);
+        self.index[i] = FREE_SLOT;
+    }
+
+    /// Delete the node that index slot `i` names.
+    fn delete_slot(&mut self, i: usize) {
+        let p = self.index[i] as u32 as usize;
+        self.unindex(i);
+        self.nodes[p].set = EMPTY;
+        self.depth.put(p, 0);
         self.len -= 1;
+        self.dead += 1;
+        // dead nodes at the arena's end go at once (the next run is stored there)
+        while self.nodes.last().is_some_and(|n| n.set == EMPTY) {
+            self.nodes.pop();
+            self.next.pop();
+            self.dead -= 1;
+        }
+    }
+
+    /// The index slot of arena position `p` (a live node).
+    fn slot_of(&self, p: usize) -> usize {
+        let f = fp(self.nodes[p].key);
+        let mut i = Self::home_of(f, self.index.len());
+        while self.index[i] != ((f as u64) << 32 | p as u64) {
+            i = self.next(i);
+        }
+        i
     }
 
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
     /// number of (block, holder) pairs: +1 if new, 0 if it already held it, and one less per
     /// other tag it is dropped from. `depth` is the block's chain depth (kept only while the
-    /// index tracks depths; a node keeps the smallest depth it was stored at). Room must be
-    /// reserved first ([`Table::reserve`], [`Slab::reserve`]).
-    pub fn store(&mut self, key: u64, tag: u32, inst: u32, depth: u8, slab: &mut Slab) -> isize {
+    /// index tracks depths; a node keeps the smallest depth it was stored at). A new node
+    /// goes at the arena's end (after the block stored before it, in a run). Room must be
+    /// reserved first ([`Table::reserve`], [`Slab::reserve`]). Also returns the node's arena
+    /// position.
+    pub fn store(&mut self, key: u64, tag: u32, inst: u32, depth: u8, slab: &mut Slab) -> (isize, usize) {
         let mut delta = 0isize;
         let mut found = false;
+        let mut at = 0;
         let mut emptied = false;
         let mut other_kept = false;
-        let mut i = self.home(key);
+        let f = fp(key);
+        let mut i = Self::home_of(f, self.index.len());
         loop {
-            let n = &mut self.slots[i];
-            if n.set == EMPTY {
+            let s = self.index[i];
+            if s == FREE_SLOT {
                 break;
             }
-            if n.key == key {
-                if n.tag == tag {
-                    found = true;
-                    let (set, added) = slab.insert(n.set, inst);
-                    n.set = set;
-                    delta += added as isize;
-                    if self.depth.on() {
-                        let pairs = slab.count(set);
-                        self.depth.restore(i, depth, pairs, added as usize);
-                    }
-                    if !self.dups {
-                        // the only node of this hash
-                        return delta;
-                    }
-                } else {
-                    let (set, held) = slab.remove(n.set, inst);
-                    delta -= held as isize;
-                    self.depth.lose(i, held as usize);
-                    match set {
-                        Some(s) => {
-                            n.set = s;
-                            other_kept = true;
+            if (s >> 32) as u32 == f {
+                let p = s as u32 as usize;
+                let n = &mut self.nodes[p];
+                if n.key == key {
+                    if n.tag == tag {
+                        found = true;
+                        at = p;
+                        let (set, added) = slab.insert(n.set, inst);
+                        n.set = set;
+                        delta += added as isize;
+                        if self.depth.on() {
+                            let pairs = slab.count(set);
+                            self.depth.restore(p, depth, pairs, added as usize);
                         }
-                        None => emptied = true,
+                        if !self.dups {
+                            // the only node of this hash
+                            return (delta, p);
+                        }
+                    } else {
+                        let (set, held) = slab.remove(n.set, inst);
+                        delta -= held as isize;
+                        self.depth.lose(p, held as usize);
+                        match set {
+                            Some(s) => {
+                                n.set = s;
+                                other_kept = true;
+                            }
+                            None => emptied = true,
+                        }
                     }
                 }
             }
             i = self.next(i);
         }
         if !found {
-            // the free slot that ended the run (reserve guarantees one)
-            self.slots[i] = Node { key, tag, set: inst };
-            self.depth.put(i, depth);
-            self.depth.gain(i, 1);
+            // the free slot that ended the run (reserve guarantees one, and arena room)
+            let p = self.nodes.len();
+            at = p;
+            self.nodes.push(Node { key, tag, set: inst });
+            self.next.push(NO_NEXT);
+            self.index[i] = (f as u64) << 32 | p as u64;
+            self.depth.put(p, depth);
+            self.depth.gain(p, 1);
             self.len += 1;
             delta += 1;
             if other_kept {
@@ -295,25 +598,29 @@ impl Table {
         if emptied {
             self.drop_emptied(key, inst, Some(tag));
         }
-        delta
+        (delta, at)
     }
 
     /// Delete the nodes of `key` (other than the one tagged `keep`) whose last holder
     /// `inst` was just removed (their set word still names it).
     fn drop_emptied(&mut self, key: u64, inst: u32, keep: Option<u32>) {
+        let f = fp(key);
         loop {
-            let mut i = self.home(key);
+            let mut i = Self::home_of(f, self.index.len());
             let mut hit = None;
-            while self.slots[i].set != EMPTY {
-                let n = self.slots[i];
-                if n.key == key && n.set == inst && Some(n.tag) != keep {
-                    hit = Some(i);
-                    break;
+            while self.index[i] != FREE_SLOT {
+                let s = self.index[i];
+                if (s >> 32) as u32 == f {
+                    let n = self.nodes[s as u32 as usize];
+                    if n.key == key && n.set == inst && Some(n.tag) != keep {
+                        hit = Some(i);
+                        break;
+                    }
                 }
                 i = self.next(i);
             }
             match hit {
-                Some(i) => self.delete_at(i),
+                Some(i) => self.delete_slot(i),
                 None => return,
             }
         }
@@ -321,34 +628,39 @@ impl Table {
 
     /// `inst` no longer holds `key` (under any tag). Returns the pairs removed.
     pub fn remove(&mut self, key: u64, inst: u32, slab: &mut Slab) -> usize {
-        if self.slots.is_empty() {
+        if self.index.is_empty() {
             return 0;
         }
         let mut removed = 0;
         let mut emptied = false;
-        let mut i = self.home(key);
+        let f = fp(key);
+        let mut i = Self::home_of(f, self.index.len());
         loop {
-            let n = &mut self.slots[i];
-            if n.set == EMPTY {
+            let s = self.index[i];
+            if s == FREE_SLOT {
                 break;
             }
-            if n.key == key {
-                let (set, held) = slab.remove(n.set, inst);
-                removed += held as usize;
-                self.depth.lose(i, held as usize);
-                match set {
-                    Some(s) => n.set = s,
-                    None => {
-                        if !self.dups {
-                            // the only node of this hash
-                            self.delete_at(i);
-                            return removed;
+            if (s >> 32) as u32 == f {
+                let p = s as u32 as usize;
+                let n = &mut self.nodes[p];
+                if n.key == key {
+                    let (set, held) = slab.remove(n.set, inst);
+                    removed += held as usize;
+                    self.depth.lose(p, held as usize);
+                    match set {
+                        Some(s) => n.set = s,
+                        None => {
+                            if !self.dups {
+                                // the only node of this hash
+                                self.delete_slot(i);
+                                return removed;
+                            }
+                            emptied = true
                         }
-                        emptied = true
                     }
-                }
-                if !self.dups {
-                    return removed;
+                    if !self.dups {
+                        return removed;
+                    }
                 }
             }
             i = self.next(i);
@@ -359,11 +671,11 @@ impl Table {
         removed
     }
 
-    /// The eviction clock: from the hand on, delete whole nodes (every holder of the block)
-    /// until `want` pairs are dropped or the hand has gone once round; nodes held by more
-    /// than one instance are skipped unless `shared`. `on_drop(key, set, slab)` sees each
-    /// deleted node before its holder set is released. Deleting only ever makes the index
-    /// under-report (a lookup stops at the missing block), never over-report.
+    /// The eviction clock: from the hand on (arena order), delete whole nodes (every holder
+    /// of the block) until `want` pairs are dropped or the hand has gone once round; nodes
+    /// held by more than one instance are skipped unless `shared`. `on_drop(key, set, slab)`
+    /// sees each deleted node before its holder set is released. Deleting only ever makes
+    /// the index under-report (a lookup stops at the missing block), never over-report.
     pub fn evict(
         &mut self,
         want: usize,
@@ -371,51 +683,54 @@ impl Table {
         slab: &mut Slab,
         mut on_drop: impl FnMut(u64, u32, &Slab),
     ) -> Swept {
-        let cap = self.slots.len();
         let mut out = Swept::default();
-        if cap == 0 || self.len == 0 {
+        if self.nodes.is_empty() || self.len == 0 {
             out.exhausted = true;
             return out;
         }
-        let mut i = self.hand % cap;
+        let total = self.nodes.len();
+        let mut i = self.hand % total;
         let mut seen = 0;
         while out.pairs < want {
-            if seen >= cap || self.len == 0 {
+            if seen >= total || self.len == 0 {
                 out.exhausted = true;
                 break;
             }
-            let n = self.slots[i];
+            if i >= self.nodes.len() {
+                // the arena's dead tail went
+                i = 0;
+            }
+            let n = self.nodes[i];
             if n.set != EMPTY && (shared || n.set & super::holders::MULTI == 0) {
                 out.pairs += slab.count(n.set);
                 out.nodes += 1;
                 on_drop(n.key, n.set, slab);
                 slab.drop_set(n.set);
-                // slot i now holds a node shifted back into it (or nothing): look again
-                self.delete_at(i);
-                continue;
+                let s = self.slot_of(i);
+                self.delete_slot(s);
             }
-            i = self.next(i);
+            i += 1;
             seen += 1;
         }
         self.hand = i;
         out
     }
 
-    /// Keep chain depths (`depths`: a depth per slot, from [`Self::slot_nodes`]' order) or
-    /// stop (None). Fails only for memory, tracking nothing then.
+    /// Keep chain depths (`depths`: a depth per arena position, from [`Self::slot_nodes`]'
+    /// order) or stop (None). Fails only for memory, tracking nothing then.
     pub fn track_depths(&mut self, depths: Option<Vec<u8>>, slab: &Slab) -> Result<()> {
         let Some(d) = depths else { return self.depth.track(None) };
-        if let Err(e) = self.depth.track(Some(self.slots.len())) {
+        if let Err(e) = self.depth.track(Some(self.nodes.capacity().max(self.nodes.len()))) {
             self.depth.track(None)?;
             return Err(e);
         }
-        for (i, x) in d.into_iter().enumerate().take(self.slots.len()) {
-            if self.slots[i].set != EMPTY {
+        for (i, x) in d.into_iter().enumerate().take(self.nodes.len()) {
+            if self.nodes[i].set != EMPTY {
                 self.depth.put(i, x);
             }
         }
-        let slots = &self.slots;
-        self.depth.recount(|i| (slots[i].set != EMPTY).then(|| slab.count(slots[i].set)));
+        let nodes = &self.nodes;
+        self.depth.recount(|i| nodes.get(i).filter(|n| n.set != EMPTY).map(|n| slab.count(n.set)));
         Ok(())
     }
 
@@ -424,25 +739,30 @@ impl Table {
         self.depth.on()
     }
 
-    /// Every slot's node (None: free), in slot order.
+    /// Every arena node (None: dead), in arena order.
     pub fn slot_nodes(&self) -> impl Iterator<Item = Option<&Node>> {
-        self.slots.iter().map(|n| (n.set != EMPTY).then_some(n))
+        self.nodes.iter().map(|n| (n.set != EMPTY).then_some(n))
     }
 
     /// The smallest depth of a node of `key` (under any parent), if the table has one and
     /// tracks depths.
     pub fn depth_of(&self, key: u64) -> Option<u8> {
-        if !self.depth.on() || self.slots.is_empty() {
+        if !self.depth.on() || self.index.is_empty() {
             return None;
         }
         let mut best = None;
-        let mut i = self.home(key);
-        while self.slots[i].set != EMPTY {
-            if self.slots[i].key == key {
-                let d = self.depth.at(i);
-                best = Some(best.map_or(d, |b: u8| b.min(d)));
-                if !self.dups {
-                    break;
+        let f = fp(key);
+        let mut i = Self::home_of(f, self.index.len());
+        while self.index[i] != FREE_SLOT {
+            let s = self.index[i];
+            if (s >> 32) as u32 == f {
+                let p = s as u32 as usize;
+                if self.nodes[p].key == key {
+                    let d = self.depth.at(p);
+                    best = Some(best.map_or(d, |b: u8| b.min(d)));
+                    if !self.dups {
+                        break;
+                    }
                 }
             }
             i = self.next(i);
@@ -466,24 +786,27 @@ impl Table {
         slab: &mut Slab,
         mut on_drop: impl FnMut(u64, u32, &Slab),
     ) -> Swept {
-        let cap = self.slots.len();
         let mut out = Swept::default();
         let mut deeper: usize = (cut as usize + 1..256).map(|d| self.depth.pairs_at(d as u8)).sum();
-        if cap == 0 || self.len == 0 || !self.depth.on() {
+        if self.nodes.is_empty() || self.len == 0 || !self.depth.on() {
             out.exhausted = true;
             return out;
         }
-        let mut i = self.hand % cap;
+        let total = self.nodes.len();
+        let mut i = self.hand % total;
         let mut seen = 0;
         while deeper > 0 || (*budget > 0 && self.depth.pairs_at(cut) > 0) {
-            if seen >= cap || self.len == 0 {
+            if seen >= total || self.len == 0 {
                 out.exhausted = true;
                 break;
             }
-            let d = self.depth.slots()[i];
-            // free slots are depth 0, never at or past a cut (>= 2)
+            if i >= self.nodes.len() {
+                i = 0;
+            }
+            let d = self.depth.at(i);
+            // dead nodes are depth 0, never at or past a cut (>= 2)
             if d > cut || (d == cut && *budget > 0) {
-                let n = self.slots[i];
+                let n = self.nodes[i];
                 let pairs = slab.count(n.set);
                 if d > cut {
                     deeper = deeper.saturating_sub(pairs);
@@ -495,10 +818,10 @@ impl Table {
                 out.nodes += 1;
                 on_drop(n.key, n.set, slab);
                 slab.drop_set(n.set);
-                self.delete_at(i);
-                continue;
+                let s = self.slot_of(i);
+                self.delete_slot(s);
             }
-            i = self.next(i);
+            i += 1;
             seen += 1;
         }
         self.hand = i;
@@ -509,7 +832,7 @@ impl Table {
     pub fn clear_instance(&mut self, inst: u32, slab: &mut Slab) -> usize {
         let mut removed = 0;
         let mut kept = 0;
-        for (i, n) in self.slots.iter_mut().enumerate().filter(|(_, n)| n.set != EMPTY) {
+        for (i, n) in self.nodes.iter_mut().enumerate().filter(|(_, n)| n.set != EMPTY) {
             let (set, held) = slab.remove(n.set, inst);
             removed += held as usize;
             self.depth.lose(i, held as usize);
@@ -518,24 +841,20 @@ impl Table {
                     n.set = s;
                     kept += 1;
                 }
-                None => *n = FREE,
+                None => {
+                    n.set = EMPTY;
+                    self.depth.put(i, 0);
+                }
             }
         }
         if removed > 0 {
-            // holes break the probe runs: re-place every node (into a smaller table if due)
+            // compact the arena and re-index (into a smaller index if due)
+            self.dead += self.len - kept;
             self.len = kept;
-            let cap = if kept < self.slots.len() / 4 { kept * 5 / 3 + 1 } else { self.slots.len() };
-            if self.rebuild(cap).is_err() {
-                // no memory for a new array: re-place in the old one
-                let nodes: Vec<(Node, u8)> = (0..self.slots.len())
-                    .filter(|&i| self.slots[i].set != EMPTY)
-                    .map(|i| (self.slots[i], self.depth.at(i)))
-                    .collect();
-                self.slots.fill(FREE);
-                self.depth.clear_slots();
-                for (n, d) in nodes {
-                    self.place(n, d);
-                }
+            self.compact();
+            let cap = self.index.len();
+            if kept < cap / 4 {
+                let _ = self.reindex(kept * 5 / 3 + 1);
             }
         }
         removed
@@ -547,7 +866,7 @@ impl Table {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Node> {
-        self.slots.iter().filter(|n| n.set != EMPTY)
+        self.nodes.iter().filter(|n| n.set != EMPTY)
     }
 }
 
@@ -580,9 +899,91 @@ mod tests {
         for k in 0..3000 {
             assert_eq!(t.get(k, 5).is_some(), live.contains(&k), "key {k}");
         }
-        let load = t.len() as f64 / t.slots.len() as f64;
+        let load = t.len() as f64 / t.index.len() as f64;
         assert!(load <= 0.8 + 1e-9, "load {load}");
         assert_eq!(t.clear_instance(0, &mut slab), live.len());
         assert!(t.is_empty() && t.get(1, 5).is_none());
+    }
+
+    /// Chains stored in batches of 8, each under the previous batch's last block, the
+    /// chains' batches interleaved (as engines' streams arrive): the runs are linked by
+    /// their hints, and the arena's growth lays every chain out contiguously.
+    #[test]
+    fn growth_lays_chains_out_contiguously() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
+        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        // room for all: no growth until asked for below
+        t.reserve(40 * 64).unwrap();
+        for batch in 0..8 {
+            for (c, ch) in chains.iter().enumerate() {
+                t.reserve(8).unwrap();
+                for i in batch * 8..batch * 8 + 8 {
+                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, &mut slab);
+                    if let Some(q) = prev[c] {
+                        t.link(q, at);
+                    }
+                    prev[c] = Some(at);
+                }
+            }
+        }
+        // before: a chain's next batch is where its last block's hint says
+        let ch = &chains[5];
+        let end = t.find(ch[7], tag_of(ch, 7)).unwrap();
+        assert_eq!(t.at(end + 1, ch[8], tag_of(ch, 8)), EMPTY);
+        assert_ne!(t.at(t.hint(end), ch[8], tag_of(ch, 8)), EMPTY);
+        t.reserve(t.nodes.capacity()).unwrap();
+        for ch in &chains {
+            let p0 = t.find(ch[0], 7).unwrap();
+            for i in 0..ch.len() {
+                assert_eq!(t.at(p0 + i, ch[i], tag_of(ch, i)), t.get(ch[i], tag_of(ch, i)).unwrap());
+            }
+        }
+        assert_eq!(t.len(), 40 * 64);
+    }
+
+    /// Compaction (an arena left more than half dead) keeps every chain followable without
+    /// a probe: each block is right after the one before it or where that one's hint says.
+    #[test]
+    fn compaction_carries_the_hints_over() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        let chains: Vec<Vec<u64>> = (0..6u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
+        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        t.reserve(6 * 64).unwrap();
+        for batch in 0..8 {
+            for (c, ch) in chains.iter().enumerate() {
+                for i in batch * 8..batch * 8 + 8 {
+                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32, 2, &mut slab);
+                    if let Some(q) = prev[c] {
+                        t.link(q, at);
+                    }
+                    prev[c] = Some(at);
+                }
+            }
+        }
+        // chains 1.. go, but for the last one's first half
+        for (c, ch) in chains.iter().enumerate().skip(1) {
+            let keep = if c == 5 { 32 } else { 0 };
+            for &h in &ch[keep..] {
+                t.remove(h, c as u32, &mut slab);
+            }
+        }
+        assert!(t.dead > t.len && t.dead > 64);
+        t.maybe_shrink();
+        assert_eq!((t.dead, t.len(), t.nodes.len()), (0, 64 + 32, 64 + 32));
+        for (c, ch) in chains.iter().enumerate().filter(|(c, _)| [0, 5].contains(c)) {
+            let n = if c == 5 { 32 } else { 64 };
+            let mut p = t.find(ch[0], 7).unwrap();
+            for i in 1..n {
+                let (h, tag) = (ch[i], tag_of(ch, i));
+                p = if t.at(p + 1, h, tag) != EMPTY { p + 1 } else { t.hint(p) };
+                assert_eq!(t.at(p, h, tag), c as u32, "chain {c}, block {i}");
+            }
+            assert_eq!(t.get(ch[n - 1], tag_of(ch, n - 1)), Some(c as u32));
+        }
     }
 }
