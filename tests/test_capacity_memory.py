@@ -155,3 +155,33 @@ def test_cli_config_missing_field(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "'qk_rope_head_dim'" in err and err.count("\n") == 1
 
+
+
+_LLAMA = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "hidden_size": 4096}
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("num_attention_heads", 0, "'num_attention_heads' must be >= 1, got 0"),
+    ("num_key_value_heads", 0, "'num_key_value_heads' must be >= 1, got 0"),
+    ("head_dim", 0, "'head_dim' must be >= 1, got 0"),
+    ("num_hidden_layers", -32, "'num_hidden_layers' must be >= 1, got -32"),
+    ("num_hidden_layers", "32", "'num_hidden_layers' is not an integer: '32'"),
+    ("num_hidden_layers", 32.5, "'num_hidden_layers' is not an integer: 32.5"),
+    ("num_key_value_heads", True, "'num_key_value_heads' is not an integer: True"),
+    ("hidden_size", 16, "hidden_size 16 is smaller than num_attention_heads 32"),
+    ("sliding_window", 0, "'sliding_window' must be >= 1, got 0"),
+])
+def test_cli_config_bad_values_are_one_line(tmp_path, capsys, field, value, msg) -> None:
+    """A value no model has (0 heads, negative layers, a string) is one ``kvblock: error:``
+    line naming the field, exit 2: it used to be a ZeroDivisionError traceback, a negative
+    byte count, or accepted."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**_LLAMA, field: value}))
+    assert main(["sweep", "builtin:chat", "--limit", "10", "--model", str(cfg), "--capacities", "1GiB",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvblock: error:") and msg in err and err.count("\n") == 1, err
+    with pytest.raises(ReplayError, match="config.json"):
+        sizing_from_config({**_LLAMA, field: value}, "m")
+    assert sizing_from_config(_LLAMA, "m").bytes_per_token == 2 * 32 * 8 * 128 * 2

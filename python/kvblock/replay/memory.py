@@ -147,14 +147,20 @@ class KVSizing:
         return asdict(self)
 
 
-def _need(cfg: dict[str, Any], key: str, where: str) -> int:
+def _need(cfg: dict[str, Any], key: str, where: str, minimum: int = 1) -> int:
     value = cfg.get(key)
     if value is None:
         raise ReplayError(f"{where}: config.json has no {key!r} (needed to size the KV cache)")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ReplayError(f"{where}: config.json field {key!r} is not an integer: {value!r}") from None
+    return _count(value, key, where, minimum)
+
+
+def _count(value: Any, key: str, where: str, minimum: int = 1) -> int:
+    """A config.json count: a JSON integer (not a bool, a float or a string) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ReplayError(f"{where}: config.json field {key!r} is not an integer: {value!r}")
+    if value < minimum:
+        raise ReplayError(f"{where}: config.json field {key!r} must be >= {minimum}, got {value}")
+    return value
 
 
 def _dtype_bytes(kv_dtype: str) -> int:
@@ -173,7 +179,9 @@ def sizing_from_config(cfg: dict[str, Any], name: str, kv_dtype: str = "auto") -
     """The sizing of a model from its ``config.json`` fields.
 
     Raises:
-        ReplayError: a needed field missing (named), an unknown ``kv_dtype``.
+        ReplayError: a needed field missing, not a JSON integer, or below its least value
+            (named: 1 for counts and sizes, 0 for ``attn_layer_offset``), an unknown
+            ``kv_dtype``.
     """
     nbytes = _dtype_bytes(kv_dtype)
     layers = _need(cfg, "num_hidden_layers", name)
@@ -185,18 +193,21 @@ def sizing_from_config(cfg: dict[str, Any], name: str, kv_dtype: str = "auto") -
     kv_heads = cfg.get("num_key_value_heads")
     if kv_heads is None:
         kv_heads = _need(cfg, "num_attention_heads", name)
-    kv_heads = int(kv_heads)
+    kv_heads = _count(kv_heads, "num_key_value_heads", name)
     head_dim = cfg.get("head_dim")
     if head_dim is None:
-        hidden = _need(cfg, "hidden_size", name)
-        head_dim = hidden // _need(cfg, "num_attention_heads", name)
-    head_dim = int(head_dim)
+        hidden, heads = _need(cfg, "hidden_size", name), _need(cfg, "num_attention_heads", name)
+        if hidden < heads:
+            raise ReplayError(f"{name}: config.json hidden_size {hidden} is smaller than num_attention_heads "
+                              f"{heads} (head_dim would be 0)")
+        head_dim = hidden // heads
+    head_dim = _count(head_dim, "head_dim", name)
     attn_layers, mamba_layers, mamba_state = layers, 0, 0
     mtype = str(cfg.get("model_type", ""))
     sbytes = _STATE_BYTES
     if mtype == "jamba":
         period = _need(cfg, "attn_layer_period", name)
-        offset = _need(cfg, "attn_layer_offset", name)
+        offset = _need(cfg, "attn_layer_offset", name, minimum=0)
         attn_layers = sum(1 for i in range(layers) if i % period == offset)
         mamba_layers = layers - attn_layers
         inter = _need(cfg, "mamba_expand", name) * _need(cfg, "hidden_size", name)
@@ -215,6 +226,8 @@ def sizing_from_config(cfg: dict[str, Any], name: str, kv_dtype: str = "auto") -
         # vLLM's mamba2_state_shape: conv (d_conv - 1, conv_dim), ssm (heads, head_dim, d_state)
         mamba_state = mamba_layers * (conv_dim * (d_conv - 1) + nheads * hdim * d_state) * sbytes
     window = cfg.get("sliding_window")
+    if window is not None:
+        window = _count(window, "sliding_window", name)
     swa = 0
     if isinstance(cfg.get("layer_types"), list):
         swa = sum(1 for t in cfg["layer_types"] if t == "sliding_attention")
@@ -223,7 +236,7 @@ def sizing_from_config(cfg: dict[str, Any], name: str, kv_dtype: str = "auto") -
     per_token = 2 * attn_layers * kv_heads * head_dim * nbytes
     formula = f"2 x {attn_layers} layers x {kv_heads} KV heads x {head_dim} head_dim x {nbytes} bytes"
     return KVSizing(name, "hybrid-mamba" if mamba_layers else "full", kv_dtype, nbytes, per_token, attn_layers,
-                    swa, int(window) if swa and window is not None else None, mamba_layers, mamba_state, formula)
+                    swa, window if swa else None, mamba_layers, mamba_state, formula)
 
 
 def load_sizing(model: str, kv_dtype: str = "auto") -> KVSizing:
