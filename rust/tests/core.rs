@@ -527,6 +527,25 @@ mod digest_memo {
     }
 
     #[test]
+    fn nothing_is_allocated_until_the_first_offer() {
+        // a fleet replay builds one hasher per engine: an engine that never offers a block
+        // must not pay for 16384 slots
+        let mut m: DigestMemo<u32> = DigestMemo::new(16384, 16).unwrap();
+        assert_eq!((m.capacity(), m.allocated_bytes(), m.len()), (16384, 0, 0));
+        let parent = [3u8; 32];
+        let tokens: Vec<i64> = (0..16).collect();
+        assert_eq!(m.get(&parent, &tokens), None);
+        assert_eq!(m.allocated_bytes(), 0);
+        assert_eq!(m.offer(&parent, &tokens, 1), Some(1)); // first sighting: noted, not kept
+        assert!(m.allocated_bytes() >= 16384 * (16 + 5) * 8);
+        assert_eq!(m.offer(&parent, &tokens, 1), None); // second: kept
+        assert_eq!(m.get(&parent, &tokens), Some(&1));
+        let mut off: DigestMemo<u32> = DigestMemo::new(0, 16).unwrap();
+        assert_eq!(off.offer(&parent, &tokens, 1), Some(1));
+        assert_eq!(off.allocated_bytes(), 0);
+    }
+
+    #[test]
     fn what_it_cannot_key_is_handed_back() {
         let mut m: DigestMemo<u32> = DigestMemo::new(4, 2).unwrap();
         assert_eq!(m.insert(&[1u8; 33], &[1, 2], 5), Some(5)); // parent over 32 bytes

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..events import encode_batch
 from .blockhash import RequestHasher
-from .config import SimConfig
+from .config import SimConfig, check_engine_memory
 from .errors import ReplayError
 from .result import ReplayResult, Unservable
 from .retention import RetentionPolicy
@@ -306,7 +306,9 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
     ``cfg.num_blocks`` blocks) behind a router; see the module docstring.
 
     Raises:
-        ReplayError: invalid settings (an ideal replay, the reference implementation, ...).
+        ReplayError: invalid settings (an ideal replay, the reference implementation, ...), or
+            engines whose pools would not fit in the memory available
+            (:func:`~kvblock.replay.config.check_engine_memory`).
     """
     from ..cluster import Router
     from ..manager import KVCacheManager
@@ -314,6 +316,7 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
 
     cfg.validate()
     fleet.validate()
+    check_engine_memory(fleet.instances, cfg.num_blocks)
     if cfg.ideal:
         raise ReplayError("a fleet replay schedules requests; --ideal is for one engine")
     if cfg.impl != "kvblock":

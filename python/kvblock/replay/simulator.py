@@ -48,7 +48,7 @@ import numpy as np
 from ..request import RequestStatus
 from .backends import Impl, get_impl
 from .blockhash import RequestHasher
-from .config import SimConfig
+from .config import SimConfig, check_engine_memory
 from .retention import RetentionPolicy
 from .result import ReplayResult, Unservable
 from .simrequest import SimRequest
@@ -107,13 +107,15 @@ class Replayer:
             manager calls (ns) and in the hash function (ns per digest computed).
 
         Raises:
-            ReplayError: invalid settings; ValueError: ``cfg`` names another implementation,
-                block size or hash algorithm than this replayer.
+            ReplayError: invalid settings, or a pool larger than the memory available
+                (:func:`~kvblock.replay.config.check_engine_memory`); ValueError: ``cfg`` names
+                another implementation, block size or hash algorithm than this replayer.
         """
         cfg.validate()
         if (cfg.impl, cfg.block_size, cfg.hash_algo) != (self.impl.name, self.block_size, self.hash_algo):
             raise ValueError("cfg does not match this Replayer's impl / block_size / hash_algo")
         num_blocks = cfg.resolved_num_blocks(trace)
+        check_engine_memory(1, num_blocks)
         t0 = time.perf_counter()
         policy = RetentionPolicy(cfg.retention, cfg.block_size, cfg.pin_tokens, cfg.ttl_s)
         mgr = self.impl.make_manager(num_blocks, cfg.block_size, cfg.hash_algo, **policy.manager_kwargs())

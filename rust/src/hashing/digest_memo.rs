@@ -44,6 +44,10 @@ pub const WAYS: usize = 4;
 /// (e.g. the bytes object handed to Python).
 pub struct DigestMemo<V> {
     block_size: usize,
+    /// Slots asked for (0: none). The tables below are allocated by the first offer or
+    /// insert, not at construction, so an owner that never hashes a block twice (a fleet's
+    /// idle engine) costs no memo memory; if that allocation fails the memo stays off.
+    slots: usize,
     /// Words per entry: `PARENT_WORDS + block_size`.
     stride: usize,
     /// Number of sets minus one (a power of two); unused when the memo has no slots.
@@ -82,10 +86,10 @@ fn parent_words(parent: &[u8]) -> Option<[u64; PARENT_WORDS]> {
 
 impl<V> DigestMemo<V> {
     /// A memo with room for `capacity` blocks (rounded up to a power of two, at least
-    /// [`WAYS`]; 0 keeps nothing) of `block_size` tokens each.
+    /// [`WAYS`]; 0 keeps nothing) of `block_size` tokens each. Nothing is allocated until the
+    /// first [`DigestMemo::offer`], [`DigestMemo::offer_sighted`] or [`DigestMemo::insert`].
     ///
-    /// Errors: `Value` if its keys would take more than [`MAX_KEY_BYTES`]; `Memory` if they
-    /// cannot be allocated.
+    /// Errors: `Value` if its keys would take more than [`MAX_KEY_BYTES`].
     pub fn new(capacity: usize, block_size: usize) -> Result<Self> {
         let slots = if capacity == 0 || block_size == 0 {
             0
@@ -93,35 +97,74 @@ impl<V> DigestMemo<V> {
             capacity.checked_next_power_of_two().unwrap_or(usize::MAX).max(WAYS)
         };
         let stride = block_size.saturating_add(PARENT_WORDS);
-        let words = slots.checked_mul(stride).filter(|&w| w <= MAX_KEY_BYTES / 8).ok_or_else(|| {
+        slots.checked_mul(stride).filter(|&w| w <= MAX_KEY_BYTES / 8).ok_or_else(|| {
             Error::value(
                 "digest_memo_blocks",
                 format!("{capacity} slots of {block_size} tokens would take more than {} MiB", MAX_KEY_BYTES >> 20),
             )
         })?;
-        let mut values = Vec::new();
-        values
-            .try_reserve_exact(slots)
-            .map_err(|_| Error::Memory(format!("cannot allocate a digest memo of {slots} slots")))?;
-        values.extend((0..slots).map(|_| None));
         Ok(DigestMemo {
             block_size,
+            slots,
             stride,
             set_mask: (slots / WAYS).saturating_sub(1),
-            tags: Error::try_vec("the digest memo", slots, 0)?,
-            used: Error::try_vec("the digest memo", slots, 0)?,
-            keys: Error::try_vec("the digest memo", words, 0)?,
-            values,
-            seen: Error::try_vec("the digest memo", 2 * slots, 0)?,
+            tags: Vec::new(),
+            used: Vec::new(),
+            keys: Vec::new(),
+            values: Vec::new(),
+            seen: Vec::new(),
             tick: 0,
             hits: 0,
             stores: 0,
         })
     }
 
-    /// Number of slots (blocks the memo can hold).
+    /// Allocate the tables on first use: true when they are there. A failed allocation turns
+    /// the memo off for good (it only saves work; every digest is still computed right).
+    fn ready(&mut self) -> bool {
+        if !self.values.is_empty() {
+            return true;
+        }
+        if self.slots == 0 {
+            return false;
+        }
+        let slots = self.slots;
+        let tables = (|| -> Result<_> {
+            let mut values = Vec::new();
+            values
+                .try_reserve_exact(slots)
+                .map_err(|_| Error::Memory(format!("cannot allocate a digest memo of {slots} slots")))?;
+            values.extend((0..slots).map(|_| None));
+            Ok((
+                Error::try_vec("the digest memo", slots, 0)?,
+                Error::try_vec("the digest memo", slots, 0)?,
+                Error::try_vec("the digest memo", slots * self.stride, 0)?,
+                values,
+                Error::try_vec("the digest memo", 2 * slots, 0)?,
+            ))
+        })();
+        match tables {
+            Ok((tags, used, keys, values, seen)) => {
+                (self.tags, self.used, self.keys, self.values, self.seen) = (tags, used, keys, values, seen);
+                true
+            }
+            Err(_) => {
+                self.slots = 0;
+                false
+            }
+        }
+    }
+
+    /// Number of slots (blocks the memo can hold), allocated or not yet.
     pub fn capacity(&self) -> usize {
-        self.values.len()
+        self.slots
+    }
+
+    /// Bytes its tables take now (0 until the first offer or insert).
+    pub fn allocated_bytes(&self) -> usize {
+        (self.tags.len() + self.used.len() + self.keys.len()) * 8
+            + self.values.len() * std::mem::size_of::<Option<V>>()
+            + self.seen.len() * 4
     }
 
     /// Lookups that found their digest.
@@ -177,6 +220,9 @@ impl<V> DigestMemo<V> {
     /// `value` itself when the memo cannot keep it (no slots, a parent over 32 bytes, or not
     /// a whole block).
     pub fn insert(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
+        if !self.ready() {
+            return Some(value);
+        }
         let Some(p) = parent_words(parent) else { return Some(value) };
         let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
         self.store(tag, first, &p, tokens, value)
@@ -186,6 +232,9 @@ impl<V> DigestMemo<V> {
     /// fingerprint is noted and `value` is handed back (a key held already but offered as if
     /// new keeps its entry, which holds the same digest).
     pub fn offer(&mut self, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
+        if !self.ready() {
+            return Some(value);
+        }
         let Some(p) = parent_words(parent) else { return Some(value) };
         let Some((tag, first)) = self.locate(&p, tokens) else { return Some(value) };
         if !self.sighted(tag) {
@@ -200,7 +249,7 @@ impl<V> DigestMemo<V> {
     /// key is hashed only when it is stored. A memo must be offered to one way only: the two
     /// note different fingerprints for the same key.
     pub fn offer_sighted(&mut self, sighting: u64, parent: &[u8], tokens: &[i64], value: V) -> Option<V> {
-        if self.values.is_empty() || tokens.len() != self.block_size || parent.len() > MAX_PARENT_LEN {
+        if tokens.len() != self.block_size || parent.len() > MAX_PARENT_LEN || !self.ready() {
             return Some(value);
         }
         if !self.sighted(sighting) {
