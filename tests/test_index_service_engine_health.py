@@ -98,3 +98,53 @@ def test_an_engine_that_stops_is_reported_and_its_return_clears_it():
             wait_state(st.url, {})
     finally:
         pub.close()
+
+
+def _score(url: str, hashes: list[int]) -> dict:
+    req = urllib.request.Request(url + "/score", data=json.dumps({"block_hashes": hashes}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read().decode())
+
+
+def test_a_disconnected_engines_claims_are_withheld_until_it_resyncs():
+    """An engine whose stream disconnected is answered 0 and named in ``withheld`` (its
+    removals cannot reach the service: claiming its blocks could over-report); its entries
+    come back when it reconnects and the stream resynchronises (issue 34, a fresh user's
+    find: a killed engine kept its whole credit). Real publishers, real sockets."""
+    from kvblock.cluster import KVEventPublisher
+    from kvblock.events import BlockStored, encode_batch
+
+    port, rport, port_b = free_port(), free_port(), free_port()
+    stored = BlockStored(block_hashes=[11, 12, 13], parent_block_hash=None, token_ids=list(range(48)),
+                         block_size=16, lora_id=None, medium="GPU", lora_name=None)
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+    pub_b = KVEventPublisher(f"tcp://127.0.0.1:{port_b}", None)
+    svc = IndexService(ServiceConfig(idle_sync_s=0.05),
+                       parse_engine(f"a=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{rport}")
+                       + parse_engine(f"b=tcp://127.0.0.1:{port_b}"))
+    try:
+        with ServiceThread(svc) as st:
+            wait_state(st.url, {})
+            deadline = time.monotonic() + 60  # waits for the subscriber thread, not timing checks
+            while _score(st.url, [11, 12, 13])["instances"] != {"a": 48, "b": 48}:
+                assert time.monotonic() < deadline
+                for p in (pub, pub_b):  # the SUB sockets may join late: publish until seen
+                    p.publish_payload(encode_batch([stored], ts=time.time()))
+                time.sleep(0.05)
+            assert "withheld" not in _score(st.url, [11, 12, 13])
+            pub.close()
+            wait_state(st.url, {"a": "disconnected"})
+            answer = _score(st.url, [11, 12, 13])
+            assert answer["instances"] == {"a": 0, "b": 48} and answer["withheld"] == ["a"]
+            assert svc.pairs() == 6  # kept, only not claimed
+            pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+            wait_state(st.url, {})
+            assert "withheld" not in _score(st.url, [11, 12, 13])
+            while _score(st.url, [11, 12, 13])["instances"]["a"] != 48:
+                assert time.monotonic() < deadline
+                pub.publish_payload(encode_batch([stored], ts=time.time()))
+                time.sleep(0.05)
+    finally:
+        pub.close()
+        pub_b.close()

@@ -24,8 +24,11 @@ status, and changes nothing)::
                  "cached_blocks": {ENGINE: CACHED_BLOCKS, ...},
                  "speculative": {ENGINE: TOKENS, ...},       # with --speculative-ttl-ms only:
                                                              # cached, then speculated, tokens
-                 "weighted": {ENGINE: TOKENS, ...}}          # with --tier-weight only (and no
+                 "weighted": {ENGINE: TOKENS, ...},          # with --tier-weight only (and no
                                                              # "medium"): tier-weighted tokens
+                 "withheld": [ENGINE, ...]}                  # only when some are: engines whose
+                                                             # event stream disconnected, answered
+                                                             # 0 until it reconnects and resyncs
       400 body is not JSON; 404 unknown model; 413 body or query too large;
       422 body of the wrong shape, both or neither of block_hashes / token_ids, another
           block size or hash algorithm, token_ids for xxhash without --hash-seed;
@@ -642,7 +645,19 @@ class IndexService:
             spec = {**{name: 0 for name in self.engines}, **spec}
         if weighted is not None:
             weighted = {**{name: 0.0 for name in self.engines}, **weighted}
+        for name in self.withheld():
+            for answer in (out, spec, weighted):
+                if answer is not None and name in answer:
+                    answer[name] = 0
         return out, spec, weighted
+
+    def withheld(self) -> list[str]:
+        """The engines whose claims /score withholds (answers 0 for): those whose event
+        stream disconnected. Their entries stay in the index, but the removals they publish
+        meanwhile are missed, so claiming them could over-report; on reconnecting the stream
+        resynchronises (replays the gap, or drops the engine's entries if the gap is lost)
+        and its claims count again."""
+        return sorted(name for name, state in self.engines_down().items() if state == "disconnected")
 
     def speculate(self, engine: str, hashes: Any) -> int:
         """Record that ``engine`` will hold ``hashes`` (past what it holds now); returns the
@@ -775,7 +790,11 @@ class IndexService:
                 hits, spec, weighted = await asyncio.to_thread(svc.lookup_weighted, hashes, req.medium)
             else:
                 hits, spec, weighted = svc.lookup_weighted(hashes, req.medium)
-            return json_response(svc.score_response(len(hashes), hits, spec, weighted))
+            body = svc.score_response(len(hashes), hits, spec, weighted)
+            withheld = svc.withheld()
+            if withheld:
+                body["withheld"] = withheld
+            return json_response(body)
 
         async def speculate(request: web.Request) -> web.Response:
             req = await body_of(request, SpeculateRequest)
