@@ -557,6 +557,13 @@ def test_data_parallel_ranks_are_holders_of_their_own():
                                                       "data_parallel_size": 2})[0] == 409
             assert call(st.url + "/engines", "POST", {"name": "z", "endpoint": "tcp://127.0.0.1:5",
                                                       "data_parallel_size": 0})[0] == 422
+            # the engine's own name removes every rank (a rank's name, that rank alone)
+            pairs = svc.pairs()
+            status, body = call(st.url + "/engines/dp", "DELETE")
+            assert status == 200 and body == {"removed": "dp", "pairs": pairs, "ranks": ["dp@dp0", "dp@dp1"]}
+            assert svc.pairs() == 0 and call(st.url + "/engines", "GET")[1]["engines"] == []
+            assert call(st.url + "/engines/dp", "DELETE")[0] == 404
+            assert call(st.url + "/engines/d", "DELETE")[0] == 404  # a prefix of the name is not it
     finally:
         for e in ranks:
             e.close()

@@ -87,3 +87,15 @@ def test_the_service_config_refuses_them_too():
     with pytest.raises(ValueError, match="max_pairs: must be an int >= 1"):
         ServiceConfig(max_pairs=0).check()
     assert ServiceConfig(redis_ttl_s=0.5, max_pairs=1).check().redis_ttl_s == 0.5
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--engine", "a=nowhere"], "tcp://"),
+    (["--redis", "redis://127.0.0.1:1", "--max-pairs", "10"], "max_pairs"),
+])
+def test_a_bad_setting_is_one_plain_line(args, msg):
+    r = _serve(args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvblock: error: ") and msg in lines[0], r.stderr
+    assert "ValueError" not in r.stderr

@@ -633,11 +633,15 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_index_serve(args: argparse.Namespace) -> int:
     from .cluster.service import BindError, ServiceConfig, parse_engine, serve
 
-    engines = [spec for e in args.engine for spec in parse_engine(e)]
-    config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
-                           hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
-                           speculative_ttl_ms=args.speculative_ttl_ms, max_pairs=args.max_pairs,
-                           tier_weights=tuple(args.tier_weight) or None)
+    try:  # the settings' own messages name the option; the exception's class is noise here
+        engines = [spec for e in args.engine for spec in parse_engine(e)]
+        config = ServiceConfig(model=args.model, block_size=args.block_size, hash_algo=args.hash_algo,
+                               hash_seed=args.hash_seed, redis=args.redis, redis_ttl_s=args.redis_ttl_s,
+                               speculative_ttl_ms=args.speculative_ttl_ms, max_pairs=args.max_pairs,
+                               tier_weights=tuple(args.tier_weight) or None).check()
+    except ValueError as e:
+        print(f"kvblock: error: {e}", file=sys.stderr)
+        return 2
     import logging
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(message)s")

@@ -49,7 +49,9 @@ status, and changes nothing)::
                              "data_parallel_size": INT (default 1; N: ranks NAME@dp0..N-1
                              on vLLM's offset ports, each its own holder)}
                     201 {"engines": [as in GET /engines]}; 409 name taken; 422 bad body
-    DELETE /engines/{name}   200 {"removed": NAME, "pairs": INT}; 404 unknown engine
+    DELETE /engines/{name}   200 {"removed": NAME, "pairs": INT, "ranks": [NAME@dpR, ...] (a
+                             data-parallel engine's own name removes all its ranks)};
+                             404 unknown engine
     POST /speculate request {"engine": STR, "block_hashes" | "token_ids": as /score}
                     (a request with this prefix was just sent to the engine: its blocks count
                     in "speculative" until the engine's events confirm or drop them, or
@@ -853,12 +855,24 @@ class IndexService:
 
         async def delete_engine(request: web.Request) -> web.Response:
             name = request.match_info["name"]
-            try:
-                pairs = await asyncio.wrap_future(svc.remove_engine(name))
-            except KeyError:
-                raise RequestError(404, "unknown_engine", f"unknown engine {name!r}") from None
-            log.info("kvblock index serve: unsubscribed from %s (%d pairs dropped)", name, pairs)
-            return json_response({"removed": name, "pairs": pairs})
+            # an engine added with data_parallel_size N is its ranks NAME@dp0..N-1: its own
+            # name removes them all
+            ranks = [name] if name in svc.engines else sorted(
+                (k for k in svc.engines if re.fullmatch(re.escape(name) + r"@dp\d+", k)),
+                key=lambda k: int(k.rsplit("@dp", 1)[1]))
+            if not ranks:
+                raise RequestError(404, "unknown_engine", f"unknown engine {name!r}")
+            pairs = 0
+            for rank in ranks:
+                try:
+                    pairs += await asyncio.wrap_future(svc.remove_engine(rank))
+                except KeyError:  # removed meanwhile by another request
+                    continue
+                log.info("kvblock index serve: unsubscribed from %s", rank)
+            body: dict[str, Any] = {"removed": name, "pairs": pairs}
+            if ranks != [name]:
+                body["ranks"] = ranks
+            return json_response(body)
 
         async def feedback(request: web.Request) -> web.Response:
             req = await body_of(request, FeedbackRequest)
