@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pytest
 
+from cli_helpers import run_cli
 from kvblock import KVCacheManager
 from kvblock.worker.demo_args import build_parser
 
@@ -37,3 +38,12 @@ def test_demo_help_documents_every_option():
         assert action.help, action.option_strings
         if action.default not in (None, False):
             assert re.search(rf"default {re.escape(str(action.default))}\b", action.help), action.option_strings
+
+
+@pytest.mark.parametrize("option,value,policy", [("--ttl-s", "5", "ttl"), ("--pin-tokens", "64", "pin-system-prompts")])
+def test_a_policy_setting_without_its_policy_is_named_as_ignored(capsys, option, value, policy):
+    code, out, err = run_cli(capsys, "replay", "builtin:chat", "--limit", "5", option, value, "--no-progress")
+    assert code == 0 and f"{option} is a setting of --retention {policy}" in err and "ignored" in err
+    code, out, err = run_cli(capsys, "replay", "builtin:chat", "--limit", "5", option, value, "--retention", policy,
+                             "--no-progress")
+    assert code == 0 and "ignored" not in err

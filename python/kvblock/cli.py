@@ -247,6 +247,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     trace = _load_input(spec, args)
     _warn_skipped(trace, err)
     cfg = _replay_config(args, trace)
+    for option, field, policy in (("--ttl-s", "ttl_s", "ttl"), ("--pin-tokens", "pin_tokens", "pin-system-prompts")):
+        if getattr(args, field) is not _UNSET and cfg.retention != policy:
+            err.print(f"[yellow]warning:[/yellow] {option} is a setting of --retention {policy}; with --retention "
+                      f"{cfg.retention} it is ignored", markup=True, highlight=False)
     given = _fleet_options_given(args)
     if given:
         return _fleet_replay(args, trace, cfg, out, err, given)
