@@ -309,6 +309,9 @@ def test_all_lines_bad_with_skipping(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", ["{x", "{y"])
     with pytest.raises(ReplayError, match=r"no valid request \(2 bad lines skipped; first on line 1"):
         load_trace(path, format="mooncake", skip_bad_lines=True)
+    # the format detected first (no --format): the same message, not "has no requests"
+    with pytest.raises(ReplayError, match=r"no valid request \(2 bad lines skipped; first on line 1"):
+        load_trace(path, skip_bad_lines=True)
 
 
 def test_hash_id_bounds_depend_on_the_trace_block_size(tmp_path):

@@ -8,7 +8,7 @@ Mooncake README asks).
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, NoReturn
 
 import msgspec
 
@@ -58,6 +58,17 @@ def detect_format(path: str, *, skip_bad_lines: bool = False, data: bytes | None
                 "ids (pass --format to choose)"
             )
         return kind
+    _no_requests(path, reader)
+
+
+def _no_requests(path: str, reader: JsonlReader) -> NoReturn:
+    """The error of a trace with no request: with bad lines skipped, how many and the first."""
+    if reader.bad_lines:
+        first = reader.bad_lines[0]
+        raise ReplayError(
+            f"{path}: no valid request ({len(reader.bad_lines)} bad lines skipped; "
+            f"first on line {first.line}: {first.reason})"
+        )
     raise ReplayError(f"trace file has no requests: {path}")
 
 
@@ -126,13 +137,7 @@ def load_trace(
         if limit is not None and len(requests) >= limit:
             break
     if not requests:
-        if reader.bad_lines:
-            first = reader.bad_lines[0]
-            raise ReplayError(
-                f"{path}: no valid request ({len(reader.bad_lines)} bad lines skipped; "
-                f"first on line {first.line}: {first.reason})"
-            )
-        raise ReplayError(f"trace file has no requests: {path}")
+        _no_requests(path, reader)
     seen: dict[str, int] = {}
     for r in requests:
         if r.request_id in seen:
