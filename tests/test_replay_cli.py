@@ -311,3 +311,14 @@ def test_progress_bar_on_a_terminal_only():
         assert update is None
     with replay_progress(10, "replay", console, enabled=False) as update:
         assert update is None
+
+
+def test_a_fleets_first_unservable_request_is_the_first_in_the_trace(tmp_path, capsys):
+    # round-robin: req-1 goes to engine-1, req-2 to engine-0; both can never fit
+    path = write(tmp_path, "t.jsonl", [mc(0, 100, 5, [0]), mc(1, 5000, 5, list(range(1, 11))),
+                                       mc(2, 9000, 5, list(range(20, 38))), mc(3, 100, 5, [0])])
+    code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100", "--instances", "2",
+                             "--router", "round-robin", "--no-progress")
+    assert code == 3
+    assert "2 request(s) can never fit" in err and "first req-1 (line 2)" in err
+    assert "raise --num-blocks to at least 564 for all of them (the largest needs 563 blocks" in " ".join(err.split())

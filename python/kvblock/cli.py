@@ -221,10 +221,12 @@ def _unservable_error(unservable: Sequence[Any], usable_blocks: int) -> Any:
 
     if not unservable:
         return None
-    first = unservable[0]
+    # trace order (a fleet reports them per instance)
+    first = min(unservable, key=lambda u: (u.line or 0, str(u.request_id)))
     where = f" (line {first.line})" if first.line else ""
     need = max(u.blocks_needed for u in unservable)
-    hint = (f"raise --num-blocks to at least {need + 1}" if need > usable_blocks
+    hint = (f"raise --num-blocks to at least {need + 1} for all of them (the largest needs {need:,} blocks "
+            f"besides the null block)" if need > usable_blocks
             else "raise --token-budget or enable chunked prefill")
     return UnservableRequestsError(
         f"{len(unservable):,} request(s) can never fit and were not replayed; first "
