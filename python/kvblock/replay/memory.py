@@ -31,8 +31,9 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+from .config import MAX_NUM_BLOCKS
 from .errors import ReplayError
 
 __all__ = ["CATALOG", "KV_DTYPES", "KVSizing", "check_budget", "format_bytes", "load_sizing", "parse_bytes",
@@ -83,6 +84,50 @@ def parse_bytes(text: str) -> int | None:
     if m is None:
         return None
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
+
+
+def parse_capacities(specs: Sequence[str]) -> list[int | None]:
+    """Parse capacities in blocks: ints with an optional ``k`` / ``m`` suffix, separated by
+    commas or given as several arguments; ``inf`` / ``unlimited`` means unlimited (None).
+
+    Returns them sorted ascending, unlimited last, without duplicates.
+
+    Raises:
+        ReplayError: no capacity, an unparsable one, or one below 2 blocks (block 0 is the
+            null block, so 2 is the smallest cache that holds anything).
+    """
+    out: set[int | None] = set()
+    for spec in specs:
+        for part in str(spec).split(","):
+            s = part.strip().lower()
+            if not s:
+                continue
+            if s in ("inf", "unlimited", "none"):
+                out.add(None)
+                continue
+            m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", s)
+            if m is None:
+                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf, "
+                                  f"or with --model a size in bytes such as 8GiB (units: {BYTE_UNITS})")
+            value = float(m.group(1)) * _SUFFIX[m.group(2)]
+            if value != int(value):
+                raise ReplayError(f"bad capacity {part.strip()!r}: not a whole number of blocks")
+            if value < 2:
+                raise ReplayError(
+                    f"capacity {part.strip()} is too small: at least 2 blocks (block 0 is vLLM's null block)"
+                )
+            if value > MAX_NUM_BLOCKS:
+                raise ReplayError(
+                    f"capacity {part.strip()} is too large: at most {MAX_NUM_BLOCKS:,} blocks (int32 block ids)"
+                )
+            out.add(int(value))
+    if not out:
+        raise ReplayError("no capacities given (e.g. --capacities 1k,10k,100k,inf)")
+    finite = sorted(c for c in out if c is not None)
+    return finite + ([None] if None in out else [])
 
 
 def format_bytes(n: float) -> str:
@@ -273,8 +318,6 @@ def check_budget(text: str, blocks: int, sizing: KVSizing, block_size: int) -> N
         need = sizing.budget_of(2, block_size)
         raise ReplayError(f"capacity {text} is too small for {sizing.model}: 2 blocks of {block_size} tokens "
                           f"need {format_bytes(need)} ({need:,} bytes)")
-    from .config import MAX_NUM_BLOCKS
-
     if blocks > MAX_NUM_BLOCKS:
         raise ReplayError(f"capacity {text} is too large: {blocks:,} blocks of {block_size} tokens, at most "
                           f"{MAX_NUM_BLOCKS:,} (int32 block ids)")
@@ -290,8 +333,6 @@ def resolve_capacities(specs: list[str], sizing: KVSizing | None,
         ReplayError: no capacity, a budget without ``--model``, one under 2 blocks, a bad
             block count.
     """
-    from .sweep import parse_capacities
-
     budgets: dict[int, str] = {}
     counts: list[str] = []
     for spec in specs:

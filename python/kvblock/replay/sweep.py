@@ -9,61 +9,16 @@ across capacities. ``token_hit_rate`` is vLLM's ``hits / queries`` over served r
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .config import MAX_NUM_BLOCKS, SimConfig
+from .config import SimConfig
 from .errors import ReplayError
-from .memory import BYTE_UNITS
+from .memory import parse_capacities
 from .simulator import Replayer
 from .trace import Trace
 
 __all__ = ["SweepPoint", "SweepSeries", "parse_capacities", "sweep"]
-
-
-_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
-
-
-def parse_capacities(specs: Sequence[str]) -> list[int | None]:
-    """Parse capacities in blocks: ints with an optional ``k`` / ``m`` suffix, separated by
-    commas or given as several arguments; ``inf`` / ``unlimited`` means unlimited (None).
-
-    Returns them sorted ascending, unlimited last, without duplicates.
-
-    Raises:
-        ReplayError: no capacity, an unparsable one, or one below 2 blocks (block 0 is the
-            null block, so 2 is the smallest cache that holds anything).
-    """
-    out: set[int | None] = set()
-    for spec in specs:
-        for part in str(spec).split(","):
-            s = part.strip().lower()
-            if not s:
-                continue
-            if s in ("inf", "unlimited", "none"):
-                out.add(None)
-                continue
-            m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", s)
-            if m is None:
-                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf, "
-                                  f"or with --model a size in bytes such as 8GiB (units: {BYTE_UNITS})")
-            value = float(m.group(1)) * _SUFFIX[m.group(2)]
-            if value != int(value):
-                raise ReplayError(f"bad capacity {part.strip()!r}: not a whole number of blocks")
-            if value < 2:
-                raise ReplayError(
-                    f"capacity {part.strip()} is too small: at least 2 blocks (block 0 is vLLM's null block)"
-                )
-            if value > MAX_NUM_BLOCKS:
-                raise ReplayError(
-                    f"capacity {part.strip()} is too large: at most {MAX_NUM_BLOCKS:,} blocks (int32 block ids)"
-                )
-            out.add(int(value))
-    if not out:
-        raise ReplayError("no capacities given (e.g. --capacities 1k,10k,100k,inf)")
-    finite = sorted(c for c in out if c is not None)
-    return finite + ([None] if None in out else [])
 
 
 @dataclass(frozen=True)
