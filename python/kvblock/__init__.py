@@ -8,11 +8,13 @@ Block hashes, block ids and free-queue order are identical to vLLM 0.33.0's:
 * :class:`KVCacheManager` — a drop-in for vLLM's ``KVCacheManager`` (one KV-cache group);
 * :class:`Request` — request bookkeeping with incremental block hashes;
 * :mod:`kvblock.events` — KV events in vLLM's msgpack wire format;
+* :mod:`kvblock.errors` — kvblock's exception classes (each a subclass of a built-in one);
 * :mod:`kvblock.reference` — the pure-Python reference of all of the above.
 """
 
 from . import _core, hashing
 from .block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from .errors import IntOutOfRangeError, MissingExtraError, StaleHitError
 from .hashing import (
     get_hash_fn_by_name,
     get_request_block_hasher,
@@ -31,9 +33,6 @@ from .request import (
     SamplingParams,
 )
 from .stats import PrefixCacheStats
-
-StaleHitError = _core.StaleHitError
-IntOutOfRangeError = _core.IntOutOfRangeError
 
 __version__ = _core.__version__
 
@@ -58,6 +57,7 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheManager",
     "LoRARequest",
+    "MissingExtraError",
     "MultiGroupBlockTable",
     "MultiModalFeatureSpec",
     "NONE_HASH",
