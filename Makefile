@@ -98,14 +98,21 @@ wheels:
 lint:
 	cargo fmt --check
 	cargo clippy --features python --all-targets -- -D warnings
+	cargo clippy --features bench-timers --lib -- -D warnings
 
-# The pytest benchmarks (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
+# The pytest benchmarks, on a core built with the bench-timers cargo feature (the call timers of
+# the vLLM scheduler benches; tests/test_call_timer.py checks them first) (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
 # then their kvblock-vs-vLLM table in Markdown (benches/summary.py); the vLLM benches again under
 # vLLM 0.34 (.venv-vllm/0.34, made by make install: its scheduler at block sizes 16 and 64, and
 # request hashing from its TokenBuffers), with their own table; then the criterion benches.
 VLLM034_PY ?= .venv-vllm/0.34/bin/python
 VLLM034_SUMMARY ?= .benchmarks/kvblock-summary-vllm-0.34.json
 bench: install
+	@echo "== building kvblock._core with the bench-timers cargo feature (the vLLM benches' manager-time passes need its call timers; the wheel and make install leave them out)"
+	cargo build --release --features python,bench-timers --lib
+	cp target/release/lib_core.so python/kvblock/.core-bench.so.tmp
+	mv python/kvblock/.core-bench.so.tmp python/kvblock/_core$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(BIN)/python -m pytest tests/test_call_timer.py -q
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
 	$(BIN)/python benches/summary.py
 	@if [ -x "$(VLLM034_PY)" ]; then \

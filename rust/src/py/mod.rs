@@ -3,6 +3,7 @@
 pub mod args;
 pub mod block_ids;
 pub mod block_pool;
+#[cfg(feature = "bench-timers")]
 pub mod call_timer;
 pub mod capacity;
 pub mod convert;
@@ -54,8 +55,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
     m.add_function(wrap_pyfunction!(fast_entry::_fast_entry, m)?)?;
-    m.add_class::<call_timer::PyCallClock>()?;
-    m.add_class::<call_timer::PyTimedCall>()?;
+    // the benches' call timers, only in a build with the bench-timers cargo feature
+    m.add("BENCH_TIMERS", cfg!(feature = "bench-timers"))?;
+    #[cfg(feature = "bench-timers")]
+    {
+        m.add_class::<call_timer::PyCallClock>()?;
+        m.add_class::<call_timer::PyTimedCall>()?;
+    }
     m.add_function(wrap_pyfunction!(index::parent_tag, m)?)?;
     m.add_function(wrap_pyfunction!(index::event_ints, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;
