@@ -9,7 +9,7 @@ pub mod capacity;
 pub mod convert;
 pub mod errors;
 pub mod events;
-pub mod fast_entry;
+pub mod fast;
 pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
@@ -17,11 +17,9 @@ pub mod hashing;
 pub mod hisparse;
 pub mod hit_verify;
 pub mod index;
-pub mod instance_dict;
 pub mod manager;
 pub mod request_hasher;
 pub mod retention;
-pub mod slot_cache;
 pub mod tokens;
 
 use pyo3::prelude::*;
@@ -40,6 +38,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         }
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // the CPython fast paths (fast/mod.rs): the switch is read here, once
+    m.add("FAST_PATHS", fast::enabled())?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
     m.add_class::<hashing::PyHashFunction>()?;
@@ -54,7 +54,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
     m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
-    m.add_function(wrap_pyfunction!(fast_entry::_fast_entry, m)?)?;
+    m.add_function(wrap_pyfunction!(fast::entry::_fast_entry, m)?)?;
     // the benches' call timers, only in a build with the bench-timers cargo feature
     m.add("BENCH_TIMERS", cfg!(feature = "bench-timers"))?;
     #[cfg(feature = "bench-timers")]

@@ -189,10 +189,7 @@ impl PyManager {
                 retention_interval: retention.map(|v| v.max(0) as usize),
                 enable_mamba_shared_prefix_checkpoint,
                 caller,
-                rules: match release_rules {
-                    Some(d) => rules_of(d)?,
-                    None => ReleaseRules::default(),
-                },
+                rules: ReleaseRules::default(),
             };
             if pool_h != cfg.hash_block_size {
                 return Err(value_err(
@@ -215,7 +212,11 @@ impl PyManager {
             }
             Ok((cfg, retention, default_prio))
         };
-        let (cfg, retention, default_prio) = read().map_err(|e| asserted_for(caller, py, e))?;
+        let (mut cfg, retention, default_prio) = read().map_err(|e| asserted_for(caller, py, e))?;
+        // kvblock's own argument (kvblock.vllm.releases), not vLLM's: its errors as they are
+        if let Some(d) = release_rules {
+            cfg.rules = rules_of(d)?;
+        }
         if let Some(v) = retention.filter(|&v| v < 0) {
             return Err(cfg.refused(
                 "prefix_cache_retention_interval",

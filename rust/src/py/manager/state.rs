@@ -281,7 +281,7 @@ impl ManagerState {
     }
 
     /// The coordinator slot of a request this manager holds, found from the request object's
-    /// address when it was seen before (see `slot_cache.rs`), else from its id's characters;
+    /// address when it was seen before (see `fast/slot_cache.rs`), else from its id's characters;
     /// None for a request the manager does not hold. Also returns the `request_id` it read, if
     /// it read one (for [`ManagerState::view_after`]).
     pub(super) fn known_slot<'py>(
