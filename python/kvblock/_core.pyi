@@ -12,6 +12,8 @@ __all__ = [
     "__version__",
     "BUILD_PROFILE",
     "BENCH_TIMERS",
+    "FAST_PATHS",
+    "REQUEST_FIELDS",
     "ALGORITHMS",
     "HashFunction",
     "RequestBlockHasher",
@@ -44,6 +46,11 @@ BUILD_PROFILE: str
 #: then ``CallClock`` and ``TimedCall``, the benches' call timers (``rust/src/py/call_timer.rs``),
 #: exist too. They are described in ``benches/vllm_sched.py``, not here.
 BENCH_TIMERS: bool
+#: False when ``KVBLOCK_NO_FAST_PATHS`` (set, not ``0``) turned the CPython fast paths
+#: (``rust/src/py/fast/``) off when this module was imported.
+FAST_PATHS: bool
+#: The request attributes the core reads by name (``kvblock.request.RUST_READS`` is the same).
+REQUEST_FIELDS: tuple[str, ...]
 #: The valid block-hash algorithm names, in vLLM's order.
 ALGORITHMS: tuple[str, ...]
 

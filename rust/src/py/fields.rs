@@ -14,7 +14,10 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyType};
 
-/// The request fields the manager reads.
+/// The request attributes the Rust core reads (or calls) on a request object, in [`NAMES`]'
+/// order: the one list on the Rust side. Its Python side is `kvblock.request.RUST_READS`
+/// (`tests/test_request_fields.py` fails when the two drift). Every read of a request
+/// attribute in `rust/src/py/` names one of these.
 #[derive(Clone, Copy)]
 pub enum Field {
     RequestId,
@@ -38,11 +41,32 @@ pub enum Field {
     SessionId,
     PromptIsTokenIds,
     PrefixCacheHitLimit,
+    /// `num_tokens` (a property of both `Request`s).
+    NumTokens,
+    /// `_hash_block_size` (kvblock's `Request`: the block size its hashes are at).
+    HashBlockSize,
+    /// `retention` (kvblock's `Request`: retention ranges).
+    Retention,
+    /// `retention_priority` (kvblock's `Request`).
+    RetentionPriority,
+    /// `all_token_ids` (the property; [`Field::AllTokenIds`] is the list behind it).
+    AllTokenIdsView,
+    /// `update_block_hashes` (a method, called).
+    UpdateBlockHashes,
 }
 
-const N: usize = 21;
+impl Field {
+    /// The attribute's name, interned once per process.
+    pub fn interned(self, py: Python<'_>) -> &Bound<'_, PyString> {
+        static CELL: pyo3::sync::PyOnceLock<[Py<PyString>; N]> = pyo3::sync::PyOnceLock::new();
+        CELL.get_or_init(py, || NAMES.map(|n| PyString::intern(py, n).unbind()))[self as usize].bind(py)
+    }
+}
 
-const NAMES: [&str; N] = [
+const N: usize = 27;
+
+/// The names of [`Field`]'s attributes (exported as `kvblock._core.REQUEST_FIELDS`).
+pub const NAMES: [&str; N] = [
     "request_id",
     "num_computed_tokens",
     "_all_token_ids",
@@ -64,6 +88,12 @@ const NAMES: [&str; N] = [
     "session_id",
     "prompt_is_token_ids",
     "prefix_cache_hit_limit",
+    "num_tokens",
+    "_hash_block_size",
+    "retention",
+    "retention_priority",
+    "all_token_ids",
+    "update_block_hashes",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.

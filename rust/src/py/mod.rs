@@ -41,6 +41,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // the CPython fast paths (fast/mod.rs): the switch is read here, once
     m.add("FAST_PATHS", fast::enabled())?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+    m.add("REQUEST_FIELDS", pyo3::types::PyTuple::new(m.py(), fields::NAMES)?)?;
     m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
     m.add_class::<hashing::PyHashFunction>()?;
     m.add_class::<request_hasher::PyRequestBlockHasher>()?;
