@@ -76,7 +76,10 @@ fn a_manager_config_with_hisparse_groups_is_refused_until_the_manager_holds_them
     assert!(matches!(c.validate(), Err(Error::NotImplemented(m)) if m.contains("kv_cache_groups[0]")));
     let c = manager_config(vec![spec(Kind::FullAttention), spec(Kind::HiSparseHot { blocks_per_request: 2 })]);
     assert!(matches!(c.validate(), Err(Error::NotImplemented(m)) if m.contains("kv_cache_groups[1]")));
-    let c = manager_config(vec![spec(Kind::HiSparseHot { blocks_per_request: 0 })]);
+    // a group's own bad value: vLLM's callers (this config's caller) get vLLM's assert
+    let mut c = manager_config(vec![spec(Kind::HiSparseHot { blocks_per_request: 0 })]);
+    assert!(matches!(c.validate(), Err(Error::Assertion(m)) if m.contains("blocks_per_request")));
+    c.caller = crate::manager::spec::Caller::Kvblock;
     assert!(matches!(c.validate(), Err(Error::Value(m)) if m.contains("blocks_per_request")));
 }
 

@@ -2,10 +2,10 @@
 //! `retention` / `retention_priority`, and reading the manager's clock before an action.
 
 use super::errors::{type_err, value_err, IntoPy};
+use super::fields::Field;
 use crate::manager::retention::{RequestRetention, RetentionRange, RetentionState};
 use crate::pool::block_pool::BlockPool;
 use crate::pool::retention::{check_duration, check_priority};
-use super::fields::Field;
 use pyo3::prelude::*;
 
 fn int_of(v: &Bound<'_, PyAny>, arg: &str) -> PyResult<i64> {
