@@ -8,21 +8,13 @@ fails when a match on message text comes back).
 The Rust core has one error enum (``rust/src/error.rs``); ``rust/src/py/errors.rs`` maps each
 kind to one Python type:
 
-==========================  ====================================================
-core error kind             Python exception
-==========================  ====================================================
-``Value``                   ``ValueError``
-``NotEnoughFreeBlocks``     ``ValueError`` (vLLM's "Cannot get N free blocks ...")
-``NoFreeBlocks``            ``ValueError`` (vLLM's "No free blocks available")
-``Type``                    ``TypeError``
-``NotFound``                ``KeyError``
-``State``                   ``RuntimeError``
-``Assertion``               ``AssertionError`` (where vLLM ``assert``\\ s)
-``Index``                   ``IndexError`` (vLLM's callers only)
-``NotImplemented``          ``NotImplementedError``
-``Memory``                  ``MemoryError``
-``StaleHit``                :class:`StaleHitError` (a ``ValueError``)
-==========================  ====================================================
+* ``Value``: ``ValueError``; ``NotEnoughFreeBlocks`` and ``NoFreeBlocks``: ``ValueError``
+  with vLLM's "Cannot get N free blocks from the pool" / "No free blocks available";
+* ``Type``: ``TypeError``; ``NotFound``: ``KeyError``; ``State``: ``RuntimeError``;
+* ``Assertion``: ``AssertionError`` (where vLLM ``assert``-s); ``Index``: ``IndexError``
+  (vLLM's callers only); ``NotImplemented``: ``NotImplementedError``; ``Memory``:
+  ``MemoryError``;
+* ``StaleHit``: :class:`StaleHitError` (a ``ValueError``).
 
 Which of vLLM's types a configuration error takes is decided in the core, by the caller
 dialect (``spec::Caller``): for kvblock's own API a refused configuration is a ``ValueError``
