@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # `make test SMOKE_PYTHONS=` runs none.
 SMOKE_PYTHONS ?= 3.10 3.11 3.12 3.13
 
-.PHONY: test install rust-test py-test test-services typecheck smoke docs lint bench demo wheels clean
+.PHONY: test install rust-test py-test py-test-no-fast-paths test-services typecheck smoke docs lint bench demo wheels clean
 
 $(BIN)/python:
 	@echo "== creating $(VENV), the test environment, with $(PY) ($$($(PY) --version 2>&1))"
@@ -64,6 +64,18 @@ py-test: install test-services
 	@echo "== pytest: the whole Python suite on $$($(BIN)/python --version) (about 20 minutes on 2 cores: the three vLLM releases' judges, kvblock's vLLM tests under 0.32 and 0.34, a real vLLM engine)"
 	$(BIN)/python -m pytest -q
 
+# The tests of the manager, pool, requests, hashing, the locksteps and the vLLM plugin again,
+# with every CPython fast path (rust/src/py/fast/) off: the same wheel, KVBLOCK_NO_FAST_PATHS=1.
+# Fewer lockstep examples and no pure-Python reference cases (about 3 minutes on 2 cores).
+NO_FAST_PATHS_TESTS := tests/test_hashing_api.py tests/test_hashing_golden.py tests/test_none_hash_roots.py \
+	tests/test_request_tokens.py tests/test_allocate_atomic.py tests/test_hybrid_api.py tests/test_cases.py \
+	tests/test_manager_lockstep.py tests/test_pool_lockstep.py tests/test_retention_lockstep.py \
+	tests/test_vllm_lockstep.py tests/test_vllm_lockstep_cases.py tests/test_vllm_request_reads.py tests/test_vllm_plugin.py
+py-test-no-fast-paths: install
+	@echo "== no fast paths: pytest with KVBLOCK_NO_FAST_PATHS=1 (manager, pool, request, hashing, lockstep and vLLM plugin tests; about 3 minutes)"
+	KVBLOCK_NO_FAST_PATHS=1 KVBLOCK_LOCKSTEP_EXAMPLES=400 $(BIN)/python -m pytest -q $(NO_FAST_PATHS_TESTS) \
+		-k "not reference and not random_seeds and not outside_window"
+
 # mypy --strict on the README's Python examples and tests/typing/, and stubtest of _core.pyi.
 typecheck: install
 	@echo "== type checks: mypy --strict on the examples of README.md and docs/ and tests/typing/, stubtest of kvblock._core"
@@ -98,14 +110,21 @@ wheels:
 lint:
 	cargo fmt --check
 	cargo clippy --features python --all-targets -- -D warnings
+	cargo clippy --features bench-timers --lib -- -D warnings
 
-# The pytest benchmarks (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
+# The pytest benchmarks, on a core built with the bench-timers cargo feature (the call timers of
+# the vLLM scheduler benches; tests/test_call_timer.py checks them first) (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),
 # then their kvblock-vs-vLLM table in Markdown (benches/summary.py); the vLLM benches again under
 # vLLM 0.34 (.venv-vllm/0.34, made by make install: its scheduler at block sizes 16 and 64, and
 # request hashing from its TokenBuffers), with their own table; then the criterion benches.
 VLLM034_PY ?= .venv-vllm/0.34/bin/python
 VLLM034_SUMMARY ?= .benchmarks/kvblock-summary-vllm-0.34.json
 bench: install
+	@echo "== building kvblock._core with the bench-timers cargo feature (the vLLM benches' manager-time passes need its call timers; the wheel and make install leave them out)"
+	cargo build --release --features python,bench-timers --lib
+	cp target/release/lib_core.so python/kvblock/.core-bench.so.tmp
+	mv python/kvblock/.core-bench.so.tmp python/kvblock/_core$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+	$(BIN)/python -m pytest tests/test_call_timer.py -q
 	$(BIN)/python -m pytest benches -q --benchmark-columns=min,median,mean,rounds --benchmark-sort=name
 	$(BIN)/python benches/summary.py
 	@if [ -x "$(VLLM034_PY)" ]; then \

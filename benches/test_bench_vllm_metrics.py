@@ -46,6 +46,8 @@ def _run(impl: str, rate: float) -> S.SchedRun:
 def test_vllm_scheduler_with_residency_metrics(record_measured, report_line, rate):
     if SERIES not in S.SERIES:
         pytest.skip(f"needs vLLM {' or '.join(s + '.x' for s in S.SERIES)}, found {vllm.__version__}")
+    if not S.TIMERS:
+        pytest.skip(S.NO_TIMERS)
     for impl in ("vllm", "kvblock"):  # warm-up: lazy imports
         S.run(impl, lambda: S.shared_workload(64, 16), kv_cache_metrics_sample=rate)
     runs: dict[str, list[S.SchedRun]] = {"vllm": [], "kvblock": []}

@@ -107,7 +107,7 @@ def test_vllm_scheduler_step(record_measured, report_line, name, block_size):
             samples[impl].append(r.mean_step_s)
     # the manager-time passes: REPS of each, interleaved; the median share is reported
     timed_runs: dict[str, list[S.SchedRun]] = {"vllm": [], "kvblock": []}
-    for rep in range(REPS):
+    for rep in range(REPS if S.TIMERS else 0):
         for impl in (("vllm", "kvblock") if rep % 2 == 0 else ("kvblock", "vllm")):
             gc.collect()
             timed_runs[impl].append(S.run(impl, factory, time_manager=True))
@@ -121,7 +121,10 @@ def test_vllm_scheduler_step(record_measured, report_line, name, block_size):
                 f"{statistics.median(samples['kvblock']) * 1e6:.0f} µs kvblock (medians of {REPS}): {ratio:.2f}x; "
                 f"target >= 2x: {'met' if ratio >= 2 else 'NOT met'}")
     report_line(f"scheduler [{name}]: {r0.steps} steps, {r0.finished} requests, prefix hits {r0.hits}/{r0.queries} "
-                f"tokens, fingerprint {r0.fingerprint[:16]} (identical in all {len(runs) + 2 * REPS} runs)")
+                f"tokens, fingerprint {r0.fingerprint[:16]} (identical in all {len(runs) + sum(map(len, timed_runs.values()))} runs)")
+    if not S.TIMERS:
+        report_line(f"  KV manager share of a step [{name}]: not measured: {S.NO_TIMERS}")
+        return
     for impl, ts in timed_runs.items():
         shares = sorted(t.manager_ns / sum(t.step_ns) for t in ts)
         share = statistics.median(shares)

@@ -37,12 +37,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvblock import _core
 from kvblock.replay import peer_workload as W
 
 #: the vLLM release series this bench drives (0.34's ``Request`` holds its token ids in a
 #: ``TokenBuffer``, its ``ModelRunnerOutput`` has no ``req_id_to_index``, and its
 #: ``VllmConfig`` needs ``shared/vllm/cpu-harness/triton_shim.py`` on a CPU without triton-cpu)
 SERIES = ("0.33", "0.34")
+
+#: The manager-time passes (``run(..., time_manager=True)``) time calls with
+#: ``kvblock._core.CallClock``, built only with the bench-timers cargo feature.
+TIMERS = _core.BENCH_TIMERS
+NO_TIMERS = ("the KV manager's share needs kvblock._core built with the bench-timers cargo feature "
+             "(make bench builds it so; the wheel and make install leave the timers out)")
 #: the release the hybrid bench (test_bench_hybrid.py) drives
 VLLM_VERSION = "0.33.0"
 EOS_TOKEN_ID = 2
@@ -264,9 +271,9 @@ class ManagerTimer:
     POOL_METHODS = ("free_blocks", "get_num_free_blocks", "get_usage")
 
     def __init__(self, manager: Any) -> None:
-        from kvblock._core import CallClock
-
-        self.clock = CallClock()
+        if not TIMERS:
+            raise RuntimeError(NO_TIMERS)
+        self.clock = _core.CallClock()
         self.overhead_ns = min(self.clock.overhead_ns() for _ in range(7))
         self._timed: dict[str, Any] = {}
         empty = manager.empty_kv_cache_blocks

@@ -1,4 +1,5 @@
-"""``make test``: run every stage (cargo test, pytest, type checks, smoke, docs) with ``make -k``,
+"""``make test``: run every stage (cargo test, pytest, pytest with the CPython fast paths off,
+type checks, smoke, docs) with ``make -k``,
 showing its output, going on after a failed one, and end with one line: passed / failed /
 skipped per stage.
 
@@ -18,6 +19,7 @@ import sys
 STAGES = [
     ("cargo test", "rust-test", "== cargo test"),
     ("pytest", "py-test", "== pytest:"),
+    ("no fast paths", "py-test-no-fast-paths", "== no fast paths:"),
     ("typecheck", "typecheck", "== type checks:"),
     ("smoke", "smoke", "== smoke tests"),
     ("docs", "docs", "== docs:"),
@@ -72,7 +74,8 @@ def count_docs(log: str) -> dict[str, int]:
     return {"passed": int(built), "failed": int(not built)}
 
 
-COUNTERS = {"rust-test": count_cargo, "py-test": count_pytest, "typecheck": count_typecheck, "smoke": count_smoke, "docs": count_docs}
+COUNTERS = {"rust-test": count_cargo, "py-test": count_pytest, "py-test-no-fast-paths": count_pytest,
+            "typecheck": count_typecheck, "smoke": count_smoke, "docs": count_docs}
 
 
 def run(make: str) -> tuple[int, str]:

@@ -39,6 +39,8 @@ def _interrupt_at_import(module: str, argv: list[str]) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("module, argv", [
+    ("kvblock._core", ["info"]),                     # `import kvblock` itself, before cli exists
+    ("kvblock.manager", ["info"]),                   # the package's own imports
     ("kvblock.cli", ["info"]),                       # before main() runs
     ("kvblock.replay.errors", ["info"]),             # main()'s first import
     ("aiohttp", ["index", "serve", "--port", "0"]),  # index serve starting up
@@ -48,6 +50,47 @@ def test_ctrl_c_while_importing_is_one_line_and_130(module, argv):
     r = _interrupt_at_import(module, argv)
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines() == ["kvblock: interrupted"], r.stderr
+
+
+@pytest.mark.parametrize("module", ["kvblock._core", "kvblock.manager"])
+def test_ctrl_c_while_the_console_script_imports_kvblock(module, tmp_path):
+    """The installed ``kvblock`` script runs ``from kvblock.cli import main``: Ctrl-C while that
+    imports the package ends it with one line and 130 too."""
+    script = tmp_path / "kvblock"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        class Hook:
+            def find_spec(self, name, path=None, target=None):
+                if name == {module!r}:
+                    raise KeyboardInterrupt
+                return None
+        sys.meta_path.insert(0, Hook())
+        from kvblock.cli import main
+        sys.exit(main())
+    """))
+    r = subprocess.run([sys.executable, str(script), "info"], capture_output=True, text=True, timeout=120, env=_env())
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.strip().splitlines() == ["kvblock: interrupted"], r.stderr
+
+
+def test_ctrl_c_while_a_program_imports_kvblock_stays_a_keyboard_interrupt():
+    """Only the kvblock command exits quietly: a program importing the library gets its
+    KeyboardInterrupt, as from any other import."""
+    script = textwrap.dedent("""
+        import sys
+        class Hook:
+            def find_spec(self, name, path=None, target=None):
+                if name == "kvblock._core":
+                    raise KeyboardInterrupt
+                return None
+        sys.meta_path.insert(0, Hook())
+        try:
+            import kvblock
+        except KeyboardInterrupt:
+            print("caught")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert r.returncode == 0 and r.stdout.strip() == "caught", (r.stdout, r.stderr)
 
 
 def test_ctrl_c_in_make_test_is_one_line_and_130(tmp_path):

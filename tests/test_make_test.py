@@ -24,6 +24,10 @@ STAGES = {
         "== pytest: the whole Python suite on Python 3.11.9",
         "1700 passed, 6 skipped, 14 warnings in 181.52s (0:03:01)",
     ],
+    "py-test-no-fast-paths": [
+        "== no fast paths: pytest with KVBLOCK_NO_FAST_PATHS=1 (manager, pool, ...)",
+        "338 passed, 5 skipped, 163 deselected, 14 warnings in 156.81s (0:02:36)",
+    ],
     "typecheck": [
         "== type checks: mypy --strict on the README's examples and tests/typing/, stubtest of kvblock._core",
         "== mypy --strict on 6 README examples and 2 tests/typing snippets: mypy --strict x.py",
@@ -70,7 +74,7 @@ def test_the_last_line_sums_up_every_stage(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.splitlines()[-1] == (
         "== make test passed: cargo test 150 passed, 0 failed, 2 ignored; "
-        "pytest 1,700 passed, 0 failed, 6 skipped; typecheck 2 passed, 0 failed; "
+        "pytest 1,700 passed, 0 failed, 6 skipped; no fast paths 338 passed, 0 failed, 5 skipped; typecheck 2 passed, 0 failed; "
         "smoke 1 passed, 0 failed, 3 skipped; docs 1 passed, 0 failed"
     )
     assert "1700 passed, 6 skipped" in r.stdout  # every stage's own output still shows

@@ -30,7 +30,8 @@ def test_missing_optional_dependency_names_its_extra(case):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert last.split(":")[0] in ("ModuleNotFoundError", "ImportError", "kvblock.replay.errors.ReplayError"), r.stderr
+    assert last.split(":")[0] in ("ModuleNotFoundError", "kvblock.errors.MissingExtraError", "ImportError",
+                                   "kvblock.replay.errors.ReplayError"), r.stderr
     assert what in last and hint in last and "kvblock[" not in last, last
 
 

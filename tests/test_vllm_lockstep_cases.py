@@ -39,6 +39,12 @@ from vllm_oracle import both as _both  # noqa: E402
 from vllm_oracle import request as _request  # noqa: E402
 from vllm_oracle import state as _state  # noqa: E402
 
+from kvblock import _core  # noqa: E402
+
+#: For the tests of a CPython fast path's own state (rust/src/py/fast/): they skip where
+#: KVBLOCK_NO_FAST_PATHS=1 turned the fast paths off.
+FAST_PATHS_ONLY = pytest.mark.skipif(not _core.FAST_PATHS, reason="the CPython fast paths are off (KVBLOCK_NO_FAST_PATHS)")
+
 
 def _mamba(bs: int) -> MambaSpec:
     return MambaSpec(block_size=bs, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align")
@@ -413,6 +419,7 @@ def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_
     assert last[0].startswith("reused ")
 
 
+@FAST_PATHS_ONLY
 def test_slot_cache_releases_freed_requests_and_stays_bounded():
     """The slot cache keeps no request object alive (it holds the request's id string),
     freeing a request through its object drops its entry, and requests
@@ -470,6 +477,7 @@ def _other_weak_references(r) -> list:
             weakref.WeakValueDictionary({"r": r})]
 
 
+@FAST_PATHS_ONLY
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_slot_cache_knows_a_request_that_has_other_weak_references(when):
     """Weak references to a request (with a callback, a proxy, a ``weakref.ref`` subclass, a

@@ -235,7 +235,8 @@ def test_views_refuse_bad_writes_and_change_nothing():
 def test_release_rules_bad_input_is_refused_before_anything_is_built():
     """The release rules ``kvblock.vllm`` hands the Rust core (``Release.core_rules()``): an
     unknown rule is a ValueError naming it, a rule that is not a bool a TypeError; the 0.32
-    rule lets a Mamba group in mode "none" cache, which 0.33's refuses."""
+    rule lets a Mamba group in mode "none" cache, which 0.33's refuses (with vLLM's
+    ``AssertionError``: the core raises vLLM's types for vLLM's callers)."""
     from kvblock import _core
 
     groups = [{"kind": "full_attention", "block_size": 4},
@@ -248,8 +249,8 @@ def test_release_rules_bad_input_is_refused_before_anything_is_built():
         build({"mamba_caches_everything": True})
     with pytest.raises(TypeError, match="expected bool"):
         build({"mamba_none_mode_caches": 1})
-    with pytest.raises(ValueError, match="requires mamba_cache_mode='align'"):
-        build({})
+    with pytest.raises(AssertionError, match="requires mamba_cache_mode='align'"):
+        build({})  # vLLM's caller dialect (the default): vLLM's own assert, raised by the core
     assert build({"mamba_none_mode_caches": True}).block_pool.get_num_free_blocks() == 9
     assert set(current().core_rules()) == {
         "eagle_groups_drop_always", "mamba_none_mode_caches", "partial_tail_rekeyed", "eagle_junction_block_retained",

@@ -23,6 +23,12 @@ from vllm_oracle import A  # noqa: E402
 from vllm_oracle import both as _both  # noqa: E402
 from vllm_oracle import request as _request  # noqa: E402
 from vllm_oracle import state as _state  # noqa: E402
+from kvblock import _core
+
+#: For the tests of a CPython fast path's own state (rust/src/py/fast/): they skip where
+#: KVBLOCK_NO_FAST_PATHS=1 turned the fast paths off.
+FAST_PATHS_ONLY = pytest.mark.skipif(not _core.FAST_PATHS, reason="the CPython fast paths are off (KVBLOCK_NO_FAST_PATHS)")
+
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -61,6 +67,7 @@ def _decode_step_alike(v, rv, k, rk):
     return a_v
 
 
+@FAST_PATHS_ONLY
 def test_a_property_added_to_the_class_afterwards_is_read_as_getattr_reads_it():
     """A ``num_computed_tokens`` property put on ``Request`` after both managers have read
     the field takes precedence over the instance attribute: both managers see 2 more
@@ -136,6 +143,7 @@ def test_reading_fields_leaves_the_request_as_it_was():
     assert rk.block_hashes == untouched.block_hashes
 
 
+@FAST_PATHS_ONLY
 def test_a_manager_built_before_any_request_reads_fields_from_the_dict():
     """vLLM's engine builds its scheduler, and so the manager, before the first ``Request``
     exists; until an attribute lookup goes through it, the ``Request`` type has no version

@@ -8,32 +8,55 @@ Block hashes, block ids and free-queue order are identical to vLLM 0.33.0's:
 * :class:`KVCacheManager` — a drop-in for vLLM's ``KVCacheManager`` (one KV-cache group);
 * :class:`Request` — request bookkeeping with incremental block hashes;
 * :mod:`kvblock.events` — KV events in vLLM's msgpack wire format;
+* :mod:`kvblock.errors` — kvblock's exception classes (each a subclass of a built-in one);
 * :mod:`kvblock.reference` — the pure-Python reference of all of the above.
 """
 
-from . import _core, hashing
-from .block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from .hashing import (
-    get_hash_fn_by_name,
-    get_request_block_hasher,
-    hash_block_tokens,
-    hash_blocks,
-    hash_requests,
-    init_none_hash,
-)
-from .manager import KVCacheBlocks, KVCacheManager
-from .request import (
-    LoRARequest,
-    MultiModalFeatureSpec,
-    PlaceholderRange,
-    Request,
-    RequestStatus,
-    SamplingParams,
-)
-from .stats import PrefixCacheStats
 
-StaleHitError = _core.StaleHitError
-IntOutOfRangeError = _core.IntOutOfRangeError
+def _is_the_kvblock_command() -> bool:
+    """True while this process is the ``kvblock`` command (its console script, or
+    ``python -m kvblock``) rather than a program importing the library."""
+    import os
+    import sys
+
+    if sys.argv and os.path.basename(sys.argv[0]).removesuffix(".exe") == "kvblock":
+        return True
+    orig = list(getattr(sys, "orig_argv", ()))
+    return sys.argv[:1] == ["-m"] and any(a == "-m" and b == "kvblock" for a, b in zip(orig, orig[1:]))
+
+
+try:
+    from . import _core, hashing
+    from .block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+    from .errors import IntOutOfRangeError, MissingExtraError, StaleHitError
+    from .hashing import (
+        get_hash_fn_by_name,
+        get_request_block_hasher,
+        hash_block_tokens,
+        hash_blocks,
+        hash_requests,
+        init_none_hash,
+    )
+    from .manager import KVCacheBlocks, KVCacheManager
+    from .request import (
+        LoRARequest,
+        MultiModalFeatureSpec,
+        PlaceholderRange,
+        Request,
+        RequestStatus,
+        SamplingParams,
+    )
+    from .stats import PrefixCacheStats
+except KeyboardInterrupt:
+    # Ctrl-C while the package itself imports, before cli.main() can catch it: the command
+    # ends as Ctrl-C later does (one line, exit status 130); a library user's import still
+    # raises KeyboardInterrupt
+    if not _is_the_kvblock_command():
+        raise
+    import sys as _sys
+
+    print("kvblock: interrupted", file=_sys.stderr)
+    raise SystemExit(130) from None
 
 __version__ = _core.__version__
 
@@ -58,6 +81,7 @@ __all__ = [
     "KVCacheBlocks",
     "KVCacheManager",
     "LoRARequest",
+    "MissingExtraError",
     "MultiGroupBlockTable",
     "MultiModalFeatureSpec",
     "NONE_HASH",

@@ -11,6 +11,9 @@ from typing_extensions import Self, disjoint_base
 __all__ = [
     "__version__",
     "BUILD_PROFILE",
+    "BENCH_TIMERS",
+    "FAST_PATHS",
+    "REQUEST_FIELDS",
     "ALGORITHMS",
     "HashFunction",
     "RequestBlockHasher",
@@ -31,8 +34,6 @@ __all__ = [
     "parent_tag",
     "event_ints",
     "_fast_entry",
-    "CallClock",
-    "TimedCall",
     "CapacityRequests",
     "LruCurve",
     "capacity_trie_ids",
@@ -41,6 +42,15 @@ __all__ = [
 __version__: str
 #: "release" or "debug" (never benchmark a debug build).
 BUILD_PROFILE: str
+#: True in a build with the ``bench-timers`` cargo feature (``make bench``; never the wheel):
+#: then ``CallClock`` and ``TimedCall``, the benches' call timers (``rust/src/py/call_timer.rs``),
+#: exist too. They are described in ``benches/vllm_sched.py``, not here.
+BENCH_TIMERS: bool
+#: False when ``KVBLOCK_NO_FAST_PATHS`` (set, not ``0``) turned the CPython fast paths
+#: (``rust/src/py/fast/``) off when this module was imported.
+FAST_PATHS: bool
+#: The request attributes the core reads by name (``kvblock.request.RUST_READS`` is the same).
+REQUEST_FIELDS: tuple[str, ...]
 #: The valid block-hash algorithm names, in vLLM's order.
 ALGORITHMS: tuple[str, ...]
 
@@ -517,32 +527,6 @@ def parent_tag(parent_block_hash: int | bytes | None = None) -> int:
 
 def event_ints(block_hashes: Any) -> npt.NDArray[np.uint64]:
     """Block hashes as vLLM's 64-bit event ints."""
-
-@final
-class CallClock:
-    """Total time inside the outermost calls of the callables it wraps (benches: the KV cache
-    manager's share of a scheduler step); a call made while a timed call runs is not timed."""
-
-    def __new__(cls) -> CallClock: ...
-    def wrap(self, func: Callable[..., Any], empty: Any = None) -> TimedCall:
-        """``func`` timed on this clock; results that are None or ``empty`` count in bucket 0."""
-    @property
-    def ns(self) -> int:
-        """Nanoseconds inside outermost timed calls (two clock reads each included)."""
-    @property
-    def calls(self) -> int: ...
-    def overhead_ns(self, samples: int = 10000) -> int:
-        """Least nanoseconds between two back-to-back clock reads over ``samples`` tries."""
-
-@final
-class TimedCall:
-    """``func(*args, **kwargs)`` made as the same vectorcall, timed on its ``CallClock``."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-    def totals(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """``((ns, calls) of results None or empty, (ns, calls) of the others)``."""
-    @property
-    def func(self) -> Callable[..., Any]: ...
 
 def _fast_entry(name: str) -> Any:
     """The method descriptor of ``KVCacheManagerCore.<name>`` (``"allocate_slots"`` or

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from .errors import MissingExtraError
+
 #: What to ``pip install`` for a missing top-level module (the pins of pyproject.toml's extras).
 PIP_PACKAGES: dict[str, str] = {
     "zmq": "pyzmq",
@@ -37,10 +39,11 @@ EXTRAS: dict[str, str] = {
 
 def missing_message(e: ModuleNotFoundError) -> str:
     """The message of ``e`` with the install hint added when ``e`` is a bare "No module named
-    X" for an optional dependency ``X`` (an import that bypassed :func:`require`)."""
+    X" for an optional dependency ``X`` (an import that bypassed :func:`require`; a
+    :class:`MissingExtraError` already carries the hint)."""
     msg = str(e)
     top = (e.name or "").partition(".")[0]
-    if top in EXTRAS and "pip install" not in msg:
+    if top in EXTRAS and not isinstance(e, MissingExtraError):
         return f"{msg}: {install_hint(top, EXTRAS[top])}"
     return msg
 
@@ -56,14 +59,15 @@ def require(module: str, *, package: str, extra: str, what: str) -> ModuleType:
     installed ``module`` passes through unchanged.
 
     Raises:
-        ModuleNotFoundError: ``module`` is not installed (``name`` is ``module``).
+        MissingExtraError: ``module`` is not installed (a ``ModuleNotFoundError`` whose
+            ``name`` is ``module``).
     """
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name != module:
             raise
-        raise ModuleNotFoundError(
+        raise MissingExtraError(
             f"{what} needs {package}, which is not installed: {install_hint(module, extra)}",
             name=module,
         ) from e

@@ -226,7 +226,29 @@ def _entry_ids(value: Any) -> list[int]:
     return [value.block_id]
 
 
-class _CacheDict(MutableMapping):
+class PoolKeysView(MutableMapping):  # type: ignore[type-arg]
+    """The keys of a pool's Rust hash map as a mapping: the part shared by the views that
+    stand in for vLLM's ``cached_block_hash_to_block._cache`` (this module's
+    ``_CacheDict``, ``kvblock.vllm.block_pool``'s ``_IdsCache`` for vLLM 0.34). A subclass
+    gives ``_pool`` and the value side (``__getitem__``, ``__setitem__``, ``__delitem__``)."""
+
+    __slots__ = ()
+    _pool: Any
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._pool.cached_items()))
+
+    def __len__(self) -> int:
+        return self._pool.num_cached_keys()
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and bool(self._pool.lookup_key_all(key))
+
+    def clear(self) -> None:
+        self._pool.map_detach_all()
+
+
+class _CacheDict(PoolKeysView):
     """``cached_block_hash_to_block._cache``: the map as vLLM's dict of
     ``{BlockHashWithGroupId: block | {block_id: block}}``. Popping a key takes it out of the
     map while its blocks keep their hash (as popping vLLM's dict does); assigning the popped
@@ -247,18 +269,6 @@ class _CacheDict(MutableMapping):
     def __delitem__(self, key: bytes) -> None:
         if not self._pool.map_detach(key):
             raise KeyError(key)
-
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(list(self._pool.cached_items()))
-
-    def __len__(self) -> int:
-        return self._pool.num_cached_keys()
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and bool(self._pool.lookup_key_all(key))
-
-    def clear(self) -> None:
-        self._pool.map_detach_all()
 
     def __copy__(self) -> dict:
         return {k: _entry(self._pool, ids, multi) for k, (ids, multi) in self._pool.cached_entries().items()}

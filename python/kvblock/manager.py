@@ -53,18 +53,72 @@ from .specs import (
 )
 from .stats import PrefixCacheStats
 
-__all__ = ["KVCacheBlocks", "KVCacheManager"]
+__all__ = ["IdsBackedBlocks", "KVCacheBlocks", "KVCacheManager"]
+
+_BlockIds = _core.BlockIds
 
 #: ``max_model_len`` when none is given.
 DEFAULT_MAX_MODEL_LEN = 1 << 40
 
 
-class KVCacheBlocks:
+class IdsBackedBlocks:
+    """The base of both ``KVCacheBlocks`` classes (this module's, and ``kvblock.vllm``'s,
+    which also subclasses vLLM's own): the result is held as block ids per group (one
+    ``kvblock._core.BlockIds`` per group when the manager made it: no Python object per
+    block) and ``blocks`` builds the pool's :class:`~kvblock.block_pool.KVCacheBlock` views
+    on first use. Each subclass declares the slots ``_ids``, ``_pool``, ``_blocks`` itself
+    (the Rust core fills them by name on the exact class).
+    """
+
+    __slots__ = ()
+    _ids: tuple[Sequence[int], ...] | None
+    _pool: Any
+    _blocks: tuple[Sequence[KVCacheBlock], ...] | None
+
+    @classmethod
+    def _from_ids(cls, pool: Any, ids: tuple[Sequence[int], ...]) -> Any:
+        self = object.__new__(cls)
+        self._ids = tuple(ids)
+        self._pool = pool
+        self._blocks = None
+        return self
+
+    def _views(self) -> tuple[Sequence[KVCacheBlock], ...]:
+        b = self._blocks
+        if b is None:
+            view = self._pool._view
+            b = self._blocks = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
+        return b
+
+    blocks = property(_views, doc="``blocks[g][j]``: the ``j``-th block of group ``g`` (views made on first use).")
+
+    def get_block_ids(
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        """``tuple[list[int], ...]`` of block ids per group (None if ``allow_none`` and every
+        selected group is empty)."""
+        # vLLM's scheduler calls get_block_ids(allow_none=True) on every running request's
+        # new blocks every step, mostly the shared empty result: no generator, no per-group
+        # isinstance (a generator expression cost twice vLLM's own method here)
+        ids = self._ids
+        if ids is None:  # blocks assigned as objects (vLLM's class only): vLLM's own method
+            return super().get_block_ids(allow_none, group_ids=group_ids)  # type: ignore[misc]
+        if group_ids is not None:
+            ids = tuple([ids[g] for g in group_ids])
+        if allow_none and not any(ids):  # every group empty (a group's truth is its length)
+            return None
+        if len(ids) == 1:
+            g = ids[0]
+            return (g.tolist() if type(g) is _BlockIds else list(g),)
+        return tuple([g.tolist() if type(g) is _BlockIds else list(g) for g in ids])
+
+
+class KVCacheBlocks(IdsBackedBlocks):
     """vLLM's allocation result: ``blocks[g][j]`` is the ``j``-th block of group ``g``.
 
     Backed by block ids (a ``kvblock._core.BlockIds`` when the manager made it: no Python int
     per block until they are read); ``blocks`` builds
-    :class:`~kvblock.block_pool.KVCacheBlock` views on first use.
+    :class:`~kvblock.block_pool.KVCacheBlock` views on first use (:class:`IdsBackedBlocks`).
     """
 
     __slots__ = ("_ids", "_pool", "_blocks")
@@ -74,34 +128,9 @@ class KVCacheBlocks:
         self._ids = tuple([b.block_id for b in group] for group in self._blocks)
         self._pool = next((b._pool for group in self._blocks for b in group), None)
 
-    @classmethod
-    def _from_ids(cls, pool: BlockPool, ids: tuple[list[int], ...]) -> "KVCacheBlocks":
-        self = object.__new__(cls)
-        self._ids = ids
-        self._pool = pool
-        self._blocks = None
-        return self
-
-    @property
-    def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
-        if self._blocks is None:
-            view = self._pool._view
-            self._blocks = tuple([view(b) for b in group] for group in self._ids)
-        return self._blocks
-
     def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
         ids = tuple(list(itertools.chain(a, b)) for a, b in zip(self._ids, other._ids))
         return KVCacheBlocks._from_ids(self._pool or other._pool, ids)
-
-    def get_block_ids(
-        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
-    ) -> tuple[list[int], ...] | None:
-        """``tuple[list[int], ...]`` of block ids per group (None if ``allow_none`` and every
-        selected group is empty)."""
-        groups = self._ids if group_ids is None else tuple(self._ids[g] for g in group_ids)
-        if allow_none and all(len(g) == 0 for g in groups):
-            return None
-        return tuple(g.tolist() if isinstance(g, _core.BlockIds) else list(g) for g in groups)
 
     def get_unhashed_block_ids(self) -> list[int]:
         """Ids of the blocks without a block hash (single group)."""

@@ -185,6 +185,32 @@ def _is_token_ids(mask: Sequence[bool] | None, n: int) -> list[bool] | None:
     return [bool(v) for v in out]
 
 
+#: The request attributes kvblock's Rust core reads (or calls) on a request object, by name:
+#: the Python side of the one list in ``rust/src/py/fields.rs`` (``Field`` / ``NAMES``,
+#: exported as ``kvblock._core.REQUEST_FIELDS``), in its order. ``tests/test_request_fields.py``
+#: fails when the two drift, or when one is not an attribute of :class:`Request` (except
+#: :data:`VLLM_ONLY_READS`). Renaming a field of :class:`Request` means renaming it in both.
+RUST_READS: tuple[str, ...] = (
+    # read on every scheduler call (slots of Request; on vLLM's Request, instance attributes)
+    "request_id", "num_computed_tokens", "_all_token_ids", "block_hashes", "status",
+    "num_in_flight_tokens", "skip_reading_prefix_cache", "kv_cache_report_mode",
+    # block hashing and its extra keys
+    "_block_hasher", "lora_request", "mm_features", "cache_salt", "prompt_embeds", "_hash_lookahead",
+    "_next_hash_at", "_prompt_embeds_per_block_hashes", "num_prompt_tokens",
+    # KV events, sessions, mixed prompts
+    "shared_prefix_boundary", "session_id", "prompt_is_token_ids",
+    # vLLM 0.34's prefix-cache hit limit (only vLLM's Request has it; read as optional)
+    "prefix_cache_hit_limit",
+    # read with getattr / called
+    "num_tokens", "_hash_block_size", "retention", "retention_priority", "all_token_ids",
+    "update_block_hashes", "is_finished",
+)
+
+#: Of :data:`RUST_READS`, the attributes only vLLM's ``Request`` has (Rust reads them as
+#: optional on kvblock's).
+VLLM_ONLY_READS: frozenset[str] = frozenset({"prefix_cache_hit_limit"})
+
+
 class Request:
     """A request as the KV cache manager sees it (vLLM 0.33.0 names).
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import operator
 import weakref
-from collections.abc import Iterator, MutableMapping
 from typing import Any, Iterable
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -16,7 +15,7 @@ from vllm.v1.core import block_pool as _vbp
 
 from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
-from ..block_pool import KVCacheBlock
+from ..block_pool import KVCacheBlock, PoolKeysView
 from .metrics import bind, pool_finalized, unsupported_reason
 from .releases import current as _current_release
 
@@ -47,7 +46,7 @@ def _untracked(obj: Any) -> Any:
     return gc_untrack(obj)
 
 
-class _IdsCache(MutableMapping):  # type: ignore[type-arg]
+class _IdsCache(PoolKeysView):
     """vLLM 0.34's ``cached_block_hash_to_block._cache``: ``{BlockHashWithGroupId: block_id}``,
     one id per key (the earliest cached block of the key), a view of the Rust map. Popping a
     key takes it out of the map while its blocks keep their hash (as popping vLLM's dict
@@ -85,17 +84,8 @@ class _IdsCache(MutableMapping):  # type: ignore[type-arg]
             raise KeyError(key)
         self._detached[key] = list(ids)
 
-    def __iter__(self) -> Iterator[bytes]:
-        return iter(list(self._pool.cached_items()))
-
-    def __len__(self) -> int:
-        return self._pool.num_cached_keys()
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, bytes) and bool(self._pool.lookup_key_all(key))
-
     def clear(self) -> None:
-        self._pool.map_detach_all()
+        super().clear()
         self._detached.clear()
 
     def __copy__(self) -> dict[bytes, int]:

@@ -143,36 +143,32 @@ class KVCacheManager(_core.KVCacheManagerCore):
             metrics_collector=None,
             num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
-        try:
-            self = super().__new__(
-                cls,
-                pool,
-                path.groups,
-                max_model_len,
-                scheduler_block_size,
-                hash_block_size,
-                max_in_flight_tokens=max_in_flight_tokens,
-                enable_caching=enable_caching,
-                use_eagle=use_eagle,
-                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-                num_prefill_lookahead=num_prefill_lookahead,
-                dcp_world_size=dcp_world_size,
-                pcp_world_size=pcp_world_size,
-                watermark_blocks=int(watermark * kv_cache_config.num_blocks),
-                needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
-                retention_interval=kv_cache_config.prefix_cache_retention_interval,
-                enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
-                release_rules=RELEASE.core_rules(),
-                hisparse_host_num_blocks=path.hisparse_host_num_blocks,
-                # 0.34's coordinator takes import_step_tokens (get_hisparse_coordinator's, 0 by default)
-                hisparse_import_step_tokens=0 if RELEASE.hisparse_import_reservations else None,
-            )
-        except ValueError as e:
-            # vLLM's constructors assert these (block sizes, hash block size); HiSparse's
-            # coordinator raises its ValueErrors as they are
-            if any(k in str(e) for k in ("prefix_cache_retention_interval", "Multi-module MTP", "HiSparse")):
-                raise ValueError(str(e).split(": ", 1)[-1]) from None
-            raise AssertionError(str(e)) from None
+        # the core raises vLLM's own types for vLLM's callers (spec::Caller::Vllm): its
+        # ValueErrors (prefix_cache_retention_interval, multi-module MTP) as ValueErrors with
+        # vLLM's message, what vLLM asserts as AssertionErrors
+        self = super().__new__(
+            cls,
+            pool,
+            path.groups,
+            max_model_len,
+            scheduler_block_size,
+            hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens,
+            enable_caching=enable_caching,
+            use_eagle=use_eagle,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+            num_prefill_lookahead=num_prefill_lookahead,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            watermark_blocks=int(watermark * kv_cache_config.num_blocks),
+            needs_kv_cache_zeroing=kv_cache_config.needs_kv_cache_zeroing,
+            retention_interval=kv_cache_config.prefix_cache_retention_interval,
+            enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+            release_rules=RELEASE.core_rules(),
+            hisparse_host_num_blocks=path.hisparse_host_num_blocks,
+            # 0.34's coordinator takes import_step_tokens (get_hisparse_coordinator's, 0 by default)
+            hisparse_import_step_tokens=0 if RELEASE.hisparse_import_reservations else None,
+        )
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle

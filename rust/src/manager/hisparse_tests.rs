@@ -84,7 +84,10 @@ fn a_manager_config_with_hisparse_groups_passes_validation_and_checks_its_host_s
     assert!(c.validate().is_ok());
     let e = crate::manager::KVCacheManager::new(&c).unwrap_err();
     assert!(matches!(e, Error::NotImplemented(m) if m.contains("without a HiSparse host group")));
-    let c = manager_config(vec![spec(Kind::HiSparseHot { blocks_per_request: 0 })]);
+    // a group's own bad value: vLLM's callers (this config's caller) get vLLM's assert
+    let mut c = manager_config(vec![spec(Kind::HiSparseHot { blocks_per_request: 0 })]);
+    assert!(matches!(c.validate(), Err(Error::Assertion(m)) if m.contains("blocks_per_request")));
+    c.caller = crate::manager::spec::Caller::Kvblock;
     assert!(matches!(c.validate(), Err(Error::Value(m)) if m.contains("blocks_per_request")));
 }
 

@@ -213,27 +213,40 @@ impl ManagerConfig {
         }
     }
 
+    /// An error for a configuration vLLM's constructors refuse with a `ValueError` of their
+    /// own: `Error::Value` with vLLM's message as it stands for [`Caller::Vllm`], with the
+    /// argument named first for [`Caller::Kvblock`].
+    pub fn refused(&self, arg: &str, msg: impl Into<String>) -> Error {
+        if self.caller.is_kvblock() {
+            Error::value(arg, msg.into())
+        } else {
+            Error::Value(msg.into())
+        }
+    }
+
     /// Check the configuration as vLLM's coordinator constructors do: their `ValueError`s
-    /// as `ValueError`s, their assertions as [`ManagerConfig::asserted`] errors, each naming
-    /// the argument.
+    /// as [`ManagerConfig::refused`] errors, everything else kvblock refuses as
+    /// [`ManagerConfig::asserted`] errors (a `ValueError` naming the argument for kvblock's
+    /// API, an `AssertionError` for vLLM's callers), so the binding maps error kinds, never
+    /// message text.
     pub fn validate(&self) -> Result<()> {
         if self.num_blocks == 0 {
-            return Err(Error::value("num_blocks", "must be > 0 (block 0 is the null block)"));
+            return Err(self.asserted("num_blocks", "must be > 0 (block 0 is the null block)"));
         }
         if self.max_model_len == 0 {
-            return Err(Error::value("max_model_len", "must be > 0"));
+            return Err(self.asserted("max_model_len", "must be > 0"));
         }
         if self.hash_block_size == 0 {
-            return Err(Error::value("hash_block_size", "must be > 0"));
+            return Err(self.asserted("hash_block_size", "must be > 0"));
         }
         if self.scheduler_block_size == 0 {
-            return Err(Error::value("scheduler_block_size", "must be > 0"));
+            return Err(self.asserted("scheduler_block_size", "must be > 0"));
         }
         if self.dcp_world_size == 0 || self.pcp_world_size == 0 {
-            return Err(Error::value("dcp_world_size", "world sizes must be >= 1"));
+            return Err(self.asserted("dcp_world_size", "world sizes must be >= 1"));
         }
         for (i, g) in self.groups.iter().enumerate() {
-            g.validate(i)?;
+            g.validate(i).map_err(|e| self.reassert(e))?;
         }
         if self.hisparse_host_num_blocks == Some(0) {
             return Err(Error::value("hisparse_host_num_blocks", "must be > 0 (block 0 is the null block)"));
@@ -261,7 +274,7 @@ impl ManagerConfig {
             && (self.groups.iter().any(|g| g.is_eagle_group) || self.use_eagle)
             && self.scheduler_block_size < self.num_prefill_lookahead
         {
-            return Err(Error::value(
+            return Err(self.refused(
                 "num_prefill_lookahead",
                 format!(
                     "Multi-module MTP with prefix caching requires scheduler_block_size (={}) >= num_speculative_tokens (={})",
@@ -272,7 +285,7 @@ impl ManagerConfig {
         for (i, g) in self.groups.iter().enumerate() {
             if let Kind::Mamba { mode: MambaMode::None, .. } = g.kind {
                 if self.enable_caching && !self.rules.mamba_none_mode_caches {
-                    return Err(Error::value(
+                    return Err(self.asserted(
                         &format!("kv_cache_groups[{i}]"),
                         "Mamba prefix caching requires mamba_cache_mode='align'",
                     ));
@@ -282,13 +295,13 @@ impl ManagerConfig {
         if let Some(r) = self.retention_interval {
             let sparse = self.groups.iter().any(|g| matches!(g.kind, Kind::SlidingWindow { .. } | Kind::Mamba { .. }));
             if !sparse && r != 0 {
-                return Err(Error::value(
+                return Err(self.refused(
                     "prefix_cache_retention_interval",
                     "is set but this model has no sliding-window or Mamba KV cache group, so retention has no effect",
                 ));
             }
             if sparse && r % self.scheduler_block_size != 0 {
-                return Err(Error::value(
+                return Err(self.refused(
                     "prefix_cache_retention_interval",
                     format!(
                         "({r}) must be non-negative and a multiple of scheduler_block_size ({})",
@@ -317,13 +330,21 @@ impl ManagerConfig {
                 }
             }
             if !self.groups.iter().any(|g| g.prefix_cacheable) {
-                return Err(Error::value(
-                    "kv_cache_groups",
-                    "a hybrid model needs at least one prefix-cacheable group",
-                ));
+                return Err(
+                    self.asserted("kv_cache_groups", "a hybrid model needs at least one prefix-cacheable group")
+                );
             }
         }
         Ok(())
+    }
+
+    /// A `ValueError`-kind error of a group's own check, as [`ManagerConfig::asserted`] would
+    /// raise it (the message already names the group).
+    fn reassert(&self, e: Error) -> Error {
+        match e {
+            Error::Value(m) if !self.caller.is_kvblock() => Error::Assertion(m),
+            e => e,
+        }
     }
 
     /// The DCP factor of a group's block size.

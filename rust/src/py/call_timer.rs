@@ -1,5 +1,6 @@
 //! `CallClock` / `TimedCall`: time spent inside calls to chosen callables, for the benches
-//! that report what share of a vLLM scheduler step its KV cache manager takes.
+//! that report what share of a vLLM scheduler step its KV cache manager takes. Built only with
+//! the `bench-timers` cargo feature (`make bench`); the wheel and `make install` leave it out.
 //!
 //! A Python wrapper (`def timed(*args, **kwargs)`) costs a frame, two `perf_counter_ns()`
 //! calls and its bookkeeping inside the interval it times: 250-470 ns a call on a 2-vCPU VM,

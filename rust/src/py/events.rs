@@ -52,7 +52,7 @@ impl<'py> EventInputs<'py> {
         };
         let tokens = match given {
             Some(t) => Some(t),
-            None => match request.getattr(pyo3::intern!(py, "all_token_ids")) {
+            None => match request.getattr(Field::AllTokenIdsView.interned(py)) {
                 Ok(t) => match t.cast_into::<PyList>() {
                     Ok(list) => Some(EventTokens::List(list)),
                     Err(e) => match fields.get_opt(request, Field::AllTokenIds)?.filter(|a| is_buffer(a)) {

@@ -1,18 +1,23 @@
-//! Fast reads of request fields from Rust.
+//! Reads of request fields from Rust, and the one list of the request attributes Rust reads.
 //!
 //! The scheduler-facing manager calls read a handful of request attributes per call. For the
 //! exact registered request type, a field that is an object `__slots__` member (as in
 //! `kvblock.Request`) lives at a fixed offset known from its member descriptor, so it is read
 //! directly; a plain instance attribute that nothing on the type overrides (as in vLLM's
-//! `Request`) is read from the instance dict (see `instance_dict.rs`). Anything else (a
+//! `Request`) is read from the instance dict (see `fast/instance_dict.rs`). Anything else (a
 //! subclass, a property, a type changed since) goes through ordinary `getattr`.
 
-use super::instance_dict::DictFields;
+use super::fast::instance_dict::DictFields;
+pub use super::fast::slots::SlotFactory;
+use super::fast::slots::{object_slot_offset, read_object_slot, store_object_slot};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyType};
 
-/// The request fields the manager reads.
+/// The request attributes the Rust core reads (or calls) on a request object, in [`NAMES`]'
+/// order: the one list on the Rust side. Its Python side is `kvblock.request.RUST_READS`
+/// (`tests/test_request_fields.py` fails when the two drift). Every read of a request
+/// attribute in `rust/src/py/` names one of these.
 #[derive(Clone, Copy)]
 pub enum Field {
     RequestId,
@@ -36,11 +41,34 @@ pub enum Field {
     SessionId,
     PromptIsTokenIds,
     PrefixCacheHitLimit,
+    /// `num_tokens` (a property of both `Request`s).
+    NumTokens,
+    /// `_hash_block_size` (kvblock's `Request`: the block size its hashes are at).
+    HashBlockSize,
+    /// `retention` (kvblock's `Request`: retention ranges).
+    Retention,
+    /// `retention_priority` (kvblock's `Request`).
+    RetentionPriority,
+    /// `all_token_ids` (the property; [`Field::AllTokenIds`] is the list behind it).
+    AllTokenIdsView,
+    /// `update_block_hashes` (a method, called).
+    UpdateBlockHashes,
+    /// `is_finished` (a method, called: HiSparse's free keeps a finished request's host blocks).
+    IsFinished,
 }
 
-const N: usize = 21;
+impl Field {
+    /// The attribute's name, interned once per process.
+    pub fn interned(self, py: Python<'_>) -> &Bound<'_, PyString> {
+        static CELL: pyo3::sync::PyOnceLock<[Py<PyString>; N]> = pyo3::sync::PyOnceLock::new();
+        CELL.get_or_init(py, || NAMES.map(|n| PyString::intern(py, n).unbind()))[self as usize].bind(py)
+    }
+}
 
-const NAMES: [&str; N] = [
+const N: usize = 28;
+
+/// The names of [`Field`]'s attributes (exported as `kvblock._core.REQUEST_FIELDS`).
+pub const NAMES: [&str; N] = [
     "request_id",
     "num_computed_tokens",
     "_all_token_ids",
@@ -62,6 +90,13 @@ const NAMES: [&str; N] = [
     "session_id",
     "prompt_is_token_ids",
     "prefix_cache_hit_limit",
+    "num_tokens",
+    "_hash_block_size",
+    "retention",
+    "retention_priority",
+    "all_token_ids",
+    "update_block_hashes",
+    "is_finished",
 ];
 
 /// Slot offsets of `kvblock.Request` and the interned field names.
@@ -167,17 +202,15 @@ impl RequestFields {
     pub fn get_borrowed(&self, request: &Bound<'_, PyAny>, field: Field) -> Option<*mut ffi::PyObject> {
         let i = field as usize;
         let ty = self.ty.as_ref()?;
-        // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
-        // PyObject* lives at `off`; NULL means the slot is unset (getattr raises).
-        unsafe {
-            if ffi::Py_TYPE(request.as_ptr()) != ty.as_ptr() as *mut ffi::PyTypeObject {
-                return None;
-            }
-            let off = self.offsets[i];
-            if off >= 0 {
-                let p = *((request.as_ptr() as *const u8).offset(off) as *const *mut ffi::PyObject);
-                return (!p.is_null()).then_some(p);
-            }
+        if !request.get_type().is(ty.bind(request.py())) {
+            return None;
+        }
+        let off = self.offsets[i];
+        if off >= 0 {
+            // SAFETY: the object's type is exactly the type whose slot offsets we read
+            // (offsets are only learnt with the fast paths on).
+            let p = unsafe { read_object_slot(request.as_ptr(), off) };
+            return (!p.is_null()).then_some(p);
         }
         self.dict.get_borrowed(request, i, self.names[i].bind(request.py()))
     }
@@ -204,16 +237,10 @@ impl RequestFields {
         let i = field as usize;
         let off = self.offsets[i];
         if let (true, Some(ty)) = (off >= 0, &self.ty) {
-            // SAFETY: the object's type is exactly the type whose slot offsets we read, so a
-            // PyObject* (possibly NULL) lives at `off`; we store a new strong reference there
-            // and release the old one, as `PyMember_SetOne` does for an object slot.
-            unsafe {
-                if ffi::Py_TYPE(request.as_ptr()) == ty.as_ptr() as *mut ffi::PyTypeObject {
-                    let slot = (request.as_ptr() as *mut u8).offset(off) as *mut *mut ffi::PyObject;
-                    let old = std::mem::replace(&mut *slot, value.clone().into_ptr());
-                    ffi::Py_XDECREF(old);
-                    return Ok(());
-                }
+            if request.get_type().is(ty.bind(request.py())) {
+                // SAFETY: the object's type is exactly the type whose slot offsets we read.
+                unsafe { store_object_slot(request.as_ptr(), off, value) };
+                return Ok(());
             }
         }
         request.setattr(self.names[i].bind(request.py()), value)
@@ -245,79 +272,5 @@ fn not_a_request(request: &Bound<'_, PyAny>, name: &str, e: PyErr, as_attribute_
         pyo3::exceptions::PyAttributeError::new_err(msg)
     } else {
         pyo3::exceptions::PyTypeError::new_err(msg)
-    }
-}
-
-/// CPython's `PyMemberDescrObject` (`Include/cpython/descrobject.h`), the same on every
-/// version: the common descriptor header, then a pointer to the slot's `PyMemberDef`.
-/// pyo3-ffi declares `d_member` as a `PyGetSetDef` pointer below 3.11, so it is declared here.
-#[repr(C)]
-struct MemberDescr {
-    d_common: ffi::PyDescrObject,
-    d_member: *mut ffi::PyMemberDef,
-}
-
-/// The byte offset of `ty.__dict__[name]` in instances, if it is an object `__slots__` member
-/// (None for anything else: a property, a plain attribute, a typed member, a missing name).
-fn object_slot_offset(ty: &Bound<'_, PyType>, name: &str) -> PyResult<Option<isize>> {
-    let py = ty.py();
-    let member_type = py.import("types")?.getattr("MemberDescriptorType")?;
-    let Ok(descr) = ty.getattr("__dict__")?.get_item(name) else { return Ok(None) };
-    if !descr.get_type().is(&member_type) {
-        return Ok(None);
-    }
-    // SAFETY: `descr` is a member descriptor (checked above), whose d_member points at the
-    // slot's PyMemberDef for the lifetime of the type.
-    let (offset, kind) = unsafe {
-        let m = (*(descr.as_ptr() as *mut MemberDescr)).d_member;
-        ((*m).offset, (*m).type_code)
-    };
-    Ok((kind == ffi::Py_T_OBJECT_EX).then_some(offset))
-}
-
-/// Builds instances of a Python class whose fields are `__slots__`, without running Python
-/// code: allocate with the type's `tp_alloc`, then store each slot.
-pub struct SlotFactory {
-    ty: Py<PyType>,
-    offsets: Vec<isize>,
-}
-
-impl SlotFactory {
-    /// A factory for `ty`, whose object slots `names` will be set, in this order, by
-    /// [`SlotFactory::make`].
-    pub fn new(ty: &Bound<'_, PyType>, names: &[&str]) -> PyResult<Self> {
-        let mut offsets = Vec::with_capacity(names.len());
-        for name in names {
-            match object_slot_offset(ty, name)? {
-                Some(offset) => offsets.push(offset),
-                None => {
-                    return Err(pyo3::exceptions::PyTypeError::new_err(format!("{name} is not an object slot of {ty}")))
-                }
-            }
-        }
-        Ok(SlotFactory { ty: ty.clone().unbind(), offsets })
-    }
-
-    /// A new instance with the slots set to `values` (same order as the names).
-    pub fn make<'py>(&self, py: Python<'py>, values: &[&Bound<'py, PyAny>]) -> PyResult<Bound<'py, PyAny>> {
-        if values.len() != self.offsets.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err("wrong number of slot values"));
-        }
-        // SAFETY: tp_alloc returns a new, zeroed instance of the type (GC-tracked when the type
-        // is); each slot offset comes from the type's own member descriptors and held NULL, so
-        // storing a new strong reference there is what `setattr` would do.
-        unsafe {
-            let tp = self.ty.as_ptr() as *mut ffi::PyTypeObject;
-            let alloc = (*tp).tp_alloc.unwrap_or(ffi::PyType_GenericAlloc);
-            let obj = alloc(tp, 0);
-            if obj.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            for (&off, v) in self.offsets.iter().zip(values) {
-                let slot = (obj as *mut u8).offset(off) as *mut *mut ffi::PyObject;
-                *slot = (*v).clone().into_ptr();
-            }
-            Ok(Bound::from_owned_ptr(py, obj))
-        }
     }
 }

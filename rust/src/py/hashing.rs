@@ -247,14 +247,12 @@ pub fn hash_blocks<'py>(
     let mut i = 0;
     with_hasher(algo, |h| {
         with_token_slice!(&tokens, |s| h.hash_chain_into(parent_id, &parent, s, block_size, extra_of_block, |d| {
-            // SAFETY: `i < n_blocks` (one digest per full block); the list owns the new
-            // reference and releases the None it replaces.
+            // SAFETY: `i < n_blocks` (one digest per full block); `PyList_SetItem` takes the
+            // new reference and releases the None it replaces.
             unsafe {
                 let b = pyo3::ffi::PyBytes_FromStringAndSize(d.as_bytes().as_ptr().cast(), d.as_bytes().len() as isize);
                 if !b.is_null() {
-                    let slot = (*list.as_ptr().cast::<pyo3::ffi::PyListObject>()).ob_item.add(i);
-                    let old = std::mem::replace(&mut *slot, b);
-                    pyo3::ffi::Py_DECREF(old);
+                    pyo3::ffi::PyList_SetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t, b);
                 }
             }
             i += 1;

@@ -3,12 +3,13 @@
 pub mod args;
 pub mod block_ids;
 pub mod block_pool;
+#[cfg(feature = "bench-timers")]
 pub mod call_timer;
 pub mod capacity;
 pub mod convert;
 pub mod errors;
 pub mod events;
-pub mod fast_entry;
+pub mod fast;
 pub mod fields;
 pub mod gil_cell;
 pub mod hashes;
@@ -16,11 +17,9 @@ pub mod hashing;
 pub mod hisparse;
 pub mod hit_verify;
 pub mod index;
-pub mod instance_dict;
 pub mod manager;
 pub mod request_hasher;
 pub mod retention;
-pub mod slot_cache;
 pub mod tokens;
 
 use pyo3::prelude::*;
@@ -39,7 +38,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         }
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // the CPython fast paths (fast/mod.rs): the switch is read here, once
+    m.add("FAST_PATHS", fast::enabled())?;
     m.add("BUILD_PROFILE", if cfg!(debug_assertions) { "debug" } else { "release" })?;
+    m.add("REQUEST_FIELDS", pyo3::types::PyTuple::new(m.py(), fields::NAMES)?)?;
     m.add("ALGORITHMS", pyo3::types::PyTuple::new(m.py(), crate::hashing::ALGORITHM_NAMES)?)?;
     m.add_class::<hashing::PyHashFunction>()?;
     m.add_class::<request_hasher::PyRequestBlockHasher>()?;
@@ -53,9 +55,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StaleHitError", m.py().get_type::<errors::StaleHitError>())?;
     m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
-    m.add_function(wrap_pyfunction!(fast_entry::_fast_entry, m)?)?;
-    m.add_class::<call_timer::PyCallClock>()?;
-    m.add_class::<call_timer::PyTimedCall>()?;
+    m.add_function(wrap_pyfunction!(fast::entry::_fast_entry, m)?)?;
+    // the benches' call timers, only in a build with the bench-timers cargo feature
+    m.add("BENCH_TIMERS", cfg!(feature = "bench-timers"))?;
+    #[cfg(feature = "bench-timers")]
+    {
+        m.add_class::<call_timer::PyCallClock>()?;
+        m.add_class::<call_timer::PyTimedCall>()?;
+    }
     m.add_function(wrap_pyfunction!(index::parent_tag, m)?)?;
     m.add_function(wrap_pyfunction!(index::event_ints, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::hash_block_tokens, m)?)?;

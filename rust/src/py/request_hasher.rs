@@ -9,7 +9,6 @@ use super::hashing::{extra_of, hash_blocks, with_hasher, PyHashFunction, HASH_BL
 use crate::hashing::digest_memo::DigestMemo;
 use crate::hashing::value::Value;
 use crate::hashing::{hash_chains, ChainJob, HashAlgo};
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
@@ -501,7 +500,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
     let mut seen = hashbrown::HashSet::with_capacity(reqs.len());
     for r in reqs.iter() {
         if !seen.insert(r.as_ptr() as usize) {
-            let id = r.getattr(intern!(py, "request_id")).map(|i| i.to_string()).unwrap_or_default();
+            let id = r.getattr(Field::RequestId.interned(py)).map(|i| i.to_string()).unwrap_or_default();
             return Err(value_err("requests", format!("request {id:?} is listed twice")));
         }
     }
@@ -611,7 +610,7 @@ pub fn hash_requests(py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<us
         }
     }
     for r in &deferred {
-        r.call_method0(intern!(py, "update_block_hashes"))?;
+        r.call_method0(Field::UpdateBlockHashes.interned(py))?;
     }
     Ok(added)
 }

@@ -2,10 +2,10 @@
 //! `retention` / `retention_priority`, and reading the manager's clock before an action.
 
 use super::errors::{type_err, value_err, IntoPy};
+use super::fields::Field;
 use crate::manager::retention::{RequestRetention, RetentionRange, RetentionState};
 use crate::pool::block_pool::BlockPool;
 use crate::pool::retention::{check_duration, check_priority};
-use pyo3::intern;
 use pyo3::prelude::*;
 
 fn int_of(v: &Bound<'_, PyAny>, arg: &str) -> PyResult<i64> {
@@ -37,11 +37,11 @@ pub fn priority_of(v: &Bound<'_, PyAny>, arg: &str) -> PyResult<u8> {
 /// None when it has neither.
 pub fn request_retention(request: &Bound<'_, PyAny>, num_prompt_tokens: usize) -> PyResult<Option<RequestRetention>> {
     let py = request.py();
-    let ranges = match request.getattr(intern!(py, "retention")) {
+    let ranges = match request.getattr(Field::Retention.interned(py)) {
         Ok(r) if !r.is_none() => Some(r),
         _ => None,
     };
-    let prio = match request.getattr(intern!(py, "retention_priority")) {
+    let prio = match request.getattr(Field::RetentionPriority.interned(py)) {
         Ok(p) if !p.is_none() => Some(priority_of(&p, "request.retention_priority")?),
         _ => None,
     };

@@ -2,6 +2,7 @@
 //! the KV events they raise.
 
 use super::*;
+use crate::py::fields::Field;
 
 #[pymethods]
 impl PyBlockPool {
@@ -28,7 +29,7 @@ impl PyBlockPool {
             return Ok(());
         }
         let ids = block_ids_of(block_ids, "blocks")?;
-        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let hashes = PyHashes::of(request.getattr(Field::BlockHashes.interned(py))?, "request.block_hashes")?;
         let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
         let end = num_full_blocks.min(ids.len().max(num_cached_blocks));
         hashes.check(num_cached_blocks.saturating_sub(1) * view.scale(), end * view.scale())?;
@@ -67,7 +68,7 @@ impl PyBlockPool {
         replace_existing_hashes: bool,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let mut me = self.state.borrow_mut(py)?;
-        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let hashes = PyHashes::of(request.getattr(Field::BlockHashes.interned(py))?, "request.block_hashes")?;
         let h = me.inner.hash_block_size();
         hashes.check((num_tokens / h).saturating_sub(2), num_tokens / h)?;
         let inputs = if me.inner.events_enabled() {
@@ -104,7 +105,7 @@ impl PyBlockPool {
         if !me.inner.events_enabled() || num_cached_blocks == 0 {
             return Ok(());
         }
-        let hashes = PyHashes::of(request.getattr(pyo3::intern!(py, "block_hashes"))?, "request.block_hashes")?;
+        let hashes = PyHashes::of(request.getattr(Field::BlockHashes.interned(py))?, "request.block_hashes")?;
         let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
         hashes.check(0, num_cached_blocks * view.scale())?;
         let inputs = EventInputs::read(RequestFields::of_kvblock_request(py)?, request, None)?;

@@ -596,7 +596,7 @@ impl PyManager {
         };
         // HiSparse's coordinator keeps a finished request's pending publication
         // (`request.is_finished()`); other managers never read it
-        let finished = if hisparse { request.call_method0(intern!(py, "is_finished"))?.is_truthy()? } else { true };
+        let finished = if hisparse { request.call_method0(Field::IsFinished.interned(py))?.is_truthy()? } else { true };
         Self::free_by_id(slf, id.as_any(), finished)
     }
 

@@ -105,6 +105,17 @@ fn group_spec(d: &Bound<'_, PyDict>, i: usize) -> PyResult<GroupSpec> {
     })
 }
 
+/// `e` as vLLM's constructors raise it for `caller`: for [`Caller::Vllm`] a `ValueError`
+/// (any subclass) becomes an `AssertionError` with the same message, as vLLM asserts what
+/// kvblock's API refuses with a `ValueError`; anything else passes through.
+fn asserted_for(caller: Caller, py: Python<'_>, e: PyErr) -> PyErr {
+    if caller == Caller::Vllm && e.is_instance_of::<pyo3::exceptions::PyValueError>(py) {
+        pyo3::exceptions::PyAssertionError::new_err(e.value(py).to_string())
+    } else {
+        e
+    }
+}
+
 #[pymethods]
 impl PyManager {
     #[new]
@@ -146,88 +157,95 @@ impl PyManager {
             }
         };
         let py = block_pool.py();
-        let mut groups = Vec::new();
-        for (i, g) in kv_cache_groups.try_iter()?.enumerate() {
-            let g = g?;
-            let d = g.cast::<PyDict>().map_err(|_| type_err("kv_cache_groups", "expected a list of group dicts"))?;
-            groups.push(group_spec(d, i)?);
-        }
-        let max_model_len = c(max_model_len, "max_model_len")?;
-        let retention = match retention_interval {
-            Some(r) if !r.is_none() => {
-                let v = crate::py::args::int64(r, "prefix_cache_retention_interval")?;
-                if v < 0 {
-                    return Err(value_err(
-                        "prefix_cache_retention_interval",
-                        format!("({v}) must be non-negative and a multiple of scheduler_block_size"),
-                    ));
-                }
-                Some(v as usize)
+        let caller = match caller {
+            "kvblock" => Caller::Kvblock,
+            "vllm" => Caller::Vllm,
+            other => return Err(value_err("caller", format!("expected 'kvblock' or 'vllm', got {other:?}"))),
+        };
+        // reading the arguments: what kvblock's API refuses with a ValueError, vLLM's
+        // constructors assert (mapped by type in `asserted_for`, never by message)
+        let read = || -> PyResult<(ManagerConfig, Option<i64>, u8)> {
+            let mut groups = Vec::new();
+            for (i, g) in kv_cache_groups.try_iter()?.enumerate() {
+                let g = g?;
+                let d =
+                    g.cast::<PyDict>().map_err(|_| type_err("kv_cache_groups", "expected a list of group dicts"))?;
+                groups.push(group_spec(d, i)?);
             }
-            _ => None,
+            let max_model_len = c(max_model_len, "max_model_len")?;
+            let retention = match retention_interval {
+                Some(r) if !r.is_none() => Some(crate::py::args::int64(r, "prefix_cache_retention_interval")?),
+                _ => None,
+            };
+            let (num_blocks, pool_h, pool_caching) = {
+                let p = block_pool.get().state.borrow(py)?;
+                (p.inner.num_blocks(), p.inner.hash_block_size(), p.inner.enable_caching())
+            };
+            let cfg = ManagerConfig {
+                groups,
+                num_blocks,
+                max_model_len,
+                max_in_flight_tokens: match max_in_flight_tokens {
+                    Some(m) if !m.is_none() => c(m, "max_in_flight_tokens")?,
+                    _ => max_model_len,
+                },
+                scheduler_block_size: c(scheduler_block_size, "scheduler_block_size")?,
+                hash_block_size: c(hash_block_size, "hash_block_size")?,
+                enable_caching,
+                use_eagle,
+                num_hash_lookahead_tokens: or(num_hash_lookahead_tokens, "num_hash_lookahead_tokens", 0)?,
+                num_prefill_lookahead: or(num_prefill_lookahead, "num_prefill_lookahead", 0)?,
+                dcp_world_size: or(dcp_world_size, "dcp_world_size", 1)?,
+                pcp_world_size: or(pcp_world_size, "pcp_world_size", 1)?,
+                watermark_blocks: or(watermark_blocks, "watermark_blocks", 0)?,
+                enable_kv_cache_events: false,
+                needs_kv_cache_zeroing,
+                retention_interval: retention.map(|v| v.max(0) as usize),
+                enable_mamba_shared_prefix_checkpoint,
+                caller,
+                rules: ReleaseRules::default(),
+                hisparse_host_num_blocks: kwarg_count(_kwargs, "hisparse_host_num_blocks")?,
+                hisparse_import_step_tokens: kwarg_count(_kwargs, "hisparse_import_step_tokens")?,
+            };
+            if pool_h != cfg.hash_block_size {
+                return Err(value_err(
+                    "hash_block_size",
+                    format!("{} differs from the pool's hash_block_size {pool_h}", cfg.hash_block_size),
+                ));
+            }
+            if pool_caching != enable_caching {
+                return Err(value_err("enable_caching", "must match the pool's"));
+            }
+            let default_prio = match default_retention_priority {
+                Some(d) if !d.is_none() => crate::py::retention::priority_of(d, "default_retention_priority")?,
+                _ => crate::pool::retention::DEFAULT_PRIORITY,
+            };
+            if !(0.0..=1.0).contains(&max_pinned_fraction) {
+                return Err(value_err("max_pinned_fraction", format!("{max_pinned_fraction} must be in [0, 1]")));
+            }
+            if clock.as_ref().is_some_and(|c| !c.bind(py).is_callable()) {
+                return Err(type_err("clock", "must be a callable returning seconds"));
+            }
+            Ok((cfg, retention, default_prio))
         };
-        let (num_blocks, pool_h, pool_caching) = {
-            let p = block_pool.get().state.borrow(py)?;
-            (p.inner.num_blocks(), p.inner.hash_block_size(), p.inner.enable_caching())
-        };
-        let cfg = ManagerConfig {
-            groups,
-            num_blocks,
-            max_model_len,
-            max_in_flight_tokens: match max_in_flight_tokens {
-                Some(m) if !m.is_none() => c(m, "max_in_flight_tokens")?,
-                _ => max_model_len,
-            },
-            scheduler_block_size: c(scheduler_block_size, "scheduler_block_size")?,
-            hash_block_size: c(hash_block_size, "hash_block_size")?,
-            enable_caching,
-            use_eagle,
-            num_hash_lookahead_tokens: or(num_hash_lookahead_tokens, "num_hash_lookahead_tokens", 0)?,
-            num_prefill_lookahead: or(num_prefill_lookahead, "num_prefill_lookahead", 0)?,
-            dcp_world_size: or(dcp_world_size, "dcp_world_size", 1)?,
-            pcp_world_size: or(pcp_world_size, "pcp_world_size", 1)?,
-            watermark_blocks: or(watermark_blocks, "watermark_blocks", 0)?,
-            enable_kv_cache_events: false,
-            needs_kv_cache_zeroing,
-            retention_interval: retention,
-            enable_mamba_shared_prefix_checkpoint,
-            caller: match caller {
-                "kvblock" => Caller::Kvblock,
-                "vllm" => Caller::Vllm,
-                other => return Err(value_err("caller", format!("expected 'kvblock' or 'vllm', got {other:?}"))),
-            },
-            rules: match release_rules {
-                Some(d) => rules_of(d)?,
-                None => ReleaseRules::default(),
-            },
-            hisparse_host_num_blocks: kwarg_count(_kwargs, "hisparse_host_num_blocks")?,
-            hisparse_import_step_tokens: kwarg_count(_kwargs, "hisparse_import_step_tokens")?,
-        };
-        if pool_h != cfg.hash_block_size {
-            return Err(value_err(
-                "hash_block_size",
-                format!("{} differs from the pool's hash_block_size {pool_h}", cfg.hash_block_size),
-            ));
+        let (mut cfg, retention, default_prio) = read().map_err(|e| asserted_for(caller, py, e))?;
+        // kvblock's own argument (kvblock.vllm.releases), not vLLM's: its errors as they are
+        if let Some(d) = release_rules {
+            cfg.rules = rules_of(d)?;
         }
-        if pool_caching != enable_caching {
-            return Err(value_err("enable_caching", "must match the pool's"));
-        }
-        let default_prio = match default_retention_priority {
-            Some(d) if !d.is_none() => crate::py::retention::priority_of(d, "default_retention_priority")?,
-            _ => crate::pool::retention::DEFAULT_PRIORITY,
-        };
-        if !(0.0..=1.0).contains(&max_pinned_fraction) {
-            return Err(value_err("max_pinned_fraction", format!("{max_pinned_fraction} must be in [0, 1]")));
-        }
-        if clock.as_ref().is_some_and(|c| !c.bind(py).is_callable()) {
-            return Err(type_err("clock", "must be a callable returning seconds"));
+        if let Some(v) = retention.filter(|&v| v < 0) {
+            return Err(cfg.refused(
+                "prefix_cache_retention_interval",
+                format!("({v}) must be non-negative and a multiple of scheduler_block_size"),
+            ))
+            .py_err();
         }
         let mut inner = KVCacheManager::new(&cfg).py_err()?;
         let reader = if verify_hits {
             let extra_keys = hit_extra_keys.filter(|f| f.bind(py).is_callable()).ok_or_else(|| {
                 type_err("hit_extra_keys", "verify_hits needs the per-block extra keys function (a callable)")
             })?;
-            inner.enable_hit_verification(num_blocks).py_err()?;
+            inner.enable_hit_verification(cfg.num_blocks).py_err()?;
             Some(ContentReader {
                 block_size: cfg.hash_block_size,
                 lookahead: cfg.num_hash_lookahead_tokens,
@@ -236,7 +254,7 @@ impl PyManager {
         } else {
             None
         };
-        inner.retention.max_pinned_blocks = (max_pinned_fraction * (num_blocks - 1) as f64).floor() as usize;
+        inner.retention.max_pinned_blocks = (max_pinned_fraction * (cfg.num_blocks - 1) as f64).floor() as usize;
         if priority_retention {
             let mut p = block_pool.get().state.borrow_mut(py)?;
             p.inner.enable_retention(default_prio, decay_granularity_s).py_err()?;

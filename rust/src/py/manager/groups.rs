@@ -535,7 +535,7 @@ impl PyManager {
     }
 
     /// The request fields this manager reads from `request`'s `__dict__` now, skipping
-    /// `getattr` (see `instance_dict.rs`); the rest it reads with `getattr`. For tests.
+    /// `getattr` (see `fast/instance_dict.rs`); the rest it reads with `getattr`. For tests.
     fn _dict_read_fields(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
         Ok(self.state.borrow(py)?.fields.dict_read_fields(request))
     }

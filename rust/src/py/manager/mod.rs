@@ -14,11 +14,11 @@ use super::block_ids::PyBlockIds;
 use super::block_pool::{block_ids_of, ids_array, PyBlockPool};
 use super::errors::{type_err, value_err, IntoPy};
 use super::events::EventInputs;
+use super::fast::slot_cache::SlotCache;
 use super::fields::{Field, RequestFields, SlotFactory};
 use super::gil_cell::GilCell;
 use super::hashes::PyHashes;
 use super::hit_verify::ContentReader;
-use super::slot_cache::SlotCache;
 use crate::manager::hit_verify::BlockContent;
 use crate::manager::release::ReleaseRules;
 use crate::manager::spec::{Caller, GroupSpec, Kind, MambaMode, ManagerConfig};
@@ -34,14 +34,15 @@ mod construct;
 mod groups;
 mod hisparse;
 mod state;
-/// the interpreter; any other goes through `PyUnicode_AsUTF8AndSize`.
+/// the interpreter (a fast path: off with `fast::enabled()`); any other goes through
+/// `PyUnicode_AsUTF8AndSize`.
 #[inline(always)]
 fn request_id_str<'a>(id: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
     // SAFETY: `id` is a str; a compact ASCII str keeps its length and its characters (ASCII,
     // hence UTF-8) in the object itself, alive as long as the borrow of `id`.
     unsafe {
         let p = id.as_ptr();
-        if pyo3::ffi::PyUnicode_IS_COMPACT_ASCII(p) != 0 {
+        if super::fast::enabled() && pyo3::ffi::PyUnicode_IS_COMPACT_ASCII(p) != 0 {
             let data = pyo3::ffi::PyUnicode_DATA(p) as *const u8;
             let len = pyo3::ffi::PyUnicode_GET_LENGTH(p) as usize;
             return Ok(std::str::from_utf8_unchecked(std::slice::from_raw_parts(data, len)));
@@ -206,7 +207,7 @@ fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field,
 
 impl PyManager {
     /// `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` with every other
-    /// argument at its default, for `fast_entry.rs`: the method's very steps, reads and
+    /// argument at its default, for `fast/entry.rs`: the method's very steps, reads and
     /// errors, without its argument parsing (the caller has checked both counts).
     pub(super) fn fast_allocate_slots<'py>(
         slf: &Bound<'py, Self>,
@@ -238,7 +239,7 @@ impl PyManager {
         me.allocate(py, request, &args, false)
     }
 
-    /// `cache_blocks(request, num_computed_tokens)` for `fast_entry.rs`, likewise.
+    /// `cache_blocks(request, num_computed_tokens)` for `fast/entry.rs`, likewise.
     pub(super) fn fast_cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,

@@ -146,7 +146,7 @@ impl ManagerState {
                 return t.len();
             }
         }
-        match request.getattr(intern!(py, "num_tokens")) {
+        match request.getattr(Field::NumTokens.interned(py)) {
             Ok(n) => field_count(&n, "request.num_tokens"),
             Err(e) if self.inner.caller.is_kvblock() && e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
                 match self.fields.get_opt(request, Field::AllTokenIds)? {
@@ -281,7 +281,7 @@ impl ManagerState {
     }
 
     /// The coordinator slot of a request this manager holds, found from the request object's
-    /// address when it was seen before (see `slot_cache.rs`), else from its id's characters;
+    /// address when it was seen before (see `fast/slot_cache.rs`), else from its id's characters;
     /// None for a request the manager does not hold. Also returns the `request_id` it read, if
     /// it read one (for [`ManagerState::view_after`]).
     pub(super) fn known_slot<'py>(
@@ -332,7 +332,7 @@ impl ManagerState {
         if self.inner.caller.is_kvblock() && !hashes.0.is_empty() {
             let num_tokens = self.num_tokens(request)?;
             let h = self.inner.coord.hash_block_size;
-            if let Ok(hb) = request.getattr(intern!(request.py(), "_hash_block_size")) {
+            if let Ok(hb) = request.getattr(Field::HashBlockSize.interned(request.py())) {
                 let hb: usize = hb.extract().unwrap_or(0);
                 if hb != 0 && hb != h {
                     return Err(value_err(

@@ -17,7 +17,7 @@
 //! Any other call goes to the PyO3 method with the same arguments, so results and errors are
 //! the method's own either way.
 
-use super::manager::PyManager;
+use crate::py::manager::PyManager;
 use pyo3::exceptions::{PySystemError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -171,7 +171,9 @@ unsafe fn coerced<'py>(py: Python<'py>, kind: Param, v: *mut ffi::PyObject) -> P
     // SAFETY: as the caller guarantees.
     let v = unsafe { Bound::from_borrowed_ptr(py, v) };
     match kind {
-        Param::Count => Ok(super::args::bool_count(&v).map(|n| n.into_pyobject(py)).transpose()?.map(|n| n.into_any())),
+        Param::Count => {
+            Ok(crate::py::args::bool_count(&v).map(|n| n.into_pyobject(py)).transpose()?.map(|n| n.into_any()))
+        }
         Param::Flag if !v.is_instance_of::<pyo3::types::PyBool>() => {
             Ok(Some(v.is_truthy()?.into_pyobject(py)?.to_owned().into_any()))
         }
@@ -270,7 +272,8 @@ unsafe fn run(
             };
             // SAFETY: CPython's fastcall arguments, passed through.
             unsafe {
-                match fast(py, e, slf, args, nargs, kwnames) {
+                let answer = if super::enabled() { fast(py, e, slf, args, nargs, kwnames) } else { None };
+                match answer {
                     Some(Ok(r)) => r.into_ptr(),
                     Some(Err(err)) => {
                         err.restore(py);
@@ -310,6 +313,9 @@ unsafe extern "C" fn cache_blocks_entry(
 /// The method descriptor with the fast entry for `name` (`"allocate_slots"` or
 /// `"cache_blocks"`), made once: same name, signature and docstring as the
 /// `KVCacheManagerCore` method, which it calls for everything but a no-op.
+///
+/// With the fast paths off ([`super::enabled`]) every call takes the full path (the
+/// arguments taken as vLLM's method body takes them, then the PyO3 method).
 ///
 /// Raises `ValueError` for any other name.
 #[pyfunction]

@@ -77,8 +77,12 @@ impl SlotCache {
         Ok((same && generation_at(e.slot) == e.generation).then_some(e.slot))
     }
 
-    /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`.
+    /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`; with the fast
+    /// paths off ([`super::enabled`]) nothing is remembered, so [`SlotCache::get`] never answers.
     pub fn insert(&mut self, request: &Bound<'_, PyAny>, id: &Bound<'_, PyString>, slot: usize, generation: u64) {
+        if !super::enabled() {
+            return;
+        }
         if self.table.is_empty() {
             self.table.resize_with(WAYS, || None);
         }

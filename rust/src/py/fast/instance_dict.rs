@@ -79,14 +79,15 @@ impl DictFields {
     ///
     /// A type that no attribute lookup has gone through yet has no version tag (vLLM's
     /// `Request` when the engine builds its scheduler, before any request exists): the type
-    /// is given one first, so that the check can be pinned to it.
+    /// is given one first, so that the check can be pinned to it. With the fast paths off
+    /// ([`super::enabled`]) no field is read from the dict.
     pub fn for_type(
         ty: &Bound<'_, PyType>,
         names: &[&'static str],
         eligible: impl Fn(usize) -> bool,
     ) -> PyResult<Self> {
         let py = ty.py();
-        if names.len() > 64 {
+        if names.len() > 64 || !super::enabled() {
             return Ok(Self::none());
         }
         let eligible = (0..names.len()).filter(|&i| eligible(i)).fold(0u64, |m, i| m | 1 << i);
