@@ -146,7 +146,7 @@ def test_eviction_count_matches_the_pools_events():
     trace = shared_prompt_workload(300)
     cfg = SimConfig(impl="kvblock", num_blocks=3000, max_running=16, token_budget=None, chunked_prefill=False, asap=True)
     r = Replayer(impl, 16, "sha256").run(trace, cfg)
-    removed = sum(1 for e in managers[0].block_pool.take_raw_events() if e[0] == "removed")
+    removed = sum(1 for e in managers[0].block_pool.take_raw_events() if e.kind == "removed")
     assert r.evictions == removed > 0
 
 

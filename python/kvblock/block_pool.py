@@ -630,17 +630,16 @@ class BlockPool(_core.BlockPoolCore):
     def _drain_events(self) -> None:
         stored, removed, cleared = self.event_classes
         for raw in self.take_raw_events():
-            kind = raw[0]
-            if kind == "stored":
-                _, hashes, parent, start, end, bs, group, req, ranges, tokens = raw
+            if isinstance(raw, _core.RawBlockStored):
                 self._events.append(
                     block_stored_for_request(
-                        req, hashes, parent, start, end, bs, group, ranges, tokens,
+                        raw.request, raw.block_hashes, raw.parent_block_hash, raw.token_start, raw.token_end,
+                        raw.block_size, raw.group, raw.key_ranges, raw.tokens,
                         medium=self.medium, lookahead=self.num_hash_lookahead_tokens, cls=stored,
                     )
                 )
-            elif kind == "removed":
-                self._events.append(block_removed(raw[1], raw[2], self.medium, cls=removed))
+            elif isinstance(raw, _core.RawBlockRemoved):
+                self._events.append(block_removed(raw.block_hash, raw.group, self.medium, cls=removed))
             else:
                 self._events.append(cleared())
 

@@ -9,6 +9,7 @@ pub mod capacity;
 pub mod convert;
 pub mod errors;
 pub mod events;
+pub mod raw_events;
 pub mod fast;
 pub mod fields;
 pub mod gil_cell;
@@ -47,6 +48,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request_hasher::PyRequestBlockHasher>()?;
     m.add_class::<block_pool::PyBlockPool>()?;
     m.add_class::<block_ids::PyBlockIds>()?;
+    m.add_class::<raw_events::RawBlockStored>()?;
+    m.add_class::<raw_events::RawBlockRemoved>()?;
+    m.add_class::<raw_events::RawAllBlocksCleared>()?;
     m.add_class::<manager::PyManager>()?;
     m.add_class::<hisparse::PyResidency>()?;
     m.add_class::<capacity::PyCapacityRequests>()?;

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::py::fields::Field;
+use crate::py::raw_events::{RawAllBlocksCleared, RawBlockRemoved, RawBlockStored};
 
 #[pymethods]
 impl PyBlockPool {
@@ -115,10 +116,9 @@ impl PyBlockPool {
         .py_err()
     }
 
-    /// Drain the raw events: tuples `("stored", [hash bytes], parent bytes|None, token_start,
-    /// token_end, block_size, group, request|None, [(start, end) per stored block], (token ids,
-    /// first index)|None)` (the token ids as they were when cached, when the request's list
-    /// was known), `("removed", hash bytes, group)`, `("cleared",)`.
+    /// Drain the raw events, oldest first, as named records: `RawBlockStored` (its token ids
+    /// as they were when cached, when the request's list was known), `RawBlockRemoved`,
+    /// `RawAllBlocksCleared` (see `rust/src/py/raw_events.rs`).
     fn take_raw_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let mut me = self.state.borrow_mut(py)?;
         let out = PyList::empty(py);
@@ -134,38 +134,33 @@ impl PyBlockPool {
                     key_ranges,
                     tag,
                 } => {
-                    let hs: Vec<Bound<'py, PyBytes>> =
-                        block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())).collect();
-                    let parent = parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()));
-                    let (req, tokens) = match me.tags.get(&tag) {
+                    let hs = PyList::new(py, block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())))?;
+                    let (request, tokens) = match me.tags.get(&tag) {
                         // the snapshot stands for the request (the event reads only those)
                         Some((r, t, ns)) => (
                             Some(ns.as_ref().map(|n| n.clone_ref(py)).unwrap_or_else(|| r.clone_ref(py))),
-                            t.as_ref().map(|(l, lo)| (l.clone_ref(py), *lo)),
+                            t.as_ref().map(|(l, lo)| (l.clone_ref(py).into_any(), *lo)),
                         ),
                         None => (None, None),
                     };
-                    let item = PyTuple::new(
-                        py,
-                        [
-                            "stored".into_pyobject(py)?.into_any(),
-                            hs.into_pyobject(py)?.into_any(),
-                            parent.into_pyobject(py)?.into_any(),
-                            token_start.into_pyobject(py)?.into_any(),
-                            token_end.into_pyobject(py)?.into_any(),
-                            block_size.into_pyobject(py)?.into_any(),
-                            group.into_pyobject(py)?.into_any(),
-                            req.into_pyobject(py)?.into_any(),
-                            key_ranges.into_pyobject(py)?.into_any(),
-                            tokens.into_pyobject(py)?.into_any(),
-                        ],
-                    )?;
-                    out.append(item)?;
+                    let record = RawBlockStored {
+                        block_hashes: hs.unbind(),
+                        parent_block_hash: parent_block_hash.map(|d| PyBytes::new(py, d.as_bytes()).unbind()),
+                        token_start,
+                        token_end,
+                        block_size,
+                        group,
+                        request,
+                        key_ranges,
+                        tokens,
+                    };
+                    out.append(Bound::new(py, record)?)?;
                 }
                 Event::BlockRemoved { block_hash, group } => {
-                    out.append(("removed", PyBytes::new(py, block_hash.as_bytes()), group))?;
+                    let record = RawBlockRemoved { block_hash: PyBytes::new(py, block_hash.as_bytes()).unbind(), group };
+                    out.append(Bound::new(py, record)?)?;
                 }
-                Event::AllBlocksCleared => out.append(("cleared",))?,
+                Event::AllBlocksCleared => out.append(Bound::new(py, RawAllBlocksCleared)?)?,
             }
         }
         // No event is pending any more, so no tag can be referred to.
