@@ -289,8 +289,8 @@ def test_invalid_settings_raise_replay_errors():
         (dict(block_size=0), "--block-size must be > 0"),
         (dict(max_running=0), "--max-running must be >= 1"),
         (dict(token_budget=0), "--token-budget must be >= 1"),
-        (dict(step_ms=0.0), "--step-ms must be > 0"),
-        (dict(time_scale=-1.0), "--time-scale must be > 0"),
+        (dict(step_ms=0.0), "--step-ms must be a finite number > 0"),
+        (dict(time_scale=-1.0), "--time-scale must be a finite number > 0"),
         (dict(hash_algo="md5"), "unknown --hash-algo 'md5'"),
         (dict(impl="vllm"), "unknown --impl 'vllm'; choose from kvblock, reference"),
     ]:
