@@ -157,7 +157,8 @@ impl PyBlockPool {
                     out.append(Bound::new(py, record)?)?;
                 }
                 Event::BlockRemoved { block_hash, group } => {
-                    let record = RawBlockRemoved { block_hash: PyBytes::new(py, block_hash.as_bytes()).unbind(), group };
+                    let record =
+                        RawBlockRemoved { block_hash: PyBytes::new(py, block_hash.as_bytes()).unbind(), group };
                     out.append(Bound::new(py, record)?)?;
                 }
                 Event::AllBlocksCleared => out.append(Bound::new(py, RawAllBlocksCleared)?)?,
