@@ -342,6 +342,10 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self.gpu_pool = manager.block_pool if self.resident_managers else None
         self.transition_watermark = watermark
         self.max_spill_pages = max_spill_pages
+        if RELEASE.hisparse_import_reservations:
+            # 0.34: the manager is built with import_step_tokens 0 (get_hisparse_coordinator's
+            # default); a setter for another value is not written yet (docs/hisparse.md)
+            self.import_step_tokens = 0
 
     # -- state ------------------------------------------------------------------------------
     @property

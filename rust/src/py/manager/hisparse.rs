@@ -124,7 +124,13 @@ impl PyManager {
 
     /// `resident_managers[k].get_resident_page(request_id, page)`: the block id, None when
     /// the page has no GPU copy.
-    fn _hisparse_resident_page(&self, py: Python<'_>, k: usize, request_id: String, page: usize) -> PyResult<Option<u32>> {
+    fn _hisparse_resident_page(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        request_id: String,
+        page: usize,
+    ) -> PyResult<Option<u32>> {
         self.residency(py, |r, e| {
             if k >= r.layout().resident_groups.len() {
                 return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
@@ -150,7 +156,11 @@ impl PyManager {
     }
 
     /// `all_context_pages_resident([(request_id, num_computed_tokens, num_scheduled_tokens)])`.
-    fn _hisparse_all_context_pages_resident(&self, py: Python<'_>, requests: Vec<(String, usize, usize)>) -> PyResult<bool> {
+    fn _hisparse_all_context_pages_resident(
+        &self,
+        py: Python<'_>,
+        requests: Vec<(String, usize, usize)>,
+    ) -> PyResult<bool> {
         self.residency(py, |r, e| Ok(r.all_context_pages_resident(e, &requests)))
     }
 
@@ -223,18 +233,7 @@ impl PyManager {
         &self,
         py: Python<'_>,
     ) -> PyResult<
-        Vec<(
-            String,
-            Vec<usize>,
-            usize,
-            Vec<(usize, u64)>,
-            usize,
-            Vec<usize>,
-            Vec<usize>,
-            usize,
-            usize,
-            Vec<usize>,
-        )>,
+        Vec<(String, Vec<usize>, usize, Vec<(usize, u64)>, usize, Vec<usize>, Vec<usize>, usize, usize, Vec<usize>)>,
     > {
         self.residency(py, |r, _| {
             let mut v: Vec<_> = r
@@ -260,12 +259,22 @@ impl PyManager {
     }
 
     /// `plan_prefix_materialization(request_id, num_computed_tokens)`.
-    fn _hisparse_plan_prefix_materialization(&self, py: Python<'_>, request_id: String, num_computed_tokens: usize) -> PyResult<()> {
+    fn _hisparse_plan_prefix_materialization(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_computed_tokens: usize,
+    ) -> PyResult<()> {
         self.residency(py, |r, e| r.plan_prefix_materialization(e, &request_id, num_computed_tokens))
     }
 
     /// `record_pending_host_import(request_id, num_tokens)`.
-    fn _hisparse_record_pending_host_import(&self, py: Python<'_>, request_id: String, num_tokens: usize) -> PyResult<()> {
+    fn _hisparse_record_pending_host_import(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_tokens: usize,
+    ) -> PyResult<()> {
         self.residency(py, |r, _| {
             r.record_pending_host_import(&request_id, num_tokens);
             Ok(())
@@ -278,7 +287,12 @@ impl PyManager {
     }
 
     /// `complete_host_import(request_id, num_computed_tokens)`.
-    fn _hisparse_complete_host_import(&self, py: Python<'_>, request_id: String, num_computed_tokens: usize) -> PyResult<()> {
+    fn _hisparse_complete_host_import(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_computed_tokens: usize,
+    ) -> PyResult<()> {
         self.residency(py, |r, e| r.complete_host_import(e, &request_id, num_computed_tokens))
     }
 
