@@ -9,7 +9,7 @@ back to vLLM's own manager, with the reason: :func:`describe` names it.
 HiSparse configurations (``hisparse_host_num_blocks`` with a ``HISPARSE_SOURCE`` group) are
 translated (``hisparse_source`` / ``hisparse_resident`` / ``hisparse_hot`` groups, the indexer as
 full attention) but still fall back unless ``KVBLOCK_VLLM_HISPARSE=1``: kvblock's Rust manager
-holds them, the views vLLM's HiSparse connector reads are not written yet (``docs/hisparse.md``).
+holds them and ``kvblock.vllm.hisparse`` has their views, not all of them right yet (``docs/hisparse.md``).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def translate(
             return Path(
                 "vllm",
                 "HiSparse host-tier KV cache (hisparse_host_num_blocks is set): kvblock's manager holds it "
-                "(KVBLOCK_VLLM_HISPARSE=1), the views vLLM's HiSparse connector reads are not written yet",
+                "(KVBLOCK_VLLM_HISPARSE=1), not every view vLLM's HiSparse connector reads is right yet",
                 groups,
                 host_num_blocks,
             )

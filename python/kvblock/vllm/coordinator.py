@@ -35,17 +35,22 @@ class _ReqToBlocks(MutableMapping):
     """``req_to_blocks`` of one group: ``{request_id: [KVCacheBlock, ...]}`` (vLLM's is a
     ``defaultdict(list)``: reading a missing request creates its empty table, here too)."""
 
-    def __init__(self, manager: Any, group: int) -> None:
+    def __init__(self, manager: Any, group: int, owner: Any = None) -> None:
         self._m = manager
         self._g = group
+        # the group view whose block_pool the table's blocks belong to (HiSparse's source
+        # group: the host pool); None: the manager's pool
+        self._owner = owner
 
     def __getitem__(self, request_id: str) -> "_Table":
         if self._m._group_table(self._g, request_id) is None:
             self._m._group_set_table(self._g, request_id, [])
-        return _Table(self._m, self._g, request_id)
+        return _Table(self._m, self._g, request_id, self._owner)
 
     def get(self, request_id: str, default: Any = None) -> Any:  # type: ignore[override]
-        return _Table(self._m, self._g, request_id) if self._m._group_table(self._g, request_id) is not None else default
+        if self._m._group_table(self._g, request_id) is None:
+            return default
+        return _Table(self._m, self._g, request_id, self._owner)
 
     def __setitem__(self, request_id: str, blocks: Sequence[Any]) -> None:
         self._m._group_set_table(self._g, request_id, _ids(blocks))
@@ -72,10 +77,11 @@ class _Table(Sequence):
     holds a table (assigning an item writes the Rust table); once it is freed, the table it
     had when last read (vLLM hands out the list itself, which keeps its blocks)."""
 
-    def __init__(self, manager: Any, group: int, request_id: str) -> None:
+    def __init__(self, manager: Any, group: int, request_id: str, owner: Any = None) -> None:
         self._m = manager
         self._g = group
         self._rid = request_id
+        self._owner = owner
         self._last = manager._group_table(group, request_id) or []
 
     def _list(self) -> list[int]:
@@ -90,7 +96,7 @@ class _Table(Sequence):
 
     def __getitem__(self, i):  # type: ignore[override]
         ids = self._list()
-        view = self._m.block_pool._view
+        view = (self._m if self._owner is None else self._owner).block_pool._view
         if isinstance(i, slice):
             return [view(b) for b in ids[i]]
         return view(ids[i])
@@ -264,7 +270,7 @@ class SingleTypeManagerView:
         self.manager_cls = manager_cls
         self.supports_fine_grained_hash_lookup = manager_cls.supports_fine_grained_hash_lookup
         self.retains_longer_hit = False
-        self.req_to_blocks = _ReqToBlocks(manager, group)
+        self.req_to_blocks = _ReqToBlocks(manager, group, self)
         self.num_cached_block = _NumCached(manager, group)
         self._partial_hit_reqs = _RequestStateMap(manager, group, "partial_hit", writable=True)
         if getattr(spec, "mamba_cache_mode", None) is not None:
@@ -285,11 +291,12 @@ class SingleTypeManagerView:
 
     @property
     def block_pool(self) -> Any:
-        return self._m.block_pool
+        # HiSparse's source group: the host pool (kvblock.vllm.hisparse binds it)
+        return self.__dict__.get("_hisparse_pool") or self._m.block_pool
 
     @property
     def _null_block(self) -> Any:
-        return self._m.block_pool.null_block
+        return self.block_pool.null_block
 
     @property
     def records_new_block_ids(self) -> bool:
@@ -445,7 +452,10 @@ def _view_class(manager_cls: Any) -> type:
     kvblock's)."""
     cls = _VIEW_CLASSES.get(manager_cls)
     if cls is None:
-        cls = type(manager_cls.__name__, (SingleTypeManagerView, manager_cls), {"__qualname__": manager_cls.__qualname__})
+        from .hisparse import group_mixins
+
+        bases = (SingleTypeManagerView, *group_mixins(manager_cls), manager_cls)
+        cls = type(manager_cls.__name__, bases, {"__qualname__": manager_cls.__qualname__})
         _VIEW_CLASSES[manager_cls] = cls
     return cls
 
@@ -484,6 +494,10 @@ class _CoordinatorView:
             self.dcp_world_size = self.single_type_managers[0].dcp_world_size
             self.pcp_world_size = self.single_type_managers[0].pcp_world_size
         self.num_single_type_manager = len(groups)
+        if any(getattr(m, "_hisparse_source", False) for m in self.single_type_managers):
+            from .hisparse import bind
+
+            bind(manager, self)
 
     @property
     def block_pool(self) -> Any:

@@ -7,7 +7,7 @@
 
 use super::*;
 use crate::error::Result;
-use crate::hisparse::residency::Residency;
+use crate::hisparse::residency::{Env, Residency};
 use crate::manager::hisparse_tier::TierEnv;
 
 fn no_hisparse() -> PyErr {
@@ -104,5 +104,239 @@ impl PyManager {
     /// `has_pending_reclamation()`.
     fn _hisparse_has_pending_reclamation(&self, py: Python<'_>) -> PyResult<bool> {
         self.residency(py, |r, e| Ok(r.has_pending_reclamation(e)))
+    }
+
+    /// The layout the coordinator view reads once: `(host_group, resident_groups,
+    /// [(hot_group, blocks_per_request)], max_spill_pages, transition_watermark)`.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_layout(&self, py: Python<'_>) -> PyResult<(usize, Vec<usize>, Vec<(usize, usize)>, usize, usize)> {
+        self.residency(py, |r, _| {
+            let l = r.layout();
+            Ok((
+                l.host_group,
+                l.resident_groups.clone(),
+                l.hot_groups.clone(),
+                r.max_spill_pages(),
+                r.transition_watermark(),
+            ))
+        })
+    }
+
+    /// `resident_managers[k].get_resident_page(request_id, page)`: the block id, None when
+    /// the page has no GPU copy.
+    fn _hisparse_resident_page(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        request_id: String,
+        page: usize,
+    ) -> PyResult<Option<u32>> {
+        self.residency(py, |r, e| {
+            if k >= r.layout().resident_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
+            }
+            Ok(r.get_resident_page(e, k, &request_id, page))
+        })
+    }
+
+    /// `build_row_mirrors([(request_id, num_computed_tokens, num_scheduled_tokens)])` as
+    /// `[(source_starts, destination_start, num_rows)]` (rows, not blocks).
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_build_row_mirrors(
+        &self,
+        py: Python<'_>,
+        requests: Vec<(String, usize, usize)>,
+    ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
+        self.residency(py, |r, e| {
+            Ok(r.build_row_mirrors(e, &requests)
+                .into_iter()
+                .map(|m| (m.source_starts, m.destination_start, m.num_rows))
+                .collect())
+        })
+    }
+
+    /// `all_context_pages_resident([(request_id, num_computed_tokens, num_scheduled_tokens)])`.
+    fn _hisparse_all_context_pages_resident(
+        &self,
+        py: Python<'_>,
+        requests: Vec<(String, usize, usize)>,
+    ) -> PyResult<bool> {
+        self.residency(py, |r, e| Ok(r.all_context_pages_resident(e, &requests)))
+    }
+
+    /// `take_residency_updates(request_ids)` as `[(request_id, pages, block ids per
+    /// resident group)]`.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_take_residency_updates(
+        &self,
+        py: Python<'_>,
+        request_ids: Vec<String>,
+    ) -> PyResult<Vec<(String, Vec<usize>, Vec<Vec<u32>>)>> {
+        self.residency(py, |r, e| {
+            Ok(r.take_residency_updates(e, &request_ids).into_iter().map(|(q, u)| (q, u.pages, u.block_ids)).collect())
+        })
+    }
+
+    /// `spills_to_send` (not taken): `(transfer_id, host_block_id, resident_block_ids,
+    /// after_forward, restore)` each.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_spills_to_send(&self, py: Python<'_>) -> PyResult<Vec<(u64, u32, Vec<u32>, bool, bool)>> {
+        self.residency(py, |r, _| {
+            Ok(r.spills_to_send()
+                .iter()
+                .map(|t| (t.transfer_id, t.host_block_id, t.resident_block_ids.clone(), t.after_forward, t.restore))
+                .collect())
+        })
+    }
+
+    /// `pending_spills` as `[(transfer_id, request_id, page, host_block, resident_blocks,
+    /// restore, expected, completed, enqueue_applied)]`, by transfer id.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_pending_spills(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Vec<(u64, String, usize, u32, Vec<u32>, bool, usize, usize, bool)>> {
+        self.residency(py, |r, _| {
+            Ok(r.pending_spills()
+                .values()
+                .map(|p| {
+                    (
+                        p.transfer_id,
+                        p.request.clone(),
+                        p.page,
+                        p.host_block,
+                        p.resident_blocks.clone(),
+                        p.restore,
+                        p.expected_worker_completions,
+                        p.worker_completions,
+                        p.enqueue_applied,
+                    )
+                })
+                .collect())
+        })
+    }
+
+    /// `copies` as `[(host key bytes, device block ids per resident group)]`, sorted.
+    fn _hisparse_copies(&self, py: Python<'_>) -> PyResult<Vec<(Vec<u8>, Vec<u32>)>> {
+        self.residency(py, |r, _| {
+            let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.clone())).collect();
+            v.sort();
+            Ok(v)
+        })
+    }
+
+    /// `request_states` as `[(request_id, valid_pages, ready_prefix_pages, pending_pages
+    /// [(page, transfer_id)], copies_recorded_blocks, pinned_clean, unpinned_pages,
+    /// pages_to_adopt, synced_pages, stale_pages)]` (page sets sorted).
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_request_states(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<
+        Vec<(String, Vec<usize>, usize, Vec<(usize, u64)>, usize, Vec<usize>, Vec<usize>, usize, usize, Vec<usize>)>,
+    > {
+        self.residency(py, |r, _| {
+            let mut v: Vec<_> = r
+                .request_states()
+                .map(|(q, s)| {
+                    (
+                        q.to_string(),
+                        s.valid_pages.iter().copied().collect::<Vec<usize>>(),
+                        s.ready_prefix_pages,
+                        s.pending_pages.iter().map(|(&p, &t)| (p, t)).collect::<Vec<(usize, u64)>>(),
+                        s.copies_recorded_blocks,
+                        s.pinned_clean.iter().copied().collect::<Vec<usize>>(),
+                        s.unpinned_pages.iter().copied().collect::<Vec<usize>>(),
+                        s.pages_to_adopt,
+                        s.synced_pages,
+                        s.stale_pages.iter().copied().collect::<Vec<usize>>(),
+                    )
+                })
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(v)
+        })
+    }
+
+    /// `plan_prefix_materialization(request_id, num_computed_tokens)`.
+    fn _hisparse_plan_prefix_materialization(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_computed_tokens: usize,
+    ) -> PyResult<()> {
+        self.residency(py, |r, e| r.plan_prefix_materialization(e, &request_id, num_computed_tokens))
+    }
+
+    /// `record_pending_host_import(request_id, num_tokens)`.
+    fn _hisparse_record_pending_host_import(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_tokens: usize,
+    ) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            r.record_pending_host_import(&request_id, num_tokens);
+            Ok(())
+        })
+    }
+
+    /// `finish_host_import(request_id, failed)`.
+    fn _hisparse_finish_host_import(&self, py: Python<'_>, request_id: String, failed: bool) -> PyResult<()> {
+        self.residency(py, |r, e| r.finish_host_import(e, &request_id, failed))
+    }
+
+    /// `complete_host_import(request_id, num_computed_tokens)`.
+    fn _hisparse_complete_host_import(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_computed_tokens: usize,
+    ) -> PyResult<()> {
+        self.residency(py, |r, e| r.complete_host_import(e, &request_id, num_computed_tokens))
+    }
+
+    /// The host pool: `(num_blocks, num_free_blocks, enable_caching, hash_block_size)`.
+    fn _hisparse_host_info(&self, py: Python<'_>) -> PyResult<(usize, usize, bool, usize)> {
+        self.residency(py, |_, e| {
+            let h = e.host_ref();
+            Ok((h.num_blocks(), h.num_free_blocks(), h.enable_caching(), h.hash_block_size()))
+        })
+    }
+
+    /// Host block `block_id`: `(ref_cnt, block_hash bytes or None, block_hash_num_tokens)`.
+    /// ValueError for an id outside the host pool.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_host_block(&self, py: Python<'_>, block_id: u32) -> PyResult<(u32, Option<Vec<u8>>, Option<usize>)> {
+        self.residency(py, |_, e| {
+            let h = e.host_ref();
+            Ok((h.ref_cnt(block_id)?, h.block_key(block_id)?.map(|k| k.to_bytes()), h.block_hash_num_tokens(block_id)?))
+        })
+    }
+
+    /// Host pool `get_new_blocks(n)`: the ids, each with one reference. ValueError, nothing
+    /// taken, when fewer are free.
+    fn _hisparse_host_get_new_blocks(&self, py: Python<'_>, n: usize) -> PyResult<Vec<u32>> {
+        self.residency(py, |_, e| {
+            let mut out = Vec::with_capacity(n);
+            e.host().get_new_blocks(n, &mut out)?;
+            Ok(out)
+        })
+    }
+
+    /// Host pool `touch(ids)` (the null block skipped). ValueError, nothing changed, for a bad id.
+    fn _hisparse_host_touch(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
+        self.residency(py, |_, e| e.host().touch(&ids, true))
+    }
+
+    /// Host pool `free_blocks(ids)` in order (the null block skipped). ValueError, nothing
+    /// changed, for a bad id or a block with no reference left.
+    fn _hisparse_host_free(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
+        self.residency(py, |_, e| e.host().free_blocks(&ids, true))
+    }
+
+    /// Host pool `evict_blocks(ids)`. ValueError, nothing evicted, for a bad id.
+    fn _hisparse_host_evict(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
+        self.residency(py, |_, e| e.host().evict_blocks(&ids))
     }
 }

@@ -1,0 +1,485 @@
+"""vLLM's HiSparse faces of kvblock's manager: the ``HiSparseCoordinator`` that vLLM's
+``get_hisparse_coordinator(manager)``, its HiSparse connector and its tests read, the host
+pool behind the source group, and the resident / hot groups' residency calls.
+
+Everything is a view of the Rust state (``rust/src/manager/hisparse_tier.rs``: the host
+pool and the residency the manager holds), read and changed through the manager binding's
+``_hisparse_*`` calls; nothing is copied or kept in sync here. The coordinator view is an
+instance of vLLM's own ``HiSparseCoordinator`` (a subclass that never runs vLLM's
+constructor), bound as ``coordinator`` on the HiSparse group views when kvblock's manager is
+built, so ``get_hisparse_coordinator(manager)`` returns it. See ``docs/hisparse.md``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from vllm.v1.hisparse import coordinator as _vhc
+from vllm.v1.hisparse import types as _vht
+
+from .releases import current as _current_release
+
+__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins"]
+
+RELEASE = _current_release()
+
+
+class HostBlock:
+    """A block of the HiSparse host pool, as vLLM's ``KVCacheBlock`` shows it:
+    ``block_id`` (an index into the host pool, not the device pool), ``ref_cnt``,
+    ``block_hash`` (``BlockHashWithGroupId`` bytes or None), ``block_hash_num_tokens``,
+    ``is_null``, ``pool`` (the :class:`HostBlockPool`). Read from the Rust host pool on every
+    access; the pool keeps one view per block, so ``is`` and ``==`` agree."""
+
+    __slots__ = ("_pool", "block_id")
+
+    def __init__(self, pool: "HostBlockPool", block_id: int) -> None:
+        self._pool = pool
+        self.block_id = block_id
+
+    @property
+    def pool(self) -> "HostBlockPool":
+        return self._pool
+
+    @property
+    def ref_cnt(self) -> int:
+        return int(self._pool._m._hisparse_host_block(self.block_id)[0])
+
+    @property
+    def block_hash(self) -> bytes | None:
+        h = self._pool._m._hisparse_host_block(self.block_id)[1]
+        return None if h is None else bytes(h)
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        return self._pool._m._hisparse_host_block(self.block_id)[2]  # type: ignore[no-any-return]
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostBlock) and other._pool is self._pool and other.block_id == self.block_id
+
+    def __hash__(self) -> int:
+        return hash((id(self._pool), self.block_id))
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, _block_hash={self.block_hash!r}, medium=CPU)"
+
+
+class _HostBlocks(Sequence[HostBlock]):
+    """``blocks[i]`` is host block ``i``."""
+
+    def __init__(self, pool: "HostBlockPool") -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_gpu_blocks
+
+    def __getitem__(self, i):  # type: ignore[override]
+        n = len(self)
+        if isinstance(i, slice):
+            return [self._pool._view(j) for j in range(n)[i]]
+        i = operator.index(i)
+        if i < 0:
+            i += n
+        return self._pool._view(i)
+
+
+class HostBlockPool:
+    """vLLM's HiSparse host pool (``SharedEventQueueBlockPool``, ``medium`` CPU,
+    ``kv_cache_config.hisparse_host_num_blocks`` blocks) over the host pool kvblock's manager
+    holds in Rust. Its blocks are :class:`HostBlock` views; ``num_gpu_blocks`` is the host
+    pool's size (vLLM's name); ``kv_event_queue`` is the device pool's (vLLM shares one
+    queue). Bad ids and over-freeing raise ``ValueError`` (the Rust pool's), changing
+    nothing."""
+
+    medium = "CPU"
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+        num_blocks, _free, caching, hash_block_size = manager._hisparse_host_info()
+        self.num_gpu_blocks = int(num_blocks)
+        self.enable_caching = bool(caching)
+        self.hash_block_size = int(hash_block_size)
+        self._views: dict[int, HostBlock] = {}
+
+    def _view(self, block_id: int) -> HostBlock:
+        v = self._views.get(block_id)
+        if v is None:
+            if not 0 <= block_id < self.num_gpu_blocks:
+                raise IndexError(f"host block id {block_id} out of range")
+            v = self._views[block_id] = HostBlock(self, block_id)
+        return v
+
+    def _ids(self, blocks: Iterable[Any]) -> list[int]:
+        out = []
+        for b in blocks:
+            if isinstance(b, HostBlock) and b._pool is self:
+                out.append(b.block_id)
+            else:
+                raise TypeError(f"{b!r} is not a block of this HiSparse host pool")
+        return out
+
+    @property
+    def blocks(self) -> Sequence[HostBlock]:
+        return _HostBlocks(self)
+
+    @property
+    def null_block(self) -> HostBlock:
+        return self._view(0)
+
+    @property
+    def enable_kv_cache_events(self) -> bool:
+        return bool(self._m.block_pool.enable_kv_cache_events)
+
+    @property
+    def kv_event_queue(self) -> list[Any]:
+        """The device pool's event queue (vLLM's host pool appends to it)."""
+        return self._m.block_pool.kv_event_queue  # type: ignore[no-any-return]
+
+    def get_num_free_blocks(self) -> int:
+        """Free host blocks (cached ones included), as vLLM's ``get_num_free_blocks``."""
+        return int(self._m._hisparse_host_info()[1])
+
+    def get_usage(self) -> float:
+        """The used fraction of the host pool (the null block not counted)."""
+        total = self.num_gpu_blocks - 1
+        return 1.0 - self.get_num_free_blocks() / total if total > 0 else 0.0
+
+    def get_new_blocks(self, num_blocks: int) -> list[HostBlock]:
+        """``num_blocks`` host blocks (evicting cached ones), one reference each. Raises
+        ValueError, taking nothing, when fewer are free."""
+        return [self._view(b) for b in self._m._hisparse_host_get_new_blocks(operator.index(num_blocks))]
+
+    def touch(self, blocks: Any) -> None:
+        """Take a reference on each host block (a flat sequence or one per group; the null
+        block skipped)."""
+        ids: list[int] = []
+        for b in blocks:
+            ids.extend(self._ids(b) if isinstance(b, (list, tuple)) else self._ids((b,)))
+        self._m._hisparse_host_touch(ids)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any], evict_first: bool = False) -> None:
+        """Drop one reference per host block in order (the null block skipped). Blocks of
+        the device pool are freed into it, as vLLM's ``free_blocks`` routes by ``block.pool``.
+        ``evict_first`` (0.34) is passed on to the device pool only."""
+        own: list[int] = []
+        device: list[Any] = []
+        for b in ordered_blocks:
+            if isinstance(b, HostBlock) and b._pool is self:
+                own.append(b.block_id)
+            elif getattr(b, "pool", None) is self._m.block_pool:
+                device.append(b)
+            else:
+                raise TypeError(f"{b!r} is not a block of this HiSparse host pool")
+        self._m._hisparse_host_free(own)
+        if device:
+            if evict_first:
+                self._m.block_pool.free_blocks(device, evict_first=True)
+            else:
+                self._m.block_pool.free_blocks(device)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cache keys of these host blocks (vLLM's ``evict_blocks``). An id past the
+        pool is an ``AssertionError``, as vLLM's; nothing is evicted then."""
+        n = self.num_gpu_blocks
+        ids = []
+        for block_id in block_ids:
+            i = operator.index(block_id)
+            assert 0 <= i < n, f"Invalid block_id {i} >= {n}."
+            ids.append(i)
+        self._m._hisparse_host_evict(ids)
+
+    def __repr__(self) -> str:
+        return f"<kvblock HiSparse host pool of {self.num_gpu_blocks} blocks>"
+
+
+class _ResidencyChanges(Mapping[str, dict[int, Any]]):
+    """A resident group's ``residency_changes``: ``{request_id: {page: block}}`` of the pages
+    whose residency differs from the request's table (None-valued pages read from the
+    host), derived from the Rust rows: a page differs when its residency row entry differs
+    from the table."""
+
+    def __init__(self, view: Any, k: int) -> None:
+        self._v = view
+        self._k = k
+
+    def _dict(self) -> dict[str, dict[int, Any]]:
+        m = self._v._m
+        pool = m.block_pool
+        out: dict[str, dict[int, Any]] = {}
+        g = self._v.kv_cache_group_id
+        for rid in m._group_request_ids(g):
+            table = m._group_table(g, rid) or []
+            row = m._hisparse_residency_row(self._k, rid, 0)
+            diff = {i: pool._view(b) for i, (t, b) in enumerate(zip(table, row)) if t != b}
+            if diff:
+                out[rid] = diff
+        return out
+
+    def __getitem__(self, request_id: str) -> dict[int, Any]:
+        return self._dict()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._dict())
+
+
+class _ResidentCalls:
+    """The resident group's residency calls (mixed into its group view)."""
+
+    _hisparse_k: int
+
+    @property
+    def residency_changes(self) -> Mapping[str, dict[int, Any]]:
+        return _ResidencyChanges(self, self._hisparse_k)
+
+    def get_resident_page(self, request_id: str, block_idx: int) -> Any:
+        """The device block page ``block_idx`` is read from, None when only the host holds
+        it (vLLM's ``get_resident_page``)."""
+        b = self._m._hisparse_resident_page(self._hisparse_k, request_id, operator.index(block_idx))  # type: ignore[attr-defined]
+        return None if b is None else self._m.block_pool._view(b)  # type: ignore[attr-defined]
+
+    def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
+        """The request's pages from ``start`` on, each the device block it is read from or
+        the null block (read from the host) (vLLM's ``get_residency_row``)."""
+        view = self._m.block_pool._view  # type: ignore[attr-defined]
+        return [view(b) for b in self._m._hisparse_residency_row(self._hisparse_k, request_id, operator.index(start))]  # type: ignore[attr-defined]
+
+
+class _SourceCalls:
+    """Marks the source group's view (its ``block_pool`` is the host pool, bound by
+    :func:`bind`)."""
+
+    _hisparse_source = True
+
+
+class _HotCalls:
+    """The hot group's state (mixed into its group view)."""
+
+    _hisparse_hot_k: int
+
+    @property
+    def blocks_per_request(self) -> int:
+        return int(self.kv_cache_spec.blocks_per_request)  # type: ignore[attr-defined]
+
+    @property
+    def hot_required(self) -> set[str]:
+        """The requests that asked for a hot region (a snapshot of the Rust set)."""
+        return set(self._m._hisparse_hot_required(self._hisparse_hot_k))  # type: ignore[attr-defined]
+
+
+def group_mixins(manager_cls: type) -> tuple[type, ...]:
+    """The HiSparse calls the view class of vLLM's ``manager_cls`` adds (none for a group
+    that is not HiSparse's)."""
+    from vllm.v1.core import single_type_kv_cache_manager as st
+
+    if issubclass(manager_cls, st.HiSparseSourceManager):
+        return (_SourceCalls,)
+    if issubclass(manager_cls, st.HiSparseResidentManager):
+        return (_ResidentCalls,)
+    if issubclass(manager_cls, st.HiSparseHotManager):
+        return (_HotCalls,)
+    return ()
+
+
+def _spill(t: Sequence[Any]) -> Any:
+    """vLLM's ``SparseKVPageTransfer`` of one Rust transfer row."""
+    kwargs: dict[str, Any] = dict(
+        transfer_id=t[0], host_block_id=t[1], resident_block_ids=tuple(t[2]), restore=bool(t[4])
+    )
+    if RELEASE.hisparse_after_forward:
+        kwargs["after_forward"] = bool(t[3])
+    return _vht.SparseKVPageTransfer(**kwargs)
+
+
+class _PendingSpillView:
+    """One ``pending_spills`` entry (vLLM's ``_PendingSpill``), a snapshot: ``transfer_id``,
+    ``page`` (``(request_id, page)``), ``host_block``, ``resident_blocks``, ``restore``,
+    ``expected_worker_completions``, ``worker_completions``, ``enqueue_applied``."""
+
+    def __init__(self, coordinator: "HiSparseCoordinatorView", row: Sequence[Any]) -> None:
+        tid, rid, page, host, resident, restore, expected, done, applied = row
+        self.transfer_id = tid
+        self.page = (rid, page)
+        self.host_block = coordinator.host_manager.block_pool._view(host)
+        self.resident_blocks = tuple(coordinator.gpu_pool._view(b) for b in resident)
+        self.restore = restore
+        self.expected_worker_completions = expected
+        self.worker_completions = done
+        self.enqueue_applied = applied
+
+    def __repr__(self) -> str:
+        return f"_PendingSpill(transfer_id={self.transfer_id}, page={self.page})"
+
+
+class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
+    """kvblock's HiSparse coordinator: an instance of vLLM's ``HiSparseCoordinator`` whose
+    books are the Rust residency of kvblock's manager. Attributes (``resident_managers``,
+    ``hot_managers``, ``host_manager``, ``host_group_id``, ``gpu_pool``,
+    ``transition_watermark``, ``max_spill_pages``, ``num_reprefillable_tokens``) are fixed at
+    binding; ``spills_to_send``, ``pending_spills``, ``request_states`` and ``copies`` are read
+    from Rust on every access (snapshots: changing them changes nothing). The methods are
+    vLLM's, run in Rust."""
+
+    def __init__(self, manager: Any, coordinator: Any) -> None:  # noqa: D107 - vLLM's constructor is not run
+        self._m = manager
+        host_group, resident_groups, hot_groups, max_spill_pages, watermark = manager._hisparse_layout()
+        managers = tuple(coordinator.single_type_managers)
+        self.managers = managers
+        self.num_reprefillable_tokens = coordinator.num_reprefillable_tokens
+        self.host_group_id = host_group
+        self.host_manager = managers[host_group]
+        self.has_host_cache = True
+        self.resident_managers = tuple(managers[g] for g in resident_groups)
+        self.hot_managers = tuple(managers[g] for g, _ in hot_groups)
+        self.gpu_pool = manager.block_pool if self.resident_managers else None
+        self.transition_watermark = watermark
+        self.max_spill_pages = max_spill_pages
+        if RELEASE.hisparse_import_reservations:
+            # 0.34: the manager is built with import_step_tokens 0 (get_hisparse_coordinator's
+            # default); a setter for another value is not written yet (docs/hisparse.md)
+            self.import_step_tokens = 0
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def spills_to_send(self) -> list[Any]:  # type: ignore[override]
+        return [_spill(t) for t in self._m._hisparse_spills_to_send()]
+
+    @spills_to_send.setter
+    def spills_to_send(self, value: Any) -> None:
+        raise TypeError("spills_to_send is a view of kvblock's residency (build_offload_command takes it)")
+
+    @property
+    def pending_spills(self) -> dict[int, Any]:  # type: ignore[override]
+        return {row[0]: _PendingSpillView(self, row) for row in self._m._hisparse_pending_spills()}
+
+    @pending_spills.setter
+    def pending_spills(self, value: Any) -> None:
+        raise TypeError("pending_spills is a view of kvblock's residency")
+
+    @property
+    def request_states(self) -> dict[str, Any]:  # type: ignore[override]
+        out = {}
+        for rid, valid, ready, pending, recorded, pinned, unpinned, adopt, synced, stale in self._m._hisparse_request_states():
+            out[rid] = _vhc._HiSparseRequestState(
+                valid_pages=set(valid),
+                ready_prefix_pages=ready,
+                pending_pages=dict(pending),
+                copies_recorded_blocks=recorded,
+                pinned_clean=set(pinned),
+                unpinned_pages=set(unpinned),
+                pages_to_adopt=adopt,
+                synced_pages=synced,
+                stale_pages=set(stale),
+            )
+        return out
+
+    @request_states.setter
+    def request_states(self, value: Any) -> None:
+        raise TypeError("request_states is a view of kvblock's residency")
+
+    @property
+    def copies(self) -> dict[bytes, tuple[Any, ...]]:  # type: ignore[override]
+        view = self._m.block_pool._view
+        return {bytes(k): tuple(view(b) for b in ids) for k, ids in self._m._hisparse_copies()}
+
+    @copies.setter
+    def copies(self, value: Any) -> None:
+        raise TypeError("copies is a view of kvblock's residency")
+
+    # -- vLLM's calls -----------------------------------------------------------------------
+    def advance_scheduled(self, requests: Iterable[tuple[str, int]]) -> None:
+        """The step's requests (``(request_id, num_computed_tokens after the step)``): plan
+        their spills and update their residency."""
+        self._m._hisparse_advance_scheduled([(r, operator.index(n)) for r, n in requests])
+
+    def update_residency(self, request_id: str) -> None:
+        self._m._hisparse_update_residency(request_id)
+
+    def plan_prefix_materialization(self, request_id: str, num_computed_tokens: int) -> None:
+        self._m._hisparse_plan_prefix_materialization(request_id, operator.index(num_computed_tokens))
+
+    def update_spills(self, enqueued_counts: Mapping[int, int], completed_counts: Mapping[int, int]) -> None:
+        """The workers' spill reports (``{transfer_id: workers}`` enqueued and completed)."""
+        self._m._hisparse_update_spills(list(enqueued_counts.items()), list(completed_counts.items()))
+
+    def build_offload_command(self) -> Any:
+        """vLLM's ``SparseKVOffloadCommand`` of the planned spills (taken); None without
+        resident groups."""
+        rows = self._m._hisparse_take_offload_command()
+        if rows is None:
+            return None
+        return _vht.SparseKVOffloadCommand(page_transfers=[_spill(t) for t in rows])
+
+    def build_row_mirrors(self, requests: Iterable[tuple[str, int, int]]) -> tuple[Any, ...]:
+        rows = self._m._hisparse_build_row_mirrors([(r, operator.index(c), operator.index(s)) for r, c, s in requests])
+        return tuple(
+            _vht.SparseKVRowMirror(source_starts=tuple(src), destination_start=dst, num_rows=n) for src, dst, n in rows
+        )
+
+    def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
+        return bool(
+            self._m._hisparse_all_context_pages_resident(
+                [(r, operator.index(c), operator.index(s)) for r, c, s in requests]
+            )
+        )
+
+    def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
+        return {
+            rid: _vht.SparseKVResidencyUpdate(pages=list(pages), block_ids=tuple(list(g) for g in block_ids))
+            for rid, pages, block_ids in self._m._hisparse_take_residency_updates(list(request_ids))
+        }
+
+    def has_pending_work(self) -> bool:
+        return bool(self._m._hisparse_has_pending_work())
+
+    def has_pending_reclamation(self) -> bool:
+        return bool(self._m._hisparse_has_pending_reclamation())
+
+    def record_pending_host_import(self, request_id: str, num_tokens: int) -> None:
+        self._m._hisparse_record_pending_host_import(request_id, operator.index(num_tokens))
+
+    def finish_host_import(self, request_id: str, failed: bool = False) -> None:
+        self._m._hisparse_finish_host_import(request_id, bool(failed))
+
+    def complete_host_import(self, request_id: str, num_computed_tokens: int) -> None:
+        self._m._hisparse_complete_host_import(request_id, operator.index(num_computed_tokens))
+
+    def get_host_block_pool(self) -> Any:
+        return self.host_manager.block_pool
+
+    def take_host_block_copies(self) -> tuple[Any, ...]:
+        """The host group's copy-on-write copies: kvblock's manager makes none yet
+        (``docs/hisparse.md``), so there are none to hand over."""
+        return ()
+
+    def __repr__(self) -> str:
+        return f"<kvblock HiSparseCoordinator over {len(self.managers)} group(s)>"
+
+
+HiSparseCoordinatorView.__name__ = HiSparseCoordinatorView.__qualname__ = "HiSparseCoordinator"
+
+
+def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
+    """Bind a :class:`HiSparseCoordinatorView` on the HiSparse group views of kvblock's
+    ``manager`` (its ``coordinator`` view): the source group gets the host pool view, the
+    resident groups their residency calls; every HiSparse group's ``coordinator`` is the
+    view, as vLLM's coordinator binds itself."""
+    host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
+    views = coordinator.single_type_managers
+    views[host_group]._hisparse_pool = HostBlockPool(manager)
+    for k, g in enumerate(resident_groups):
+        views[g]._hisparse_k = k
+    for k, (g, _) in enumerate(hot_groups):
+        views[g]._hisparse_hot_k = k
+    out = HiSparseCoordinatorView(manager, coordinator)
+    for g in (host_group, *resident_groups, *(g for g, _ in hot_groups)):
+        views[g].coordinator = out
+    return out
