@@ -56,3 +56,37 @@ def test_host_pool_bad_input_changes_nothing(manager):
         pool.free_blocks(blocks)
     assert pool.get_num_free_blocks() == free
     assert [b.ref_cnt for b in blocks] == [0, 0]
+
+
+def test_import_step_tokens_is_fixed_by_the_first_lookup_as_vllm_s(manager):
+    from kvblock.vllm.hisparse import RELEASE
+
+    if not RELEASE.hisparse_import_reservations:
+        c = hisparse.get_hisparse_coordinator(manager)
+        assert not hasattr(c, "import_step_tokens")
+        with pytest.raises(ValueError):
+            manager._hisparse_set_import_step_tokens(5)
+        return
+    # vLLM 0.34's connector passes its import step to the first lookup, which builds the
+    # coordinator with it; a later lookup with another value is refused, as vLLM's
+    c = hisparse.get_hisparse_coordinator(manager, import_step_tokens=5)
+    assert c.import_step_tokens == 5
+    assert hisparse.get_hisparse_coordinator(manager, import_step_tokens=None) is c
+    with pytest.raises(AssertionError):
+        hisparse.get_hisparse_coordinator(manager, import_step_tokens=7)
+    assert c.import_step_tokens == 5
+
+
+def test_reuse_watchers_show_the_residency_s_watchers(manager):
+    pool = manager.block_pool
+    assert pool._reuse_watchers == {}
+    blocks = pool.get_new_blocks(2)
+    seen = []
+    pool.unpin_blocks(blocks, seen.append)
+    watchers = pool._reuse_watchers
+    assert list(watchers) == [b.block_id for b in blocks]
+    assert all(cb is seen.append or cb == seen.append for cb in watchers.values())
+    # reusing a watched block fires its watcher once and drops it, as vLLM's pool does
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    assert sorted(b.block_id for b in seen) == sorted(b.block_id for b in blocks)
+    assert pool._reuse_watchers == {}

@@ -23,6 +23,11 @@ from typing import Any
 import kvblock._core as _core
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored_for_request
 
+#: The ``medium`` of events from a host pool that shares this pool's queue (vLLM's
+#: ``MEDIUM_CPU``: HiSparse's host tier, ``SharedEventQueueBlockPool``).
+HOST_MEDIUM = "CPU"
+
+
 __all__ = ["BlockHashToBlockMap", "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock"]
 
 
@@ -589,6 +594,23 @@ class BlockPool(_core.BlockPoolCore):
         self._watchers[w] = on_reuse
         self.unpin_ids(_own_ids(self, blocks, "blocks"), w)
 
+    #: What a HiSparse residency reuse watcher does when vLLM code calls it by hand
+    #: (``_reuse_watchers[block_id](block)``): set by ``kvblock.vllm.hisparse`` when a manager
+    #: with HiSparse groups binds this pool; the pool fires those watchers inside the manager.
+    _residency_on_reuse: Callable[[KVCacheBlock], None] | None = None
+
+    @property
+    def _reuse_watchers(self) -> dict[int, Callable[[KVCacheBlock], None]]:
+        """vLLM's ``_reuse_watchers``: ``{block_id: on_reuse}`` for the blocks
+        :meth:`unpin_blocks` watches, in registration order (a snapshot: changing it changes
+        nothing). The HiSparse residency's own watchers show as ``_residency_on_reuse``."""
+        out: dict[int, Callable[[KVCacheBlock], None]] = {}
+        for block_id, w in self._watched_blocks():
+            cb = self._residency_on_reuse if w is None else self._watchers.get(w)
+            if cb is not None:
+                out[block_id] = cb
+        return out
+
     def _fire_reuse_watchers(self) -> None:
         for block_id, w in self._take_fired_watchers():
             cb = self._watchers.get(w)
@@ -635,11 +657,13 @@ class BlockPool(_core.BlockPoolCore):
                     block_stored_for_request(
                         raw.request, raw.block_hashes, raw.parent_block_hash, raw.token_start, raw.token_end,
                         raw.block_size, raw.group, raw.key_ranges, raw.tokens,
-                        medium=self.medium, lookahead=self.num_hash_lookahead_tokens, cls=stored,
+                        medium=HOST_MEDIUM if raw.host else self.medium,
+                        lookahead=0 if raw.host else self.num_hash_lookahead_tokens, cls=stored,
                     )
                 )
             elif isinstance(raw, _core.RawBlockRemoved):
-                self._events.append(block_removed(raw.block_hash, raw.group, self.medium, cls=removed))
+                medium = HOST_MEDIUM if raw.host else self.medium
+                self._events.append(block_removed(raw.block_hash, raw.group, medium, cls=removed))
             else:
                 self._events.append(cleared())
 

@@ -761,3 +761,67 @@ mod unpin_watchers {
         assert!(!p.has_watchers());
     }
 }
+
+/// A host pool sharing the device pool's KV event queue (vLLM's `SharedEventQueueBlockPool`):
+/// its events carry the host medium and merge into the device queue in recording order.
+mod shared_event_queue {
+    use _core::hashing::{BlockHasher, Digest, HashAlgo};
+    use _core::pool::block_pool::BlockPool;
+    use _core::pool::events::{Event, Medium};
+
+    fn hashes(n: usize) -> Vec<Digest> {
+        let tokens: Vec<i64> = (0..(n * 4) as i64).collect();
+        BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[1u8; 32], &tokens, 4, |_| None).unwrap()
+    }
+
+    fn stored_group(e: &Event) -> Option<(u32, Medium)> {
+        match e {
+            Event::BlockStored { group, medium, .. } => Some((*group, *medium)),
+            _ => None,
+        }
+    }
+
+    fn pools() -> (BlockPool, BlockPool) {
+        let mut device = BlockPool::new(8, true, 4, true).unwrap();
+        let mut host = BlockPool::new(8, true, 4, false).unwrap();
+        device.set_event_sharing(true, Medium::Device, true);
+        host.set_event_sharing(true, Medium::Host, true);
+        (device, host)
+    }
+
+    #[test]
+    fn interleaved_events_merge_in_recording_order() {
+        let (mut device, mut host) = pools();
+        let h = hashes(3);
+        let mut d = Vec::new();
+        let mut hb = Vec::new();
+        device.get_new_blocks(3, &mut d).unwrap();
+        host.get_new_blocks(3, &mut hb).unwrap();
+        // device g1, host g0, device g2 (moved only at the end)
+        device.cache_full_blocks(&d[..1], 0, 1, &h, 4, 1, None, 0).unwrap();
+        host.cache_full_blocks(&hb[..1], 0, 1, &h, 4, 0, None, 0).unwrap();
+        device.cache_full_blocks(&d[1..2], 0, 1, &hashes(1), 4, 2, None, 0).unwrap();
+        device.absorb_events(&mut host);
+        assert_eq!(host.num_pending_events(), 0);
+        let order: Vec<_> = device.take_events().iter().filter_map(stored_group).collect();
+        assert_eq!(order, vec![(1, Medium::Device), (0, Medium::Host), (2, Medium::Device)]);
+    }
+
+    #[test]
+    fn later_host_events_append_and_removals_keep_the_host_medium() {
+        let (mut device, mut host) = pools();
+        let h = hashes(1);
+        let mut hb = Vec::new();
+        host.get_new_blocks(1, &mut hb).unwrap();
+        host.cache_full_blocks(&hb, 0, 1, &h, 4, 0, None, 0).unwrap();
+        device.absorb_events(&mut host);
+        host.evict_blocks(&hb).unwrap();
+        device.absorb_events(&mut host);
+        let events = device.take_events();
+        assert_eq!(events.len(), 2);
+        assert!(matches!(events[1], Event::BlockRemoved { medium: Medium::Host, group: 0, .. }));
+        // nothing left behind; a second drain is empty
+        device.absorb_events(&mut host);
+        assert!(device.take_events().is_empty());
+    }
+}

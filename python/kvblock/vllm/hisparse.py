@@ -342,10 +342,27 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self.gpu_pool = manager.block_pool if self.resident_managers else None
         self.transition_watermark = watermark
         self.max_spill_pages = max_spill_pages
+        # vLLM builds its coordinator on the first get_hisparse_coordinator call; this view
+        # exists from the manager's construction, so that call fixes 0.34's import step
+        self._import_step_fixed = False
         if RELEASE.hisparse_import_reservations:
-            # 0.34: the manager is built with import_step_tokens 0 (get_hisparse_coordinator's
-            # default); a setter for another value is not written yet (docs/hisparse.md)
-            self.import_step_tokens = 0
+            self._import_step_tokens = 0
+
+    @property
+    def import_step_tokens(self) -> int:  # type: ignore[override]
+        """vLLM 0.34's ``import_step_tokens`` (tokens an admission-capped host import is
+        sized further by). Set by the first :func:`get_hisparse_coordinator` call; setting it
+        once a request was admitted raises AssertionError (vLLM's memoised coordinator), and
+        before 0.34 there is none (AttributeError, as vLLM's)."""
+        if not RELEASE.hisparse_import_reservations:
+            raise AttributeError("import_step_tokens")
+        return self._import_step_tokens
+
+    @import_step_tokens.setter
+    def import_step_tokens(self, value: int) -> None:
+        n = operator.index(value)
+        self._m._hisparse_set_import_step_tokens(n)
+        self._import_step_tokens = n
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -467,6 +484,63 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
 HiSparseCoordinatorView.__name__ = HiSparseCoordinatorView.__qualname__ = "HiSparseCoordinator"
 
 
+def get_hisparse_coordinator(kv_cache_manager: Any, *, import_step_tokens: int | None = None) -> Any:
+    """vLLM 0.34's ``get_hisparse_coordinator(kv_cache_manager, *, import_step_tokens=None)``
+    for kvblock's manager as well as vLLM's: the coordinator shared by the manager's HiSparse
+    groups. For kvblock's manager it is the bound :class:`HiSparseCoordinatorView`; the first
+    call sets its ``import_step_tokens`` (vLLM builds its coordinator with it then) and a later
+    call with another value raises AssertionError, as vLLM's does. Any other manager goes to
+    vLLM's function."""
+    for group in kv_cache_manager.coordinator.single_type_managers:
+        view = getattr(group, "coordinator", None)
+        if isinstance(view, HiSparseCoordinatorView):
+            if not view._import_step_fixed and import_step_tokens is not None:
+                view.import_step_tokens = import_step_tokens
+            view._import_step_fixed = True
+            assert import_step_tokens in (None, view.import_step_tokens)
+            return view
+    return _vllm_get_hisparse_coordinator(kv_cache_manager, import_step_tokens=import_step_tokens)
+
+
+_vllm_get_hisparse_coordinator = getattr(
+    _vhc, "_kvblock_original_get_hisparse_coordinator", _vhc.get_hisparse_coordinator
+)
+
+
+def _install_coordinator_lookup() -> None:
+    """Make vLLM's ``get_hisparse_coordinator`` (in its module and, once imported, the HiSparse
+    connector's) find kvblock's view with 0.34's ``import_step_tokens`` (idempotent; vLLM's
+    managers still get vLLM's function)."""
+    import sys
+
+    if not RELEASE.hisparse_import_reservations:
+        return
+    modules = [_vhc, sys.modules.get("vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector")]
+    for module in modules:
+        if module is None or getattr(module, "get_hisparse_coordinator", None) is get_hisparse_coordinator:
+            continue
+        if not hasattr(module, "_kvblock_original_get_hisparse_coordinator"):
+            module._kvblock_original_get_hisparse_coordinator = module.get_hisparse_coordinator
+        module.get_hisparse_coordinator = get_hisparse_coordinator
+
+
+class _ResidencyWatcher:
+    """The reuse watcher the HiSparse residency registers on the device pool, as vLLM code
+    reads it from ``BlockPool._reuse_watchers``: called with a block, the residency loses the
+    pages that block held, as when the pool reuses it. Holds the manager weakly (the pool
+    must not keep its manager alive)."""
+
+    def __init__(self, manager: Any) -> None:
+        import weakref
+
+        self._manager = weakref.ref(manager)
+
+    def __call__(self, block: Any) -> None:
+        manager = self._manager()
+        if manager is not None:
+            manager._hisparse_on_blocks_reused([operator.index(block.block_id)])
+
+
 def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     """Bind a :class:`HiSparseCoordinatorView` on the HiSparse group views of kvblock's
     ``manager`` (its ``coordinator`` view): the source group gets the host pool view, the
@@ -482,4 +556,6 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     out = HiSparseCoordinatorView(manager, coordinator)
     for g in (host_group, *resident_groups, *(g for g, _ in hot_groups)):
         views[g].coordinator = out
+    manager.block_pool._residency_on_reuse = _ResidencyWatcher(manager)
+    _install_coordinator_lookup()
     return out

@@ -255,6 +255,11 @@ impl Residency {
     pub fn transition_watermark(&self) -> usize {
         self.transition_watermark
     }
+    /// Set 0.34's `import_step_tokens` (vLLM's coordinator takes it when it is built, on the
+    /// first `get_hisparse_coordinator` call).
+    pub fn set_import_step_tokens(&mut self, import_step_tokens: usize) {
+        self.layout.import_step_tokens = import_step_tokens;
+    }
     /// A live request's state (`request_states[request]`).
     pub fn request_state(&self, request: &str) -> Option<&RequestState> {
         self.by_request.get(request).and_then(|s| self.states.get(s))

@@ -965,23 +965,29 @@ impl Coordinator {
         Ok((blocks, lens))
     }
 
-    /// `emit_cached_block_events(request, computed_blocks)`. HiSparse's source group is
-    /// skipped: its hits are host blocks, whose events (vLLM's host pool writes them into the
-    /// device pool's queue with medium CPU) kvblock does not emit yet.
+    /// `emit_cached_block_events(request, computed_blocks)`, each group on its pool: HiSparse's
+    /// source group's hits are host blocks, whose events go into `pool`'s queue with medium
+    /// CPU (vLLM's `SharedEventQueueBlockPool`).
     pub fn emit_cached_block_events(
-        &self,
+        &mut self,
         pool: &mut BlockPool,
         hashes: &dyn HashSource,
         computed: &[Vec<u32>],
         tag: u64,
     ) -> Result<()> {
         for (gid, blocks) in computed.iter().enumerate() {
-            if blocks.is_empty() || self.managers[gid].cfg.spec.kind == Kind::HiSparseSource {
+            if blocks.is_empty() {
                 continue;
             }
             let bs = self.managers[gid].cfg.spec.block_size;
             let view = crate::hashing::source::ScaledHashes::new(hashes, pool.hash_block_size(), bs)?;
-            pool.emit_cached_block_events(&view, blocks.len(), bs, gid as u32, tag)?;
+            match self.hisparse.as_deref_mut() {
+                Some(t) if t.host_group() == gid => {
+                    t.host.emit_cached_block_events(&view, blocks.len(), bs, gid as u32, tag)?;
+                    t.move_events(pool);
+                }
+                _ => pool.emit_cached_block_events(&view, blocks.len(), bs, gid as u32, tag)?,
+            }
         }
         Ok(())
     }

@@ -31,6 +31,45 @@ fn no_hits(kind: Kind, new_computed: &[u32]) -> Result<()> {
 }
 
 impl Coordinator {
+    /// Bind the tier's host pool to `device`'s KV event queue (see
+    /// [`HiSparseTier::bind_device`]); a no-op without a tier.
+    pub fn bind_device_pool(&mut self, device: &mut BlockPool) {
+        if let Some(t) = self.hisparse.as_deref_mut() {
+            t.bind_device(device);
+        }
+    }
+
+    /// Move the host pool's events into `device`'s queue (a no-op without a tier).
+    pub fn move_host_events(&mut self, device: &mut BlockPool) {
+        if let Some(t) = self.hisparse.as_deref_mut() {
+            t.move_events(device);
+        }
+    }
+
+    /// Set vLLM 0.34's `import_step_tokens`, which vLLM's connector passes to the first
+    /// `get_hisparse_coordinator` call, before any request is admitted. Errors: no tier or a
+    /// release without import reservations (`ValueError`), a request already admitted
+    /// (`AssertionError`, as vLLM's memoised coordinator refuses another value). Nothing
+    /// changes on error.
+    pub fn set_hisparse_import_step_tokens(&mut self, import_step_tokens: usize) -> Result<()> {
+        let admitted = self.reqs.live_slots().next().is_some();
+        let tier = self.hisparse.as_deref_mut().ok_or_else(no_tier)?;
+        if tier.import_step_tokens.is_none() {
+            return Err(Error::Value("import_step_tokens: this vLLM release's HiSparse coordinator has none".into()));
+        }
+        if tier.import_step_tokens == Some(import_step_tokens) {
+            return Ok(());
+        }
+        if admitted {
+            return Err(Error::Assertion(
+                "HiSparse import_step_tokens cannot change once a request has been admitted".into(),
+            ));
+        }
+        tier.import_step_tokens = Some(import_step_tokens);
+        tier.residency.set_import_step_tokens(import_step_tokens);
+        Ok(())
+    }
+
     /// The tier, if the manager has HiSparse groups.
     pub fn hisparse(&self) -> Option<&HiSparseTier> {
         self.hisparse.as_deref()
@@ -64,6 +103,7 @@ impl Coordinator {
             f(residency, &mut env)
         };
         tier.collect_publications();
+        tier.move_events(device);
         out.map(Some)
     }
 
@@ -293,6 +333,7 @@ impl Coordinator {
                     num_external,
                     record_for_zeroing,
                 )?;
+                tier.move_events(device);
                 if tier.import_step_tokens.is_some() {
                     // 0.34: the import's reservation shrinks by the host pages now held
                     let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());
@@ -348,6 +389,7 @@ impl Coordinator {
                     num_tokens,
                     num_tokens_main_model,
                 )?;
+                tier.move_events(device);
                 if !new.is_empty() && tier.import_step_tokens.is_some() {
                     // 0.34: `update_import_reservation(request, len(req_to_blocks[request]))`
                     let held = managers[gid].req(slot).map_or(0, |r| r.blocks.len());

@@ -18,6 +18,7 @@ use crate::manager::group_state::{ReqInfo, TypeManager};
 use crate::manager::requests::RequestTable;
 use crate::manager::spec::ManagerConfig;
 use crate::pool::block_pool::BlockPool;
+use crate::pool::events::Medium;
 
 /// What a pending host publication reads of its request (vLLM's `_PendingPublication` keeps
 /// the request itself): its hashes at the hash block size, as far as the publication can
@@ -51,6 +52,8 @@ pub struct HiSparseTier {
     /// What the tier was built from, to rebuild it empty.
     host_caching: bool,
     hash_block_size: usize,
+    /// KV events on (the device pool's `enable_kv_cache_events`, set by `bind_device`).
+    host_events: bool,
 }
 
 impl std::fmt::Debug for HiSparseTier {
@@ -90,8 +93,8 @@ impl HiSparseTier {
             roles[g] = Some(k);
         }
         let residency = Residency::new(layout)?;
-        // no KV events of its own: vLLM's host pool writes them into the device pool's queue,
-        // which kvblock does not do yet (a queue nobody drains would only grow)
+        // events off until the device pool is bound (`bind_device`): vLLM's host pool writes
+        // into the device pool's queue, with the device pool's `enable_kv_cache_events`
         let host = BlockPool::new(host_num_blocks, host_caching, cfg.hash_block_size, false)?;
         Ok(Some(HiSparseTier {
             host,
@@ -102,6 +105,7 @@ impl HiSparseTier {
             publications: HashMap::new(),
             host_caching,
             hash_block_size: cfg.hash_block_size,
+            host_events: false,
         }))
     }
 
@@ -160,15 +164,39 @@ impl HiSparseTier {
         self.publications.retain(|r, _| residency.has_publication(r));
     }
 
+    /// The event tags of the publications still owed (their host events come later).
+    pub fn publication_tags(&self) -> Vec<u64> {
+        self.publications.values().map(|p| p.event_tag).filter(|&t| t != 0).collect()
+    }
+
     /// Requests whose publication inputs are kept (for tests and the binding).
     pub fn num_kept_publications(&self) -> usize {
         self.publications.len()
     }
 
+    /// Share `device`'s KV event queue, as vLLM's host pool (`SharedEventQueueBlockPool`) does:
+    /// the host pool records events when the device pool does, with medium CPU, stamped so
+    /// [`HiSparseTier::move_events`] puts them into the device pool's queue in recording order.
+    pub fn bind_device(&mut self, device: &mut BlockPool) {
+        self.host_events = device.events_enabled();
+        if self.host_events {
+            device.set_event_sharing(true, device.medium(), true);
+            self.host.set_event_sharing(true, Medium::Host, true);
+        }
+    }
+
+    /// Move the host pool's buffered events into `device`'s queue, in recording order.
+    pub fn move_events(&mut self, device: &mut BlockPool) {
+        device.absorb_events(&mut self.host);
+    }
+
     /// Forget everything (a rebuilt device pool): an empty residency and host pool.
     pub fn reset(&mut self) -> Result<()> {
         let residency = Residency::new(self.residency.layout().clone())?;
-        let host = BlockPool::new(self.host.num_blocks(), self.host_caching, self.hash_block_size, false)?;
+        let mut host = BlockPool::new(self.host.num_blocks(), self.host_caching, self.hash_block_size, false)?;
+        if self.host_events {
+            host.set_event_sharing(true, Medium::Host, true);
+        }
         self.residency = residency;
         self.host = host;
         self.publications.clear();

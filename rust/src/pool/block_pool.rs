@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::hashing::source::HashSource;
 use crate::hashing::Digest;
 use crate::pool::cache_map::{CacheMap, Key};
-use crate::pool::events::Event;
+use crate::pool::events::{next_tick, Event, Medium};
 use crate::pool::free_queue::{FreeQueue, UNLINKED};
 use crate::pool::residency::{now_ns, Residency};
 use crate::pool::retention::{Retention, NUM_LEVELS};
@@ -64,6 +64,11 @@ pub struct BlockPool {
     map: CacheMap,
     events_enabled: bool,
     events: Vec<Event>,
+    /// The medium its events report.
+    medium: Medium,
+    /// With a shared queue, each event's tick on the process-wide event clock (parallel to
+    /// `events`), so another pool's events merge into this one's in recording order.
+    ticks: Option<Vec<u64>>,
     scratch: Vec<u32>,
     scratch2: Vec<u32>,
     /// Reused buffers of the per-block paths (no allocation per call): the keys one
@@ -110,6 +115,8 @@ impl BlockPool {
             map: CacheMap::new(num_blocks, if enable_caching { num_blocks } else { 0 })?,
             events_enabled: enable_kv_cache_events,
             events: Vec::new(),
+            medium: Medium::Device,
+            ticks: None,
             scratch: Vec::new(),
             scratch2: Vec::new(),
             scratch_keys: Vec::new(),
@@ -448,7 +455,8 @@ impl BlockPool {
     fn emit_removed(&mut self, removed: &[Key]) {
         if self.events_enabled {
             for k in removed {
-                self.events.push(Event::BlockRemoved { block_hash: k.hash, group: k.group });
+                let e = Event::BlockRemoved { block_hash: k.hash, group: k.group, medium: self.medium };
+                self.record(e);
             }
         }
     }
@@ -768,6 +776,14 @@ impl BlockPool {
         out
     }
 
+    /// The recorded reuse watchers, `(block, watcher id)` in the order the blocks were first
+    /// registered (vLLM's `_reuse_watchers` dict order).
+    pub fn watched_blocks(&self) -> Vec<(u32, u64)> {
+        let mut v: Vec<_> = self.watchers.iter().map(|(&b, &(order, w))| (order, b, w)).collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, b, w)| (b, w)).collect()
+    }
+
     /// True if some reuse watcher is recorded.
     pub fn has_watchers(&self) -> bool {
         !self.watchers.is_empty()
@@ -877,7 +893,7 @@ impl BlockPool {
         }
         if self.events_enabled {
             let key_ranges = keys.iter().map(|&(_, _, t, _)| (t - block_size, t)).collect();
-            self.events.push(Event::BlockStored {
+            self.record(Event::BlockStored {
                 block_hashes: stored,
                 parent_block_hash: parent,
                 token_start: num_cached * block_size,
@@ -886,6 +902,7 @@ impl BlockPool {
                 group,
                 key_ranges,
                 tag,
+                medium: self.medium,
             });
         }
         self.scratch_keys = keys;
@@ -907,7 +924,7 @@ impl BlockPool {
             return Ok(());
         }
         let block_hashes = (0..num_cached).map(|i| hashes.digest(i)).collect::<Result<Vec<_>>>()?;
-        self.events.push(Event::BlockStored {
+        self.record(Event::BlockStored {
             block_hashes,
             parent_block_hash: None,
             token_start: 0,
@@ -916,6 +933,7 @@ impl BlockPool {
             group,
             key_ranges: (0..num_cached).map(|i| (i * block_size, (i + 1) * block_size)).collect(),
             tag,
+            medium: self.medium,
         });
         Ok(())
     }
@@ -973,7 +991,7 @@ impl BlockPool {
         self.insert_block_hash(key, None, b, Some(n_hash * h));
         if self.events_enabled && !already {
             let start = (n_hash - 1) * h;
-            self.events.push(Event::BlockStored {
+            self.record(Event::BlockStored {
                 block_hashes: vec![key.hash],
                 parent_block_hash: parent,
                 token_start: start,
@@ -982,6 +1000,7 @@ impl BlockPool {
                 group,
                 key_ranges: vec![(start, num_tokens)],
                 tag,
+                medium: self.medium,
             });
         }
         Ok(Some(key))
@@ -1050,7 +1069,7 @@ impl BlockPool {
             r.reset();
         }
         if self.events_enabled {
-            self.events.push(Event::AllBlocksCleared);
+            self.record(Event::AllBlocksCleared);
         }
         true
     }
@@ -1196,7 +1215,76 @@ impl BlockPool {
 
     /// `take_events()`: the buffered events, oldest first.
     pub fn take_events(&mut self) -> Vec<Event> {
+        if let Some(t) = self.ticks.as_mut() {
+            t.clear();
+        }
         std::mem::take(&mut self.events)
+    }
+
+    /// Buffer one event (stamped with the event clock when the queue is shared).
+    fn record(&mut self, e: Event) {
+        if let Some(t) = self.ticks.as_mut() {
+            t.push(next_tick());
+        }
+        self.events.push(e);
+    }
+
+    /// The medium this pool's `BlockStored` / `BlockRemoved` report (vLLM's `medium`).
+    pub fn medium(&self) -> Medium {
+        self.medium
+    }
+
+    /// Turn KV events on or off and set their medium, for a pool whose events go into another
+    /// pool's queue (vLLM's `SharedEventQueueBlockPool`, built with the device pool's
+    /// `enable_kv_cache_events` and `medium=CPU`); with `shared`, events are stamped so
+    /// [`BlockPool::absorb_events`] keeps their order. Buffered events are dropped.
+    pub fn set_event_sharing(&mut self, enabled: bool, medium: Medium, shared: bool) {
+        self.events_enabled = enabled;
+        self.medium = medium;
+        self.events.clear();
+        self.ticks = shared.then(Vec::new);
+    }
+
+    /// Move `other`'s buffered events into this pool's queue, merged in the order they were
+    /// recorded (both pools' events stamped: [`BlockPool::set_event_sharing`]); unstamped ones
+    /// go after this pool's. `other`'s queue is left empty.
+    pub fn absorb_events(&mut self, other: &mut BlockPool) {
+        if other.events.is_empty() {
+            return;
+        }
+        let theirs = std::mem::take(&mut other.events);
+        let their_ticks = other.ticks.as_mut().map(std::mem::take).unwrap_or_default();
+        let Some(my_ticks) = self.ticks.as_mut() else {
+            self.events.extend(theirs);
+            return;
+        };
+        if their_ticks.len() != theirs.len() || my_ticks.last().is_none_or(|&t| their_ticks[0] > t) {
+            // all of theirs came after all of ours (the common case): append
+            my_ticks.extend(their_ticks.iter().copied().chain(std::iter::repeat(u64::MAX)).take(theirs.len()));
+            self.events.extend(theirs);
+            return;
+        }
+        let mine = std::mem::take(&mut self.events);
+        let mine_ticks = std::mem::take(my_ticks);
+        let mut events = Vec::with_capacity(mine.len() + theirs.len());
+        let mut ticks = Vec::with_capacity(events.capacity());
+        let (mut a, mut b) =
+            (mine.into_iter().zip(mine_ticks).peekable(), theirs.into_iter().zip(their_ticks).peekable());
+        loop {
+            let take_a = match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) => x.1 <= y.1,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => break,
+            };
+            let next = if take_a { a.next() } else { b.next() };
+            if let Some((e, t)) = next {
+                events.push(e);
+                ticks.push(t);
+            }
+        }
+        self.events = events;
+        self.ticks = Some(ticks);
     }
 
     /// The buffered events, oldest first.
@@ -1211,7 +1299,7 @@ impl BlockPool {
 
     /// Append an event (vLLM code appending to `kv_event_queue` directly).
     pub fn push_event(&mut self, e: Event) {
-        self.events.push(e);
+        self.record(e);
     }
 
     /// Check the pool's invariants (for tests): queue membership matches `ref_cnt == 0`, keys

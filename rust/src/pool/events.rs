@@ -5,7 +5,27 @@
 //! group). The request-derived fields (token ids, extra keys, LoRA, lookahead tokens) are
 //! added by the caller, which passes an opaque `tag` to find the request again.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::hashing::Digest;
+
+/// Where an event's blocks live: the pool's own medium (the device: vLLM's `medium` "GPU"), or a
+/// host pool whose events share the device pool's queue (HiSparse's host tier: "CPU").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Medium {
+    #[default]
+    Device,
+    Host,
+}
+
+/// The order of events across pools that share one queue: every stamped event takes the next
+/// tick, so merging two pools' queues by tick gives the order the events were recorded in.
+static EVENT_CLOCK: AtomicU64 = AtomicU64::new(0);
+
+/// The next tick of the process-wide event clock.
+pub fn next_tick() -> u64 {
+    EVENT_CLOCK.fetch_add(1, Ordering::Relaxed)
+}
 
 /// One KV cache event.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +50,8 @@ pub enum Event {
         key_ranges: Vec<(usize, usize)>,
         /// Caller-defined handle of the request the blocks belong to.
         tag: u64,
+        /// The pool's medium.
+        medium: Medium,
     },
     /// A cached block lost a key (eviction): one event per key.
     BlockRemoved {
@@ -37,6 +59,8 @@ pub enum Event {
         block_hash: Digest,
         /// Its group (from the key).
         group: u32,
+        /// The pool's medium.
+        medium: Medium,
     },
     /// `reset_prefix_cache` cleared every key.
     AllBlocksCleared,

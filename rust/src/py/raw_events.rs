@@ -26,6 +26,9 @@ pub struct RawBlockStored {
     pub key_ranges: Vec<(usize, usize)>,
     /// `(token ids, offset)` copied when the blocks were cached, or None: read the request.
     pub tokens: Option<(Py<PyAny>, usize)>,
+    /// The blocks are on the host pool whose events share this pool's queue (HiSparse's
+    /// host tier: vLLM's `medium` "CPU"); False: this pool's own medium.
+    pub host: bool,
 }
 
 #[pymethods]
@@ -44,6 +47,9 @@ pub struct RawBlockRemoved {
     pub block_hash: Py<PyBytes>,
     /// The KV-cache group.
     pub group: u32,
+    /// The block was on the host pool whose events share this pool's queue (vLLM's `medium`
+    /// "CPU"); False: this pool's own medium.
+    pub host: bool,
 }
 
 #[pymethods]

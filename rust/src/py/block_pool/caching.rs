@@ -2,6 +2,7 @@
 //! the KV events they raise.
 
 use super::*;
+use crate::pool::events::Medium;
 use crate::py::fields::Field;
 use crate::py::raw_events::{RawAllBlocksCleared, RawBlockRemoved, RawBlockStored};
 
@@ -133,6 +134,7 @@ impl PyBlockPool {
                     group,
                     key_ranges,
                     tag,
+                    medium,
                 } => {
                     let hs = PyList::new(py, block_hashes.iter().map(|d| PyBytes::new(py, d.as_bytes())))?;
                     let (request, tokens) = match me.tags.get(&tag) {
@@ -153,19 +155,24 @@ impl PyBlockPool {
                         request,
                         key_ranges,
                         tokens,
+                        host: medium == Medium::Host,
                     };
                     out.append(Bound::new(py, record)?)?;
                 }
-                Event::BlockRemoved { block_hash, group } => {
-                    let record =
-                        RawBlockRemoved { block_hash: PyBytes::new(py, block_hash.as_bytes()).unbind(), group };
+                Event::BlockRemoved { block_hash, group, medium } => {
+                    let record = RawBlockRemoved {
+                        block_hash: PyBytes::new(py, block_hash.as_bytes()).unbind(),
+                        group,
+                        host: medium == Medium::Host,
+                    };
                     out.append(Bound::new(py, record)?)?;
                 }
                 Event::AllBlocksCleared => out.append(Bound::new(py, RawAllBlocksCleared)?)?,
             }
         }
-        // No event is pending any more, so no tag can be referred to.
-        me.tags.clear();
+        // No event is pending any more, so no tag can be referred to but those of the
+        // HiSparse publications still owed.
+        me.forget_taken_tags();
         Ok(out)
     }
 

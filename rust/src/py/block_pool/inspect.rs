@@ -40,6 +40,15 @@ impl PyBlockPool {
         Ok(self.state.borrow_mut(py)?.inner.take_fired_watchers_except(watcher))
     }
 
+    /// The recorded reuse watchers, `[(block id, watcher id), ...]` in registration order;
+    /// the HiSparse residency's own entries have None for a watcher id.
+    fn _watched_blocks(&self, py: Python<'_>) -> PyResult<Vec<(u32, Option<u64>)>> {
+        let residency = crate::hisparse::residency::RESIDENCY_WATCHER;
+        self.state.with(py, |me| {
+            me.inner.watched_blocks().into_iter().map(|(b, w)| (b, (w != residency).then_some(w))).collect()
+        })
+    }
+
     /// True if reuse watchers are recorded.
     fn _has_watchers(&self, py: Python<'_>) -> PyResult<bool> {
         self.state.with(py, |me| me.inner.has_watchers())

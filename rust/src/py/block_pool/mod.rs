@@ -122,6 +122,12 @@ pub struct PoolState {
     /// report, copied when the blocks were cached (vLLM builds the events then).
     tags: HashMap<u64, StoredRequest>,
     next_tag: u64,
+    /// Tags kept past `take_raw_events`: those of HiSparse publications a manager still owes
+    /// (their host `BlockStored` events come later), set by the manager after its calls.
+    kept_tags: Vec<u64>,
+    /// Every `tagged` call keeps its tag even if it buffers no event (a HiSparse manager's
+    /// pool: a publication may buffer its host events in a later call; see `kept_tags`).
+    keep_every_tag: bool,
 }
 
 impl PoolState {
@@ -168,8 +174,37 @@ impl PoolState {
                 _ => (None, None),
             };
             self.tags.insert(tag, (request.clone().unbind(), tokens, fields));
+        } else if self.keep_every_tag {
+            // a HiSparse publication may buffer its events later: they read the request then
+            self.tags.insert(tag, (request.clone().unbind(), None, None));
         }
         res
+    }
+
+    /// Keep every [`PoolState::tagged`] call's tag even if it buffers no event, until
+    /// [`PoolState::set_kept_tags`] drops it (the pool of a HiSparse manager, whose host
+    /// publications may buffer their events in a later call).
+    pub fn keep_every_tag(&mut self) {
+        self.keep_every_tag = true;
+    }
+
+    /// Set the tags kept past `take_raw_events` (the HiSparse publications still owed);
+    /// other tags with no pending event are forgotten now.
+    pub fn set_kept_tags(&mut self, tags: Vec<u64>) {
+        if self.inner.num_pending_events() == 0 {
+            self.tags.retain(|t, _| tags.contains(t));
+        }
+        self.kept_tags = tags;
+    }
+
+    /// Forget the requests behind events taken, but those of `kept_tags`.
+    fn forget_taken_tags(&mut self) {
+        if self.kept_tags.is_empty() {
+            self.tags.clear();
+        } else {
+            let keep = &self.kept_tags;
+            self.tags.retain(|t, _| keep.contains(t));
+        }
     }
 }
 
@@ -223,7 +258,12 @@ impl PyBlockPool {
             BlockPool::new(num_gpu_blocks as usize, enable_caching, hash_block_size as usize, enable_kv_cache_events)
                 .py_err()?;
         inner.set_num_hash_lookahead_tokens(num_hash_lookahead_tokens as usize);
-        Ok(PyBlockPool { state: GilCell::new(PoolState { inner, tags: HashMap::new(), next_tag: 0 }, "BlockPoolCore") })
+        Ok(PyBlockPool {
+            state: GilCell::new(
+                PoolState { inner, tags: HashMap::new(), next_tag: 0, kept_tags: Vec::new(), keep_every_tag: false },
+                "BlockPoolCore",
+            ),
+        })
     }
 
     /// Total blocks, the null block included.

@@ -37,7 +37,7 @@ impl PyManager {
         max_cache_hit_length: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Bound<'py, PyAny>, usize, usize)> {
         let py = slf.py();
-        let me = slf.get().state.borrow(py)?;
+        let mut me = slf.get().state.borrow_mut(py)?;
         if me.make_blocks.is_none() {
             return Err(not_initialised());
         }
@@ -426,7 +426,7 @@ impl PyManager {
                 (vec![Vec::new(); groups], 0, 0)
             };
             if n > 0 && *report {
-                let coord = &me.inner.coord;
+                let coord = &mut me.inner.coord;
                 p.tagged(r, events.as_ref(), |pool, tag| coord.emit_cached_block_events(pool, hashes, &hit, tag))
                     .py_err()?;
             }
@@ -444,7 +444,9 @@ impl PyManager {
                 let mut view = v.as_view(tag)?;
                 view.content = content.as_ref();
                 inner.allocate_slots(pool, &view, hashes, &args).py_err()
-            })?;
+            });
+            sync_kept_tags(&inner.coord, &mut p);
+            let res = res?;
             match res {
                 None => break,
                 Some(new) => {
@@ -570,7 +572,9 @@ impl PyManager {
                 let mut view = v.as_view(tag)?;
                 view.content = content.as_ref();
                 inner.allocate_slots(pool, &view, hashes, &args).py_err()
-            })?;
+            });
+            sync_kept_tags(&inner.coord, &mut p);
+            let res = res?;
             match res {
                 None => counts.extend(std::iter::repeat_n(-1, groups)),
                 Some(new) => {

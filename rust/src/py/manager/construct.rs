@@ -254,6 +254,11 @@ impl PyManager {
         } else {
             None
         };
+        if inner.coord.hisparse().is_some() {
+            let mut p = block_pool.get().state.borrow_mut(py)?;
+            inner.coord.bind_device_pool(&mut p.inner);
+            p.keep_every_tag();
+        }
         inner.retention.max_pinned_blocks = (max_pinned_fraction * (cfg.num_blocks - 1) as f64).floor() as usize;
         if priority_retention {
             let mut p = block_pool.get().state.borrow_mut(py)?;

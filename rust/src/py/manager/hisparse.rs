@@ -24,7 +24,9 @@ impl PyManager {
         let mut me = self.state.borrow_mut(py)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        me.inner.coord.with_residency(&mut p.inner, f).py_err()?.ok_or_else(no_hisparse)
+        let out = me.inner.coord.with_residency(&mut p.inner, f).py_err()?.ok_or_else(no_hisparse);
+        sync_kept_tags(&me.inner.coord, &mut p);
+        out
     }
 }
 
@@ -33,6 +35,22 @@ impl PyManager {
     /// `advance_scheduled([(request_id, num_computed_tokens_after_the_step), ...])`.
     fn _hisparse_advance_scheduled(&self, py: Python<'_>, requests: Vec<(String, usize)>) -> PyResult<()> {
         self.residency(py, |r, e| r.advance_scheduled(e, &requests))
+    }
+
+    /// A residency reuse watcher called by hand (vLLM's `_reuse_watchers[block_id](block)`):
+    /// the pages whose released device blocks these are are lost, as when the pool reuses them.
+    fn _hisparse_on_blocks_reused(&self, py: Python<'_>, block_ids: Vec<u32>) -> PyResult<()> {
+        self.residency(py, |r, e| {
+            r.on_blocks_reused(e, &block_ids);
+            Ok(())
+        })
+    }
+
+    /// Set vLLM 0.34's `import_step_tokens` (`get_hisparse_coordinator(manager,
+    /// import_step_tokens=...)`'s first call). ValueError before 0.34, AssertionError once a
+    /// request was admitted; nothing changes then.
+    fn _hisparse_set_import_step_tokens(&self, py: Python<'_>, import_step_tokens: usize) -> PyResult<()> {
+        self.state.borrow_mut(py)?.inner.coord.set_hisparse_import_step_tokens(import_step_tokens).py_err()
     }
 
     /// `update_residency(request_id)`.

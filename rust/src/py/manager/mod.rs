@@ -173,6 +173,15 @@ enum CacheRead {
     AtMost(usize),
 }
 
+/// After a call that may keep or settle a HiSparse publication: the device pool keeps the
+/// event tags of the publications still owed (their host `BlockStored` events come later and
+/// read their request then). A no-op without HiSparse groups.
+fn sync_kept_tags(coord: &crate::manager::coordinator::Coordinator, pool: &mut crate::py::block_pool::PoolState) {
+    if let Some(t) = coord.hisparse() {
+        pool.set_kept_tags(t.publication_tags());
+    }
+}
+
 /// The mutable state behind a `KVCacheManagerCore`.
 struct ManagerState {
     pool: Py<PyBlockPool>,

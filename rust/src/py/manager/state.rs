@@ -209,6 +209,7 @@ impl ManagerState {
             view.content = content.as_ref();
             inner.allocate_slots_in(pool, known, &view, &hashes, args).py_err()
         });
+        sync_kept_tags(&inner.coord, &mut p);
         drop(p);
         match res? {
             None => Ok(py.None().into_bound(py)),
@@ -249,11 +250,13 @@ impl ManagerState {
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
         let inner = &mut me.inner;
-        p.tagged(request, events.as_ref(), |pool, tag| {
+        let out = p.tagged(request, events.as_ref(), |pool, tag| {
             let mut view = v.as_view(tag)?;
             view.content = content.as_ref();
             inner.cache_blocks(pool, &view, &hashes, n).py_err()
-        })
+        });
+        sync_kept_tags(&inner.coord, &mut p);
+        out
     }
 
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
@@ -526,7 +529,7 @@ impl ManagerState {
     /// `get_computed_blocks` without the result object: hit blocks per group, hit length and
     /// shared-prefix boundary (and the `BlockStored` of a "full" report-mode hit).
     pub(super) fn lookup(
-        &self,
+        &mut self,
         request: &Bound<'_, PyAny>,
         num_tokens: usize,
         max_cache_hit_length: Option<usize>,
@@ -560,7 +563,7 @@ impl ManagerState {
         };
         if hit.1 > 0 && report {
             let mut p = pool.state.borrow_mut(py)?;
-            let coord = &self.inner.coord;
+            let coord = &mut self.inner.coord;
             p.tagged(request, inputs.as_ref(), |pool, tag| coord.emit_cached_block_events(pool, &hashes, &hit.0, tag))
                 .py_err()?;
         }
