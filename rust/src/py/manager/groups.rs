@@ -136,8 +136,14 @@ impl PyManager {
                 me.inner.coord.release_if_vacant(request_id);
                 return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free }).py_err();
             }
-            let res =
-                me.inner.coord.hisparse_allocate_new(&mut p.inner, group, slot, request_id, num_tokens, num_tokens_main_model);
+            let res = me.inner.coord.hisparse_allocate_new(
+                &mut p.inner,
+                group,
+                slot,
+                request_id,
+                num_tokens,
+                num_tokens_main_model,
+            );
             me.inner.coord.release_if_vacant(request_id);
             return res.py_err();
         }
