@@ -21,7 +21,7 @@ from vllm.v1.hisparse import types as _vht
 
 from .releases import current as _current_release
 
-__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins"]
+__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins", "pop_blocks_for_free"]
 
 RELEASE = _current_release()
 

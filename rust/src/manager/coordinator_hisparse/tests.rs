@@ -460,3 +460,25 @@ fn pop_blocks_for_free_routed_returns_host_and_device_blocks_unfreed() {
     p.free_blocks(&ids(device), true).unwrap();
     assert_eq!((host_free(&m), p.num_free_blocks()), (15, 31));
 }
+
+#[test]
+fn a_failed_host_copy_release_releases_nothing() {
+    let (mut m, mut p) = build(32, 16, false);
+    let src = new_host_block(&mut m);
+    let slot = source_partial_hit(&mut m, "cow", src);
+    let cow = m.coord.hisparse_allocate_new(&mut p, SOURCE, slot, "cow", BS, BS).unwrap()[0];
+    m.coord.hisparse_take_host_block_copies();
+    m.free(&mut p, "cow").unwrap();
+    // other code drops the source's last reference: the release fails, keeping the copy
+    m.coord.hisparse.as_deref_mut().unwrap().host.free_blocks(&[src], true).unwrap();
+    let free = host_free(&m);
+    let res = m.coord.with_residency(&mut p, |r, e| r.release_completed_host_copies(e, &[cow]));
+    assert!(res.is_err());
+    assert_eq!(host_free(&m), free);
+    assert!(has_pending_work(&mut m, &mut p));
+    // once the source is held again the copy is released
+    m.coord.hisparse.as_deref_mut().unwrap().host.touch(&[src], true).unwrap();
+    m.coord.with_residency(&mut p, |r, e| r.release_completed_host_copies(e, &[cow, cow])).unwrap().unwrap();
+    assert_eq!(host_free(&m), 15);
+    assert!(!has_pending_work(&mut m, &mut p));
+}
