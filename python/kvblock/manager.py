@@ -87,7 +87,14 @@ class IdsBackedBlocks:
         b = self._blocks
         if b is None:
             view = self._pool._view
-            b = self._blocks = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
+            b = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
+            # HiSparse's source group holds host block ids: its views are the host pool's
+            # (kvblock.vllm.hisparse.bind sets the pair on the manager's device pool)
+            host = getattr(self._pool, "_hisparse_host", None)
+            if host is not None and host[0] < len(b):
+                g, host_view = host[0], host[1]._view
+                b = b[:g] + ([host_view(i) for i in self._ids[g]],) + b[g + 1 :]  # type: ignore[index]
+            self._blocks = b
         return b
 
     blocks = property(_views, doc="``blocks[g][j]``: the ``j``-th block of group ``g`` (views made on first use).")

@@ -317,7 +317,7 @@ class SingleTypeManagerView:
     def _pending_cow_copies(self) -> list[tuple[Any, Any]]:
         """vLLM's ``_pending_cow_copies``: the (source, copy) blocks of partial hits whose
         copy the worker has not been handed yet (a snapshot of the Rust list)."""
-        view = self._m.block_pool._view
+        view = self.block_pool._view
         return [(view(s), view(d)) for s, d in self._m._group_pending_cow_copies(self.kv_cache_group_id, False)]
 
     def take_pending_cow_copies(self) -> list[tuple[Any, Any]]:
@@ -390,7 +390,7 @@ class SingleTypeManagerView:
         )
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
-        view = self._m.block_pool._view
+        view = self.block_pool._view  # the group's pool (HiSparse's source group: the host pool)
         return [
             view(b)
             for b in self._m._group_allocate_new_blocks(self.kv_cache_group_id, request_id, num_tokens, num_tokens_main_model)

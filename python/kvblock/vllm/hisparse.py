@@ -21,7 +21,7 @@ from vllm.v1.hisparse import types as _vht
 
 from .releases import current as _current_release
 
-__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins"]
+__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins", "pop_blocks_for_free"]
 
 RELEASE = _current_release()
 
@@ -259,6 +259,13 @@ class _SourceCalls:
 
     _hisparse_source = True
 
+    def take_host_cow_copies(self) -> list[tuple[HostBlock, HostBlock]]:
+        """vLLM's ``HiSparseSourceManager.take_host_cow_copies()``: the pending host
+        copy-on-write ``(source, copy)`` host blocks, drained without retaining them (the
+        coordinator's ``take_host_block_copies`` retains them)."""
+        view = self.block_pool._view  # type: ignore[attr-defined]
+        return [(view(s), view(d)) for s, d in self._m._hisparse_take_host_cow_copies()]  # type: ignore[attr-defined]
+
 
 class _HotCalls:
     """The hot group's state (mixed into its group view)."""
@@ -273,6 +280,11 @@ class _HotCalls:
     def hot_required(self) -> set[str]:
         """The requests that asked for a hot region (a snapshot of the Rust set)."""
         return set(self._m._hisparse_hot_required(self._hisparse_hot_k))  # type: ignore[attr-defined]
+
+    def require_hot(self, request_id: str) -> None:
+        """vLLM's ``require_hot(request_id)``: the request needs its hot region (allocated at
+        the group's next ``allocate_new_blocks``), in the Rust residency."""
+        self._m._hisparse_require_hot(self._hisparse_hot_k, str(request_id))  # type: ignore[attr-defined]
 
 
 def group_mixins(manager_cls: type) -> tuple[type, ...]:
@@ -473,9 +485,21 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         return self.host_manager.block_pool
 
     def take_host_block_copies(self) -> tuple[Any, ...]:
-        """The host group's copy-on-write copies: kvblock's manager makes none yet
-        (``docs/hisparse.md``), so there are none to hand over."""
-        return ()
+        """vLLM's ``take_host_block_copies()``: the host group's copy-on-write copies (a
+        partial prefix hit on a host block redirected to a private host block), drained, as
+        vLLM's ``KVCacheBlockCopy(src_block_id, dst_block_id)`` (host block ids). Both
+        endpoints stay retained (``has_pending_work()`` is true) until
+        :meth:`release_completed_host_copies` names the copy."""
+        return tuple(
+            _vhc.KVCacheBlockCopy(src_block_id=src, dst_block_id=dst)
+            for src, dst in self._m._hisparse_take_host_block_copies()
+        )
+
+    def release_completed_host_copies(self, dst_block_ids: Iterable[int]) -> None:
+        """vLLM's ``release_completed_host_copies(dst_block_ids)``: the copies the worker ran
+        (by destination host block id; unknown ids ignored) free both endpoints into the
+        host pool, last endpoint first."""
+        self._m._hisparse_release_completed_host_copies([operator.index(b) for b in dst_block_ids])
 
     def __repr__(self) -> str:
         return f"<kvblock HiSparseCoordinator over {len(self.managers)} group(s)>"
@@ -548,7 +572,9 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     view, as vLLM's coordinator binds itself."""
     host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
     views = coordinator.single_type_managers
-    views[host_group]._hisparse_pool = HostBlockPool(manager)
+    views[host_group]._hisparse_pool = host_pool = HostBlockPool(manager)
+    # the manager's KVCacheBlocks view the source group's ids through the host pool
+    manager.block_pool._hisparse_host = (host_group, host_pool)
     for k, g in enumerate(resident_groups):
         views[g]._hisparse_k = k
     for k, (g, _) in enumerate(hot_groups):
@@ -559,3 +585,15 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     manager.block_pool._residency_on_reuse = _ResidencyWatcher(manager)
     _install_coordinator_lookup()
     return out
+
+
+def pop_blocks_for_free(manager: Any, request: Any) -> list[Any]:
+    """vLLM's ``KVCacheManager.pop_blocks_for_free(request)`` on a manager with HiSparse
+    groups: every group's blocks in group order, the source group's as host blocks of the
+    host pool view (so the device pool view's ``free_blocks`` routes them there by
+    ``block.pool``, as vLLM's does); the request forgotten and the coordinator's
+    ``free(request)`` made with ``request.is_finished()``. Nothing is freed yet."""
+    host = next(v for v in manager.coordinator.single_type_managers if getattr(v, "_hisparse_source", False))
+    host_view = host.block_pool._view
+    device_view = manager.block_pool._view
+    return [host_view(b) if is_host else device_view(b) for b, is_host in manager._hisparse_pop_blocks_for_free(request)]

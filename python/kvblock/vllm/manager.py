@@ -309,6 +309,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
 
     # -- the rest of vLLM's API ----------------------------------------------------------------
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        if self._hisparse_host_free_blocks is not None:
+            from .hisparse import pop_blocks_for_free
+
+            return pop_blocks_for_free(self, request)
         view = self.block_pool._view
         return [view(b) for b in self._pop_blocks_for_free(request)]
 

@@ -937,20 +937,31 @@ impl Residency {
         }
     }
 
-    /// `release_completed_host_copies`: free both ends of the copies the worker ran.
+    /// `release_completed_host_copies`: free both ends of the copies the worker ran (unknown
+    /// and repeated destination ids ignored). Errors: the host pool's (an endpoint freed
+    /// elsewhere meanwhile), with nothing released.
     pub fn release_completed_host_copies(&mut self, env: &mut impl Env, dst_block_ids: &[u32]) -> Result<()> {
         let mut blocks = Vec::new();
+        let mut released = Vec::new();
         for d in dst_block_ids {
-            if let Some((s, d)) = self.retained_copies.remove(d) {
+            if released.contains(d) {
+                continue;
+            }
+            if let Some(&(s, d)) = self.retained_copies.get(d) {
                 blocks.push(s);
                 blocks.push(d);
+                released.push(d);
             }
         }
         if blocks.is_empty() {
             return Ok(());
         }
         blocks.reverse();
-        env.host().free_blocks(&blocks, true)
+        env.host().free_blocks(&blocks, true)?;
+        for d in &released {
+            self.retained_copies.remove(d);
+        }
+        Ok(())
     }
 
     /// `update_spills(enqueued, completed)`: per transfer id, how many workers enqueued it

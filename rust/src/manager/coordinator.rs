@@ -1037,7 +1037,8 @@ impl Coordinator {
     /// `pop_blocks_for_free(request_id)`: every group's blocks (allocation order), the
     /// request forgotten; the caller frees them (reversed) into the one pool. Errors: a
     /// manager with HiSparse groups (their blocks live in two pools and their coordinator
-    /// frees with the device pool: `NotImplementedError`), changing nothing.
+    /// frees with the device pool: `NotImplementedError`; see
+    /// [`Coordinator::pop_blocks_for_free_routed`]), changing nothing.
     pub fn pop_blocks_for_free(&mut self, request_id: &str) -> Result<Vec<u32>> {
         if self.hisparse.is_some() {
             return Err(Error::NotImplemented(

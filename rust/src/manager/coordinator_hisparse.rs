@@ -492,6 +492,59 @@ impl Coordinator {
     }
 }
 
+impl Coordinator {
+    /// The source group's `take_host_cow_copies()`: its pending copy-on-write `(source,
+    /// copy)` host block pairs, drained (vLLM's `HiSparseSourceManager` keeps them out of
+    /// `take_pending_cow_copies`, the worker's device copy path). Empty without a tier.
+    pub fn hisparse_take_host_cow_copies(&mut self) -> Vec<(u32, u32)> {
+        let Some(gid) = self.hisparse.as_deref().map(HiSparseTier::host_group) else { return Vec::new() };
+        self.managers.get_mut(gid).map(|m| m.take_pending_cow_copies()).unwrap_or_default()
+    }
+
+    /// The coordinator's `take_host_block_copies()`: the host copies drained (see
+    /// [`Coordinator::hisparse_take_host_cow_copies`]) and retained in the residency, both
+    /// endpoints, until `release_completed_host_copies` (then `has_pending_work()` is true).
+    /// Empty without a tier.
+    pub fn hisparse_take_host_block_copies(&mut self) -> Vec<(u32, u32)> {
+        let pairs = self.hisparse_take_host_cow_copies();
+        if let Some(tier) = self.hisparse.as_deref_mut() {
+            tier.residency.retain_host_copies(&pairs);
+        }
+        pairs
+    }
+
+    /// `pop_blocks_for_free(request_id)` of a manager with HiSparse groups: every group's
+    /// blocks in group order, each with whether it is a host block (the source group's,
+    /// which the caller frees into the host pool, as vLLM's `free_blocks` routes by
+    /// `block.pool`); the request forgotten everywhere and the coordinator's
+    /// `free(request)` made (`finished`: `request.is_finished()`, so a finished request's
+    /// running spills keep their host pages until they publish). Without HiSparse groups
+    /// every block is a device block.
+    pub fn pop_blocks_for_free_routed(
+        &mut self,
+        device: &mut BlockPool,
+        request_id: &str,
+        finished: bool,
+    ) -> Result<Vec<(u32, bool)>> {
+        let Some(slot) = self.slot(request_id) else {
+            return Ok(Vec::new());
+        };
+        let host_group = self.hisparse.as_deref().map(HiSparseTier::host_group);
+        let mut out = Vec::new();
+        for i in 0..self.managers.len() {
+            let blocks = if self.managers[i].cfg.spec.kind.is_hisparse() {
+                self.hisparse_pop(device, i, slot, request_id, finished)?
+            } else {
+                self.managers[i].pop_blocks_for_free(slot, request_id)
+            };
+            let host = host_group == Some(i);
+            out.extend(blocks.into_iter().map(|b| (b, host)));
+        }
+        self.release_if_vacant(request_id);
+        Ok(out)
+    }
+}
+
 impl TierEnv<'_> {
     /// The device blocks whose residency watcher fired since the last drain.
     pub fn device_fired(&mut self) -> Vec<u32> {

@@ -944,13 +944,32 @@ impl KVCacheManager {
     }
 
     /// `take_new_block_ids`.
+    /// HiSparse's source group records no new block ids (its host copy-on-write copy is
+    /// not zeroed on the device): its list is cleared and left out.
     pub fn take_new_block_ids(&mut self) -> Vec<u32> {
-        self.coord.managers.iter_mut().flat_map(|m| m.take_new_block_ids()).collect()
+        let host_group = self.coord.hisparse().map(|t| t.host_group());
+        let mut out = Vec::new();
+        for (i, m) in self.coord.managers.iter_mut().enumerate() {
+            let ids = m.take_new_block_ids();
+            if host_group != Some(i) {
+                out.extend(ids);
+            }
+        }
+        out
     }
 
     /// `take_kv_cache_block_copies`: the pending copy-on-write (source, copy) pairs.
+    /// HiSparse's source group hands none here (its host copies go to the connector through
+    /// the coordinator's `take_host_block_copies`, and stay pending for it).
     pub fn take_kv_cache_block_copies(&mut self) -> Vec<(u32, u32)> {
-        self.coord.managers.iter_mut().flat_map(|m| m.take_pending_cow_copies()).collect()
+        let host_group = self.coord.hisparse().map(|t| t.host_group());
+        let mut out = Vec::new();
+        for (i, m) in self.coord.managers.iter_mut().enumerate() {
+            if host_group != Some(i) {
+                out.extend(m.take_pending_cow_copies());
+            }
+        }
+        out
     }
 
     /// `take_boundary_state_offloads`: (request id, group, block, boundary tokens).

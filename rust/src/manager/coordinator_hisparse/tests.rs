@@ -360,3 +360,125 @@ fn a_finished_request_publishes_its_host_pages_once_its_spills_complete() {
         assert_eq!(p.num_free_blocks(), 31);
     }
 }
+
+/// A partial prefix hit on host block `src` for request `id` in the source group (as vLLM's
+/// test sets `req_to_blocks` and `_partial_hit_reqs` by hand); returns the request's slot.
+fn source_partial_hit(m: &mut KVCacheManager, id: &str, src: u32) -> usize {
+    let slot = m.coord.slot_or_insert(id);
+    let g = &mut m.coord.managers[SOURCE];
+    g.ensure_slot(slot);
+    let r = &mut g.reqs[slot];
+    r.present = true;
+    r.blocks = vec![src];
+    r.partial_hit = Some((0, src));
+    slot
+}
+
+fn new_host_block(m: &mut KVCacheManager) -> u32 {
+    let mut got = Vec::new();
+    m.coord.hisparse.as_deref_mut().unwrap().host.get_new_blocks(1, &mut got).unwrap();
+    got[0]
+}
+
+fn has_pending_work(m: &mut KVCacheManager, p: &mut BlockPool) -> bool {
+    m.coord.with_residency(p, |r, _| Ok(r.has_pending_work())).unwrap().unwrap()
+}
+
+#[test]
+fn the_host_copy_on_write_goes_to_the_connector_and_keeps_both_endpoints_until_it_ran() {
+    let (mut m, mut p) = build(32, 16, false);
+    let src = new_host_block(&mut m);
+    let slot = source_partial_hit(&mut m, "cow", src);
+    let new = m.coord.hisparse_allocate_new(&mut p, SOURCE, slot, "cow", BS, BS).unwrap();
+    assert_eq!(new.len(), 1);
+    let cow = new[0];
+    assert_eq!(table(&m, "cow", SOURCE), vec![cow]);
+    assert_eq!(host_free(&m), 13);
+    // not the worker's device copy path, and no new block ids to zero
+    assert!(m.take_kv_cache_block_copies().is_empty());
+    assert!(m.take_new_block_ids().is_empty());
+    assert!(!has_pending_work(&mut m, &mut p));
+    assert_eq!(m.coord.hisparse_take_host_block_copies(), vec![(src, cow)]);
+    assert!(m.coord.hisparse_take_host_block_copies().is_empty());
+    assert!(has_pending_work(&mut m, &mut p));
+    // the request goes; both endpoints stay held until the worker reports the copy
+    m.free(&mut p, "cow").unwrap();
+    assert_eq!(host_free(&m), 13);
+    let release = |m: &mut KVCacheManager, p: &mut BlockPool, ids: &[u32]| {
+        m.coord.with_residency(p, |r, e| r.release_completed_host_copies(e, ids)).unwrap().unwrap()
+    };
+    release(&mut m, &mut p, &[src, 99]); // not a copy's destination: nothing
+    assert_eq!(host_free(&m), 13);
+    release(&mut m, &mut p, &[cow]);
+    assert_eq!(host_free(&m), 15);
+    assert!(!has_pending_work(&mut m, &mut p));
+}
+
+#[test]
+fn take_host_cow_copies_drains_without_retaining() {
+    let (mut m, mut p) = build(32, 16, false);
+    let src = new_host_block(&mut m);
+    let slot = source_partial_hit(&mut m, "cow", src);
+    let cow = m.coord.hisparse_allocate_new(&mut p, SOURCE, slot, "cow", BS, BS).unwrap()[0];
+    assert_eq!(m.coord.hisparse_take_host_cow_copies(), vec![(src, cow)]);
+    assert!(m.coord.hisparse_take_host_cow_copies().is_empty());
+    assert!(!has_pending_work(&mut m, &mut p));
+}
+
+#[test]
+fn the_source_count_includes_the_hit_and_the_copy_on_write_block() {
+    // vLLM's test_hisparse_import_capacity_includes_hits_and_cow: one hit block held, the
+    // host pool's free blocks against the full-attention count on the host pool
+    for (local, free, admitted) in [(BS, 1, true), (BS - 1, 1, false), (BS - 1, 2, true)] {
+        let (mut m, p) = build(32, free + 2, false);
+        let hit = new_host_block(&mut m);
+        assert_eq!(host_free(&m), free);
+        let slot = m.coord.slot_or_insert("waiting");
+        let n = m.coord.hisparse_num_blocks(&p, SOURCE, slot, "waiting", 32, &[hit], 32, local, false).unwrap();
+        // 0 when the host pool backs it, else the admission sentinel num_gpu_blocks + 1
+        assert_eq!(n, if admitted { 0 } else { 33 }, "local {local} free {free}");
+    }
+}
+
+#[test]
+fn pop_blocks_for_free_routed_returns_host_and_device_blocks_unfreed() {
+    let (mut m, mut p) = build(32, 16, false);
+    let new = alloc(&mut m, &mut p, "a", 1, 20, 0, 20).unwrap();
+    let (host_before, device_before) = (host_free(&m), p.num_free_blocks());
+    let popped = m.coord.pop_blocks_for_free_routed(&mut p, "a", false).unwrap();
+    let want: Vec<(u32, bool)> =
+        new.iter().enumerate().flat_map(|(g, ids)| ids.iter().map(move |&b| (b, g == SOURCE))).collect();
+    assert_eq!(popped, want);
+    // nothing freed yet; the request is gone everywhere
+    assert_eq!((host_free(&m), p.num_free_blocks()), (host_before, device_before));
+    assert!(m.coord.request_ids().is_empty());
+    assert!(m.coord.pop_blocks_for_free_routed(&mut p, "a", false).unwrap().is_empty());
+    // the caller frees each block into its own pool
+    let (host, device): (Vec<_>, Vec<_>) = popped.iter().rev().partition(|(_, h)| *h);
+    let ids = |v: Vec<&(u32, bool)>| v.into_iter().map(|(b, _)| *b).collect::<Vec<_>>();
+    m.coord.hisparse.as_deref_mut().unwrap().host.free_blocks(&ids(host), true).unwrap();
+    p.free_blocks(&ids(device), true).unwrap();
+    assert_eq!((host_free(&m), p.num_free_blocks()), (15, 31));
+}
+
+#[test]
+fn a_failed_host_copy_release_releases_nothing() {
+    let (mut m, mut p) = build(32, 16, false);
+    let src = new_host_block(&mut m);
+    let slot = source_partial_hit(&mut m, "cow", src);
+    let cow = m.coord.hisparse_allocate_new(&mut p, SOURCE, slot, "cow", BS, BS).unwrap()[0];
+    m.coord.hisparse_take_host_block_copies();
+    m.free(&mut p, "cow").unwrap();
+    // other code drops the source's last reference: the release fails, keeping the copy
+    m.coord.hisparse.as_deref_mut().unwrap().host.free_blocks(&[src], true).unwrap();
+    let free = host_free(&m);
+    let res = m.coord.with_residency(&mut p, |r, e| r.release_completed_host_copies(e, &[cow]));
+    assert!(res.is_err());
+    assert_eq!(host_free(&m), free);
+    assert!(has_pending_work(&mut m, &mut p));
+    // once the source is held again the copy is released
+    m.coord.hisparse.as_deref_mut().unwrap().host.touch(&[src], true).unwrap();
+    m.coord.with_residency(&mut p, |r, e| r.release_completed_host_copies(e, &[cow, cow])).unwrap().unwrap();
+    assert_eq!(host_free(&m), 15);
+    assert!(!has_pending_work(&mut m, &mut p));
+}

@@ -69,6 +69,25 @@ impl PyManager {
         }
         let pool = me.pool.bind(py).clone();
         let p = pool.get().state.borrow(py)?;
+        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
+            // HiSparse's kinds: their rules (the source group's on the host pool: 0, or the
+            // admission sentinel when the host pool cannot back the request)
+            me.inner.coord.pool_of(group, &p.inner).check_ids(&new_computed_blocks).py_err()?;
+            let slot = me.inner.coord.slot_or_insert(request_id);
+            let res = me.inner.coord.hisparse_num_blocks(
+                &p.inner,
+                group,
+                slot,
+                request_id,
+                num_tokens,
+                &new_computed_blocks,
+                total_computed_tokens,
+                num_local_computed_tokens,
+                apply_admission_cap,
+            );
+            me.inner.coord.release_if_vacant(request_id);
+            return res.map(|n| n as i64).py_err();
+        }
         p.inner.check_ids(&new_computed_blocks).py_err()?;
         let slot = me.inner.coord.slot_or_insert(request_id);
         let res = me.inner.coord.managers[group].get_num_blocks_to_allocate(
@@ -103,6 +122,31 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let slot = me.inner.coord.slot_or_insert(request_id);
+        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
+            // HiSparse's kinds (the source group's blocks and copy-on-write from the host
+            // pool): checked against the group's pool first, so nothing changes on error
+            let m = &me.inner.coord.managers[group];
+            let need = if m.cfg.spec.kind == Kind::HiSparseSource {
+                m.new_blocks_needed(slot, num_tokens, num_tokens_main_model)
+            } else {
+                0 // the resident and hot rules take their blocks before changing anything
+            };
+            let free = me.inner.coord.pool_of(group, &p.inner).num_free_blocks();
+            if need > free {
+                me.inner.coord.release_if_vacant(request_id);
+                return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free }).py_err();
+            }
+            let res = me.inner.coord.hisparse_allocate_new(
+                &mut p.inner,
+                group,
+                slot,
+                request_id,
+                num_tokens,
+                num_tokens_main_model,
+            );
+            me.inner.coord.release_if_vacant(request_id);
+            return res.py_err();
+        }
         let m = &mut me.inner.coord.managers[group];
         let need = m.new_blocks_needed(slot, num_tokens, num_tokens_main_model);
         if need > p.inner.num_free_blocks() {
@@ -153,6 +197,13 @@ impl PyManager {
         let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(()) };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
+        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
+            // HiSparse's kinds: the coordinator's `free(request_id)` (source and resident
+            // groups; vLLM's stored request is not at hand: finished), then the group's pool
+            let res = me.inner.coord.hisparse_free(&mut p.inner, group, slot, request_id, true);
+            me.inner.coord.release_if_vacant(request_id);
+            return res.py_err();
+        }
         let res = me.inner.coord.managers[group].free(&mut p.inner, slot, request_id);
         me.inner.coord.release_if_vacant(request_id);
         res.py_err()
@@ -348,7 +399,13 @@ impl PyManager {
     /// `_pending_cow_copies`), drained with `take` (`take_pending_cow_copies`).
     fn _group_pending_cow_copies(&self, py: Python<'_>, group: usize, take: bool) -> PyResult<Vec<(u32, u32)>> {
         let mut me = self.state.borrow_mut(py)?;
+        let host_group = me.inner.coord.hisparse().map(|t| t.host_group());
         let Some(m) = me.inner.coord.managers.get_mut(group) else { return Ok(Vec::new()) };
+        if take && host_group == Some(group) {
+            // vLLM's `HiSparseSourceManager.take_pending_cow_copies()`: host copies never
+            // reach the worker's device copy path (`take_host_cow_copies` drains them)
+            return Ok(Vec::new());
+        }
         Ok(if take { m.take_pending_cow_copies() } else { m.st.pending_cow.clone() })
     }
 

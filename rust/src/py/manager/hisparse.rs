@@ -357,4 +357,60 @@ impl PyManager {
     fn _hisparse_host_evict(&self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
         self.residency(py, |_, e| e.host().evict_blocks(&ids))
     }
+
+    /// The source group's `take_host_cow_copies()`: its pending copy-on-write `(source,
+    /// copy)` host block id pairs, drained, not retained.
+    fn _hisparse_take_host_cow_copies(&self, py: Python<'_>) -> PyResult<Vec<(u32, u32)>> {
+        let mut me = self.state.borrow_mut(py)?;
+        if me.inner.coord.hisparse().is_none() {
+            return Err(no_hisparse());
+        }
+        Ok(me.inner.coord.hisparse_take_host_cow_copies())
+    }
+
+    /// `take_host_block_copies()`: the host copy-on-write `(source, copy)` host block id
+    /// pairs, drained and retained (both endpoints) until `release_completed_host_copies`.
+    fn _hisparse_take_host_block_copies(&self, py: Python<'_>) -> PyResult<Vec<(u32, u32)>> {
+        let mut me = self.state.borrow_mut(py)?;
+        if me.inner.coord.hisparse().is_none() {
+            return Err(no_hisparse());
+        }
+        Ok(me.inner.coord.hisparse_take_host_block_copies())
+    }
+
+    /// `release_completed_host_copies(dst_block_ids)`: the retained copies with those
+    /// destination ids free both endpoints into the host pool (unknown ids ignored).
+    fn _hisparse_release_completed_host_copies(&self, py: Python<'_>, dst_block_ids: Vec<u32>) -> PyResult<()> {
+        self.residency(py, |r, e| r.release_completed_host_copies(e, &dst_block_ids))
+    }
+
+    /// `pop_blocks_for_free(request)` of a manager with HiSparse groups: `[(block_id,
+    /// is_host), ...]` in group order (host blocks are the source group's, freed into the
+    /// host pool), the request forgotten and the coordinator's `free(request)` made with
+    /// `request.is_finished()`.
+    fn _hisparse_pop_blocks_for_free(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, bool)>> {
+        if self.state.borrow(py)?.inner.coord.hisparse().is_none() {
+            return Err(no_hisparse());
+        }
+        let finished = request.call_method0(Field::IsFinished.interned(py))?.is_truthy()?;
+        let mut me = self.state.borrow_mut(py)?;
+        let id = me.id_of(request)?;
+        me.slots.remove(request);
+        let pool = me.pool.bind(py).clone();
+        let mut p = pool.get().state.borrow_mut(py)?;
+        me.inner.coord.pop_blocks_for_free_routed(&mut p.inner, request_id_str(&id)?, finished).py_err()
+    }
+
+    /// `hot_managers[k].require_hot(request_id)`: the request needs its hot region (the
+    /// hot group allocates it at its next `allocate_new_blocks`). ValueError, nothing
+    /// changed, for a `k` that is not a hot group index.
+    fn _hisparse_require_hot(&self, py: Python<'_>, k: usize, request_id: String) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            if k >= r.layout().hot_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
+            }
+            r.require_hot(k, &request_id);
+            Ok(())
+        })
+    }
 }
