@@ -274,6 +274,12 @@ class _HotCalls:
         """The requests that asked for a hot region (a snapshot of the Rust set)."""
         return set(self._m._hisparse_hot_required(self._hisparse_hot_k))  # type: ignore[attr-defined]
 
+    def require_hot(self, request_id: str) -> None:
+        """Ask for a hot region for ``request_id`` (allocated by its next
+        ``allocate_slots``), as vLLM's ``HiSparseHotManager.require_hot``: recorded in the
+        Rust residency (``hot_required`` is a snapshot, so vLLM's ``set.add`` would be lost)."""
+        self._m._hisparse_require_hot(self._hisparse_hot_k, str(request_id))  # type: ignore[attr-defined]
+
 
 def group_mixins(manager_cls: type) -> tuple[type, ...]:
     """The HiSparse calls the view class of vLLM's ``manager_cls`` adds (none for a group

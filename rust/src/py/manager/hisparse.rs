@@ -96,6 +96,19 @@ impl PyManager {
         })
     }
 
+    /// `hot_managers[k].require_hot(request_id)`: the request asks hot group `k` for a hot
+    /// region (allocated by its next `allocate_slots`). A `k` past the hot groups is a
+    /// `ValueError`, nothing changed.
+    fn _hisparse_require_hot(&self, py: Python<'_>, k: usize, request_id: String) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            if k >= r.layout().hot_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
+            }
+            r.require_hot(k, &request_id);
+            Ok(())
+        })
+    }
+
     /// `has_pending_work()`.
     fn _hisparse_has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
         self.residency(py, |r, _| Ok(r.has_pending_work()))
