@@ -325,18 +325,26 @@ class _PendingSpillView:
         return f"_PendingSpill(transfer_id={self.transfer_id}, page={self.page})"
 
 
+def _count(name: str, value: Any) -> int:
+    """``value`` as a count (an integer >= 0); TypeError / ValueError otherwise."""
+    n = operator.index(value)
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
 class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
     """kvblock's HiSparse coordinator: an instance of vLLM's ``HiSparseCoordinator`` whose
     books are the Rust residency of kvblock's manager. Attributes (``resident_managers``,
     ``hot_managers``, ``host_manager``, ``host_group_id``, ``gpu_pool``,
-    ``transition_watermark``, ``max_spill_pages``, ``num_reprefillable_tokens``) are fixed at
-    binding; ``spills_to_send``, ``pending_spills``, ``request_states`` and ``copies`` are read
+    ``num_reprefillable_tokens``) are fixed at binding; ``transition_watermark`` and
+    ``max_spill_pages`` are the Rust residency's (settable, as vLLM's); ``spills_to_send``, ``pending_spills``, ``request_states`` and ``copies`` are read
     from Rust on every access (snapshots: changing them changes nothing). The methods are
     vLLM's, run in Rust."""
 
     def __init__(self, manager: Any, coordinator: Any) -> None:  # noqa: D107 - vLLM's constructor is not run
         self._m = manager
-        host_group, resident_groups, hot_groups, max_spill_pages, watermark = manager._hisparse_layout()
+        host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
         managers = tuple(coordinator.single_type_managers)
         self.managers = managers
         self.num_reprefillable_tokens = coordinator.num_reprefillable_tokens
@@ -346,14 +354,33 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self.resident_managers = tuple(managers[g] for g in resident_groups)
         self.hot_managers = tuple(managers[g] for g, _ in hot_groups)
         self.gpu_pool = manager.block_pool if self.resident_managers else None
-        self.transition_watermark = watermark
-        self.max_spill_pages = max_spill_pages
         if RELEASE.hisparse_import_reservations:
             # 0.34: the manager is built with import_step_tokens 0 (get_hisparse_coordinator's
             # default); a setter for another value is not written yet (docs/hisparse.md)
             self.import_step_tokens = 0
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def max_spill_pages(self) -> int:  # type: ignore[override]
+        """The spills one step may plan (``max_model_len // block_size`` at first). Setting it
+        sets the Rust residency's (vLLM's tests lower it); a negative number is a
+        ``ValueError``, nothing set."""
+        return int(self._m._hisparse_layout()[3])
+
+    @max_spill_pages.setter
+    def max_spill_pages(self, value: int) -> None:
+        self._m._hisparse_set_limits(max_spill_pages=_count("max_spill_pages", value))
+
+    @property
+    def transition_watermark(self) -> int:  # type: ignore[override]
+        """Free device blocks below which requests start reading from the host. Settable,
+        as ``max_spill_pages``."""
+        return int(self._m._hisparse_layout()[4])
+
+    @transition_watermark.setter
+    def transition_watermark(self, value: int) -> None:
+        self._m._hisparse_set_limits(transition_watermark=_count("transition_watermark", value))
+
     @property
     def spills_to_send(self) -> list[Any]:  # type: ignore[override]
         return [_spill(t) for t in self._m._hisparse_spills_to_send()]

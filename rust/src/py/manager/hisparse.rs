@@ -109,6 +109,26 @@ impl PyManager {
         })
     }
 
+    /// Set `max_spill_pages` and / or `transition_watermark` (vLLM's plain attributes);
+    /// None leaves one as it is. Negative numbers are refused by the conversion (nothing set).
+    #[pyo3(signature = (max_spill_pages=None, transition_watermark=None))]
+    fn _hisparse_set_limits(
+        &self,
+        py: Python<'_>,
+        max_spill_pages: Option<usize>,
+        transition_watermark: Option<usize>,
+    ) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            if let Some(n) = max_spill_pages {
+                r.set_max_spill_pages(n);
+            }
+            if let Some(n) = transition_watermark {
+                r.set_transition_watermark(n);
+            }
+            Ok(())
+        })
+    }
+
     /// `has_pending_work()`.
     fn _hisparse_has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
         self.residency(py, |r, _| Ok(r.has_pending_work()))
