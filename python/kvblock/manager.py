@@ -87,7 +87,13 @@ class IdsBackedBlocks:
         b = self._blocks
         if b is None:
             view = self._pool._view
-            b = self._blocks = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
+            b = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
+            # HiSparse: the source group's ids are host-pool ids (kvblock.vllm.hisparse.bind)
+            host = getattr(self._pool, "_hisparse_group_view", None)
+            if host is not None and host[0] < len(b):
+                g, host_view = host
+                b = (*b[:g], [host_view(i) for i in self._ids[g]], *b[g + 1 :])  # type: ignore[index]
+            self._blocks = b
         return b
 
     blocks = property(_views, doc="``blocks[g][j]``: the ``j``-th block of group ``g`` (views made on first use).")

@@ -507,7 +507,9 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     view, as vLLM's coordinator binds itself."""
     host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
     views = coordinator.single_type_managers
-    views[host_group]._hisparse_pool = HostBlockPool(manager)
+    host_pool = views[host_group]._hisparse_pool = HostBlockPool(manager)
+    # the manager's KVCacheBlocks view the source group's ids through the host pool
+    manager.block_pool._hisparse_group_view = (host_group, host_pool._view)
     for k, g in enumerate(resident_groups):
         views[g]._hisparse_k = k
     for k, (g, _) in enumerate(hot_groups):
