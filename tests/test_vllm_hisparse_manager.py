@@ -10,11 +10,14 @@ vLLM's HiSparse connector reads are not written yet). A hypothesis state machine
 requests (new prompts and external imports, with and without the full-sequence admission
 gate), runs decode steps and frees requests (finished or preempted), and makes the
 connector's coordinator calls (``advance_scheduled``, ``update_residency``,
-``build_offload_command``, ``update_spills`` as every worker completes): kvblock's through the
-manager binding's ``_hisparse_*`` calls (the coordinator view vLLM's connector reads is not
-written yet). After every step both managers hold the same block ids in every group (host ids
-for the source group), the same residency rows and hot requirements, and both pools have the
-same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
+``build_offload_command``, ``update_spills`` as every worker completes) and the calls vLLM's
+tests make on the views (the hot groups' ``require_hot``, assigning ``max_spill_pages``):
+kvblock's through its coordinator view (``get_hisparse_coordinator(manager)``, over the manager
+binding's ``_hisparse_*`` calls), so a view that keeps a change to itself fails here. After
+every step both managers hold the same block ids in every group (host ids for the source
+group), the same block objects in ``get_blocks`` (the source group's from the host pool: same
+ref counts), the same residency rows, hot requirements and spill budget, and both pools have
+the same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
 sides. Host-prefix hits are not driven here (``tests/test_vllm_hisparse_lockstep.py`` covers
 them through the ``_core.HiSparseResidency`` harness).
 """
@@ -52,6 +55,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvblock.vllm.config import translate  # noqa: E402
+from kvblock.vllm.hisparse import HiSparseCoordinatorView  # noqa: E402
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
 
 VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
@@ -129,6 +133,10 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.vc = hisparse.get_hisparse_coordinator(self.vm)
         self.km = KvblockManager(_config(num_blocks, host_num_blocks), **args)
         assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
+        # kvblock's side is driven through the views vLLM's connector and tests read (the
+        # coordinator view over the manager binding's _hisparse_* calls)
+        self.kc = hisparse.get_hisparse_coordinator(self.km)
+        assert isinstance(self.kc, HiSparseCoordinatorView)
         self.requests: dict[str, Request] = {}
         self.sent: list[int] = []
         self.outsiders: list[tuple[list, list]] = []
@@ -207,23 +215,23 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         if req is None:
             return
         self.vc.advance_scheduled([(request, req.num_computed_tokens)])
-        self.km._hisparse_advance_scheduled([(request, req.num_computed_tokens)])
+        self.kc.advance_scheduled([(request, req.num_computed_tokens)])
 
     @rule(request=st.sampled_from(REQUESTS))
     def update_residency(self, request: str) -> None:
         if request not in self.requests:
             return
         self.vc.update_residency(request)
-        self.km._hisparse_update_residency(request)
+        self.kc.update_residency(request)
 
     @rule()
     def offload_command(self) -> None:
         cmd = self.vc.build_offload_command()
         theirs = list(cmd.page_transfers) if cmd is not None else []
-        ours = self.km._hisparse_take_offload_command() or []
-        assert [o[:3] + o[4:] for o in ours] == [
-            (t.transfer_id, t.host_block_id, list(t.resident_block_ids), t.restore) for t in theirs
-        ]
+        ours_cmd = self.kc.build_offload_command()
+        ours = list(ours_cmd.page_transfers) if ours_cmd is not None else []
+        # vLLM's own SparseKVPageTransfer on both sides (after_forward included where it exists)
+        assert ours == theirs, (ours, theirs)
         self.sent.extend(t.transfer_id for t in theirs)
         COVERAGE["spills"] += bool(theirs)
 
@@ -233,7 +241,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             return
         counts = {i: 1 for i in self.sent}
         self.vc.update_spills(counts, counts)
-        self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
+        self.kc.update_spills(counts, counts)
         self.sent = []
 
     @rule(n=st.integers(1, 8), all_free=st.booleans())
@@ -257,6 +265,24 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             theirs, ours = self.outsiders.pop(0)
             self.vm.block_pool.free_blocks(theirs)
             self.km.block_pool.free_blocks(ours)
+
+    @rule(request=st.sampled_from(REQUESTS))
+    def require_hot(self, request: str) -> None:
+        # vLLM's connector and tests ask the hot groups directly (HiSparseHotManager.require_hot);
+        # on kvblock's view that is a real call, not an add to a snapshot of hot_required
+        if request not in self.requests:
+            return
+        for c in (self.vc, self.kc):
+            for hot in c.hot_managers:
+                hot.require_hot(request)
+        COVERAGE["require_hot"] += 1
+
+    @rule(n=st.sampled_from([1, 2, 8]))
+    def spill_budget(self, n: int) -> None:
+        # vLLM's tests lower the coordinator's plain attribute; kvblock's view sets the Rust one
+        self.vc.max_spill_pages = n
+        self.kc.max_spill_pages = n
+        COVERAGE["spill budget"] += n < 8
 
     @rule()
     def connector_step(self) -> None:
@@ -285,6 +311,18 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         COVERAGE["hot required"] += bool(hot)
         COVERAGE["host-only pages"] += any(0 in self.km._hisparse_residency_row(0, r) for r in self.requests)
         assert self.vc.has_pending_work() == self.km._hisparse_has_pending_work()
+        assert (self.kc.max_spill_pages, self.kc.transition_watermark) == (
+            self.vc.max_spill_pages,
+            self.vc.transition_watermark,
+        )
+        # the block objects of get_blocks (KVCacheBlocks.blocks): the source group's are host
+        # blocks, so their ref counts and keys are the host pool's, as vLLM's
+        for r in self.requests:
+            v = self.vm.get_blocks(r).blocks
+            k = self.km.get_blocks(r).blocks
+            assert [[(b.block_id, b.ref_cnt, b.block_hash is None) for b in g] for g in v] == [
+                [(b.block_id, b.ref_cnt, b.block_hash is None) for b in g] for g in k
+            ], r
 
 
 @pytest.fixture
@@ -307,6 +345,7 @@ def test_hisparse_manager_lockstep(hisparse_on):
         COVERAGE[k]
         for k in (
             "import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages", "other allocations",
+            "require_hot", "spill budget",
         )
     ), COVERAGE
 
