@@ -306,6 +306,10 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         vres = self.vc.resident_managers[0]
         for r in self.requests:
             assert [b.block_id for b in vres.get_residency_row(r)] == self.km._hisparse_residency_row(0, r), r
+        kres = self.kc.resident_managers[0]
+        assert {r: {p: b.block_id for p, b in c.items()} for r, c in vres.residency_changes.items()} == {
+            r: {p: b.block_id for p, b in c.items()} for r, c in kres.residency_changes.items()
+        }
         hot = sorted(self.vc.hot_managers[0].hot_required)
         assert hot == self.km._hisparse_hot_required(0)
         COVERAGE["hot required"] += bool(hot)
@@ -370,3 +374,40 @@ def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on)
     m.other_allocations(n=0, all_free=True)
     m.same_tables_and_pools()
     assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
+
+
+def test_resident_page_calls_on_the_views_are_vllm_s(hisparse_on):
+    # the resident groups' drop_resident_page / adopt_resident_page and the coordinator's
+    # commit_computed_blocks, called on the views as on vLLM's managers: the same overlay
+    # (residency_changes, also a dropped adopted page's null entry) and rows on both sides
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=None, caching=False)
+    m.admit(request="r0", prompt=64, external=48, must_fit=False)  # pages 0-1 host-only, 2-3 resident
+    m.admit(request="r1", prompt=16, external=0, must_fit=False)
+    m.same_tables_and_pools()
+    vres, kres = m.vc.resident_managers[0], m.kc.resident_managers[0]
+    assert [b.block_id for b in vres.get_residency_row("r0")][:2] == [0, 0]
+    donor_v, donor_k = vres.get_resident_page("r1", 0), kres.get_resident_page("r1", 0)
+    assert donor_v.block_id == donor_k.block_id
+    assert vres.adopt_resident_page("r0", 0, donor_v) is kres.adopt_resident_page("r0", 0, donor_k) is True
+    assert vres.adopt_resident_page("r0", 0, donor_v) is kres.adopt_resident_page("r0", 0, donor_k) is False
+    assert vres.adopt_resident_page("r0", 9, donor_v) is kres.adopt_resident_page("r0", 9, donor_k) is False
+    m.same_tables_and_pools()
+    assert vres.drop_resident_page("r0", 0).block_id == kres.drop_resident_page("r0", 0).block_id
+    assert vres.drop_resident_page("r0", 1) is kres.drop_resident_page("r0", 1) is None
+    m.same_tables_and_pools()
+    assert {p: b.block_id for p, b in kres.residency_changes["r0"].items()} == {0: 0}
+    m.vc.commit_computed_blocks("r0", 2)
+    m.kc.commit_computed_blocks("r0", 2)
+    m.same_tables_and_pools()
+    assert m.kc.request_states["r0"].pages_to_adopt == m.vc.request_states["r0"].pages_to_adopt == 2
+    # bad input: a block of another pool, the null block, a negative count; nothing changed
+    before = dict(kres.residency_changes["r0"])
+    host_block = m.kc.host_manager.block_pool.blocks[1]
+    with pytest.raises(TypeError):
+        kres.adopt_resident_page("r0", 1, host_block)
+    with pytest.raises(ValueError):
+        kres.adopt_resident_page("r0", 1, m.km.block_pool.null_block)
+    with pytest.raises(ValueError):
+        m.kc.commit_computed_blocks("r0", -1)
+    assert dict(kres.residency_changes["r0"]) == before

@@ -199,10 +199,10 @@ class HostBlockPool:
 
 
 class _ResidencyChanges(Mapping[str, dict[int, Any]]):
-    """A resident group's ``residency_changes``: ``{request_id: {page: block}}`` of the pages
-    whose residency differs from the request's table (None-valued pages read from the
-    host), derived from the Rust rows: a page differs when its residency row entry differs
-    from the table."""
+    """A resident group's ``residency_changes``: ``{request_id: {page: block}}``, the Rust
+    overlay itself (vLLM's entries exactly: an adopted page as its device block, a dropped one
+    as the null block, also where that equals the table), read on every access (a
+    snapshot per read: the resident calls change it, not this mapping)."""
 
     def __init__(self, view: Any, k: int) -> None:
         self._v = view
@@ -210,16 +210,8 @@ class _ResidencyChanges(Mapping[str, dict[int, Any]]):
 
     def _dict(self) -> dict[str, dict[int, Any]]:
         m = self._v._m
-        pool = m.block_pool
-        out: dict[str, dict[int, Any]] = {}
-        g = self._v.kv_cache_group_id
-        for rid in m._group_request_ids(g):
-            table = m._group_table(g, rid) or []
-            row = m._hisparse_residency_row(self._k, rid, 0)
-            diff = {i: pool._view(b) for i, (t, b) in enumerate(zip(table, row)) if t != b}
-            if diff:
-                out[rid] = diff
-        return out
+        view = m.block_pool._view
+        return {rid: {p: view(b) for p, b in pages} for rid, pages in m._hisparse_residency_changes(self._k)}
 
     def __getitem__(self, request_id: str) -> dict[int, Any]:
         return self._dict()[request_id]
@@ -245,6 +237,26 @@ class _ResidentCalls:
         it (vLLM's ``get_resident_page``)."""
         b = self._m._hisparse_resident_page(self._hisparse_k, request_id, operator.index(block_idx))  # type: ignore[attr-defined]
         return None if b is None else self._m.block_pool._view(b)  # type: ignore[attr-defined]
+
+    def drop_resident_page(self, request_id: str, block_idx: int) -> Any:
+        """Stop reading page ``block_idx`` from the GPU; the device block it was read from, None
+        if it had none (vLLM's ``drop_resident_page``, on the Rust overlay)."""
+        b = self._m._hisparse_drop_resident_page(self._hisparse_k, request_id, operator.index(block_idx))  # type: ignore[attr-defined]
+        return None if b is None else self._m.block_pool._view(b)  # type: ignore[attr-defined]
+
+    def adopt_resident_page(self, request_id: str, block_idx: int, block: Any) -> bool:
+        """Read host-only page ``block_idx`` from device ``block`` (vLLM's
+        ``adopt_resident_page``: no reference taken; False when the page is past the table or
+        already resident). ``block`` must be a block of the device pool (``TypeError``); the
+        null block is a ``ValueError``; nothing changes then."""
+        pool = self._m.block_pool  # type: ignore[attr-defined]
+        if getattr(block, "pool", None) is not pool:
+            raise TypeError(f"{block!r} is not a block of the device pool")
+        return bool(
+            self._m._hisparse_adopt_resident_page(  # type: ignore[attr-defined]
+                self._hisparse_k, request_id, operator.index(block_idx), block.block_id
+            )
+        )
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
         """The request's pages from ``start`` on, each the device block it is read from or
@@ -487,6 +499,12 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
 
     def get_host_block_pool(self) -> Any:
         return self.host_manager.block_pool
+
+    def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
+        """A prefix hit on the request's first ``num_host_pages`` host pages (capped at those
+        it holds): they are clean, their GPU copies adopted at the next ``update_residency``.
+        kvblock's manager makes this call itself on admission; this one is vLLM's, forwarded."""
+        self._m._hisparse_commit_computed_blocks(request_id, _count("num_host_pages", num_host_pages))
 
     def take_host_block_copies(self) -> tuple[Any, ...]:
         """The host group's copy-on-write copies: kvblock's manager makes none yet
