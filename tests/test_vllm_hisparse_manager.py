@@ -320,13 +320,13 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             self.vc.transition_watermark,
         )
         # the block objects of get_blocks (KVCacheBlocks.blocks): the source group's are host
-        # blocks, so their ref counts and keys are the host pool's, as vLLM's
+        # blocks, so their ref counts and keys are the host pool's, as vLLM's (the null block's
+        # count is not compared: 0.32 frees its untrimmed resident row's null head, going below 0)
+        def seen(blocks):
+            return [[(b.block_id, None if b.is_null else b.ref_cnt, b.block_hash is None) for b in g] for g in blocks]
+
         for r in self.requests:
-            v = self.vm.get_blocks(r).blocks
-            k = self.km.get_blocks(r).blocks
-            assert [[(b.block_id, b.ref_cnt, b.block_hash is None) for b in g] for g in v] == [
-                [(b.block_id, b.ref_cnt, b.block_hash is None) for b in g] for g in k
-            ], r
+            assert seen(self.vm.get_blocks(r).blocks) == seen(self.km.get_blocks(r).blocks), r
 
 
 @pytest.fixture
