@@ -500,6 +500,24 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
     def get_host_block_pool(self) -> Any:
         return self.host_manager.block_pool
 
+    def publish_when_ready(self, request: Any, num_computed_tokens: int, retention_interval: Any = None, **kwargs: Any) -> None:
+        """Not a view call: kvblock's manager makes it itself, from the source group's
+        ``cache_blocks`` (it keeps the request's hashes for the deferred publication). Raises
+        ``NotImplementedError`` (vLLM's own body would change only a snapshot)."""
+        raise NotImplementedError(
+            "kvblock's manager publishes the host blocks itself (manager.cache_blocks); "
+            "publish_when_ready is not a call of its HiSparse coordinator view"
+        )
+
+    def free(self, request_id: str) -> None:
+        """Not a view call: kvblock's manager frees the residency with the request
+        (``manager.free(request)``, which reads ``request.is_finished()``). Raises
+        ``NotImplementedError`` (vLLM's own body would change only a snapshot)."""
+        raise NotImplementedError(
+            "kvblock's manager frees a request's residency itself (manager.free(request)); "
+            "free(request_id) is not a call of its HiSparse coordinator view"
+        )
+
     def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
         """A prefix hit on the request's first ``num_host_pages`` host pages (capped at those
         it holds): they are clean, their GPU copies adopted at the next ``update_residency``.
