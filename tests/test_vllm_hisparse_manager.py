@@ -11,7 +11,8 @@ requests (new prompts and external imports, with and without the full-sequence a
 gate), runs decode steps and frees requests (finished or preempted), and makes the
 connector's coordinator calls (``advance_scheduled``, ``update_residency``,
 ``build_offload_command``, ``update_spills`` as every worker completes) and the calls vLLM's
-tests make on the views (the hot groups' ``require_hot``, assigning ``max_spill_pages``):
+tests make on the views (the hot groups' ``require_hot``, assigning ``max_spill_pages``,
+``take_residency_updates``, ``all_context_pages_resident``, ``build_row_mirrors``):
 kvblock's through its coordinator view (``get_hisparse_coordinator(manager)``, over the manager
 binding's ``_hisparse_*`` calls), so a view that keeps a change to itself fails here. After
 every step both managers hold the same block ids in every group (host ids for the source
@@ -284,6 +285,29 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.kc.max_spill_pages = n
         COVERAGE["spill budget"] += n < 8
 
+    @rule(requests=st.lists(st.sampled_from(REQUESTS), min_size=1, max_size=3, unique=True))
+    def residency_updates(self, requests: list[str]) -> None:
+        # the worker's residency updates (stale pages, then pages appended since the last one)
+        live = [r for r in requests if r in self.requests]
+        if not live:
+            return
+        v = self.vc.take_residency_updates(live)
+        k = self.kc.take_residency_updates(live)
+        assert {r: (u.pages, [list(g) for g in u.block_ids]) for r, u in v.items()} == {
+            r: (u.pages, [list(g) for g in u.block_ids]) for r, u in k.items()
+        }
+        COVERAGE["residency updates"] += bool(v)
+
+    @rule()
+    def scheduled_reads(self) -> None:
+        # the step's reads: every live request's last token scheduled
+        rows = [(r, req.num_computed_tokens - 1, 1) for r, req in sorted(self.requests.items())]
+        if not rows:
+            return
+        assert self.vc.all_context_pages_resident(rows) == self.kc.all_context_pages_resident(rows)
+        assert self.vc.build_row_mirrors(rows) == self.kc.build_row_mirrors(rows)
+        COVERAGE["not all resident"] += not self.vc.all_context_pages_resident(rows)
+
     @rule()
     def connector_step(self) -> None:
         # one scheduler step's connector work: every live request advanced, the offload
@@ -349,7 +373,7 @@ def test_hisparse_manager_lockstep(hisparse_on):
         COVERAGE[k]
         for k in (
             "import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages", "other allocations",
-            "require_hot", "spill budget",
+            "require_hot", "spill budget", "residency updates", "not all resident",
         )
     ), COVERAGE
 
