@@ -10,11 +10,15 @@ vLLM's HiSparse connector reads are not written yet). A hypothesis state machine
 requests (new prompts and external imports, with and without the full-sequence admission
 gate), runs decode steps and frees requests (finished or preempted), and makes the
 connector's coordinator calls (``advance_scheduled``, ``update_residency``,
-``build_offload_command``, ``update_spills`` as every worker completes): kvblock's through the
-manager binding's ``_hisparse_*`` calls (the coordinator view vLLM's connector reads is not
-written yet). After every step both managers hold the same block ids in every group (host ids
-for the source group), the same residency rows and hot requirements, and both pools have the
-same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
+``build_offload_command``, ``update_spills`` as every worker completes) and the calls vLLM's
+tests make on the views (the hot groups' ``require_hot``, assigning ``max_spill_pages``,
+``take_residency_updates``, ``all_context_pages_resident``, ``build_row_mirrors``):
+kvblock's through its coordinator view (``get_hisparse_coordinator(manager)``, over the manager
+binding's ``_hisparse_*`` calls), so a view that keeps a change to itself fails here. After
+every step both managers hold the same block ids in every group (host ids for the source
+group), the same block objects in ``get_blocks`` (the source group's from the host pool: same
+ref counts), the same residency rows, hot requirements and spill budget, and both pools have
+the same free blocks; released pages reused inside ``allocate_slots`` are lost at once on both
 sides. Host-prefix hits are not driven here (``tests/test_vllm_hisparse_lockstep.py`` covers
 them through the ``_core.HiSparseResidency`` harness).
 """
@@ -52,6 +56,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvblock.vllm.config import translate  # noqa: E402
+from kvblock.vllm.hisparse import HiSparseCoordinatorView  # noqa: E402
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
 
 VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
@@ -129,6 +134,10 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         self.vc = hisparse.get_hisparse_coordinator(self.vm)
         self.km = KvblockManager(_config(num_blocks, host_num_blocks), **args)
         assert type(self.km).__module__.startswith("kvblock"), "kvblock's manager must hold the HiSparse groups"
+        # kvblock's side is driven through the views vLLM's connector and tests read (the
+        # coordinator view over the manager binding's _hisparse_* calls)
+        self.kc = hisparse.get_hisparse_coordinator(self.km)
+        assert isinstance(self.kc, HiSparseCoordinatorView)
         self.requests: dict[str, Request] = {}
         self.sent: list[int] = []
         self.outsiders: list[tuple[list, list]] = []
@@ -207,23 +216,23 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         if req is None:
             return
         self.vc.advance_scheduled([(request, req.num_computed_tokens)])
-        self.km._hisparse_advance_scheduled([(request, req.num_computed_tokens)])
+        self.kc.advance_scheduled([(request, req.num_computed_tokens)])
 
     @rule(request=st.sampled_from(REQUESTS))
     def update_residency(self, request: str) -> None:
         if request not in self.requests:
             return
         self.vc.update_residency(request)
-        self.km._hisparse_update_residency(request)
+        self.kc.update_residency(request)
 
     @rule()
     def offload_command(self) -> None:
         cmd = self.vc.build_offload_command()
         theirs = list(cmd.page_transfers) if cmd is not None else []
-        ours = self.km._hisparse_take_offload_command() or []
-        assert [o[:3] + o[4:] for o in ours] == [
-            (t.transfer_id, t.host_block_id, list(t.resident_block_ids), t.restore) for t in theirs
-        ]
+        ours_cmd = self.kc.build_offload_command()
+        ours = list(ours_cmd.page_transfers) if ours_cmd is not None else []
+        # vLLM's own SparseKVPageTransfer on both sides (after_forward included where it exists)
+        assert ours == theirs, (ours, theirs)
         self.sent.extend(t.transfer_id for t in theirs)
         COVERAGE["spills"] += bool(theirs)
 
@@ -233,7 +242,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             return
         counts = {i: 1 for i in self.sent}
         self.vc.update_spills(counts, counts)
-        self.km._hisparse_update_spills(sorted(counts.items()), sorted(counts.items()))
+        self.kc.update_spills(counts, counts)
         self.sent = []
 
     @rule(n=st.integers(1, 8), all_free=st.booleans())
@@ -258,6 +267,47 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             self.vm.block_pool.free_blocks(theirs)
             self.km.block_pool.free_blocks(ours)
 
+    @rule(request=st.sampled_from(REQUESTS))
+    def require_hot(self, request: str) -> None:
+        # vLLM's connector and tests ask the hot groups directly (HiSparseHotManager.require_hot);
+        # on kvblock's view that is a real call, not an add to a snapshot of hot_required
+        if request not in self.requests:
+            return
+        for c in (self.vc, self.kc):
+            for hot in c.hot_managers:
+                hot.require_hot(request)
+        COVERAGE["require_hot"] += 1
+
+    @rule(n=st.sampled_from([1, 2, 8]))
+    def spill_budget(self, n: int) -> None:
+        # vLLM's tests lower the coordinator's plain attribute; kvblock's view sets the Rust one
+        self.vc.max_spill_pages = n
+        self.kc.max_spill_pages = n
+        COVERAGE["spill budget"] += n < 8
+
+    @rule(requests=st.lists(st.sampled_from(REQUESTS), min_size=1, max_size=3, unique=True))
+    def residency_updates(self, requests: list[str]) -> None:
+        # the worker's residency updates (stale pages, then pages appended since the last one)
+        live = [r for r in requests if r in self.requests]
+        if not live:
+            return
+        v = self.vc.take_residency_updates(live)
+        k = self.kc.take_residency_updates(live)
+        assert {r: (u.pages, [list(g) for g in u.block_ids]) for r, u in v.items()} == {
+            r: (u.pages, [list(g) for g in u.block_ids]) for r, u in k.items()
+        }
+        COVERAGE["residency updates"] += bool(v)
+
+    @rule()
+    def scheduled_reads(self) -> None:
+        # the step's reads: every live request's last token scheduled
+        rows = [(r, req.num_computed_tokens - 1, 1) for r, req in sorted(self.requests.items())]
+        if not rows:
+            return
+        assert self.vc.all_context_pages_resident(rows) == self.kc.all_context_pages_resident(rows)
+        assert self.vc.build_row_mirrors(rows) == self.kc.build_row_mirrors(rows)
+        COVERAGE["not all resident"] += not self.vc.all_context_pages_resident(rows)
+
     @rule()
     def connector_step(self) -> None:
         # one scheduler step's connector work: every live request advanced, the offload
@@ -280,11 +330,27 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         vres = self.vc.resident_managers[0]
         for r in self.requests:
             assert [b.block_id for b in vres.get_residency_row(r)] == self.km._hisparse_residency_row(0, r), r
+        kres = self.kc.resident_managers[0]
+        assert {r: {p: b.block_id for p, b in c.items()} for r, c in vres.residency_changes.items()} == {
+            r: {p: b.block_id for p, b in c.items()} for r, c in kres.residency_changes.items()
+        }
         hot = sorted(self.vc.hot_managers[0].hot_required)
         assert hot == self.km._hisparse_hot_required(0)
         COVERAGE["hot required"] += bool(hot)
         COVERAGE["host-only pages"] += any(0 in self.km._hisparse_residency_row(0, r) for r in self.requests)
         assert self.vc.has_pending_work() == self.km._hisparse_has_pending_work()
+        assert (self.kc.max_spill_pages, self.kc.transition_watermark) == (
+            self.vc.max_spill_pages,
+            self.vc.transition_watermark,
+        )
+        # the block objects of get_blocks (KVCacheBlocks.blocks): the source group's are host
+        # blocks, so their ref counts and keys are the host pool's, as vLLM's (the null block's
+        # count is not compared: 0.32 frees its untrimmed resident row's null head, going below 0)
+        def seen(blocks):
+            return [[(b.block_id, None if b.is_null else b.ref_cnt, b.block_hash is None) for b in g] for g in blocks]
+
+        for r in self.requests:
+            assert seen(self.vm.get_blocks(r).blocks) == seen(self.km.get_blocks(r).blocks), r
 
 
 @pytest.fixture
@@ -307,6 +373,7 @@ def test_hisparse_manager_lockstep(hisparse_on):
         COVERAGE[k]
         for k in (
             "import", "hot region", "refused", "freed", "spills", "hot required", "host-only pages", "other allocations",
+            "require_hot", "spill budget", "residency updates", "not all resident",
         )
     ), COVERAGE
 
@@ -331,3 +398,40 @@ def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on)
     m.other_allocations(n=0, all_free=True)
     m.same_tables_and_pools()
     assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
+
+
+def test_resident_page_calls_on_the_views_are_vllm_s(hisparse_on):
+    # the resident groups' drop_resident_page / adopt_resident_page and the coordinator's
+    # commit_computed_blocks, called on the views as on vLLM's managers: the same overlay
+    # (residency_changes, also a dropped adopted page's null entry) and rows on both sides
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=None, caching=False)
+    m.admit(request="r0", prompt=64, external=48, must_fit=False)  # pages 0-1 host-only, 2-3 resident
+    m.admit(request="r1", prompt=16, external=0, must_fit=False)
+    m.same_tables_and_pools()
+    vres, kres = m.vc.resident_managers[0], m.kc.resident_managers[0]
+    assert [b.block_id for b in vres.get_residency_row("r0")][:2] == [0, 0]
+    donor_v, donor_k = vres.get_resident_page("r1", 0), kres.get_resident_page("r1", 0)
+    assert donor_v.block_id == donor_k.block_id
+    assert vres.adopt_resident_page("r0", 0, donor_v) is kres.adopt_resident_page("r0", 0, donor_k) is True
+    assert vres.adopt_resident_page("r0", 0, donor_v) is kres.adopt_resident_page("r0", 0, donor_k) is False
+    assert vres.adopt_resident_page("r0", 9, donor_v) is kres.adopt_resident_page("r0", 9, donor_k) is False
+    m.same_tables_and_pools()
+    assert vres.drop_resident_page("r0", 0).block_id == kres.drop_resident_page("r0", 0).block_id
+    assert vres.drop_resident_page("r0", 1) is kres.drop_resident_page("r0", 1) is None
+    m.same_tables_and_pools()
+    assert {p: b.block_id for p, b in kres.residency_changes["r0"].items()} == {0: 0}
+    m.vc.commit_computed_blocks("r0", 2)
+    m.kc.commit_computed_blocks("r0", 2)
+    m.same_tables_and_pools()
+    assert m.kc.request_states["r0"].pages_to_adopt == m.vc.request_states["r0"].pages_to_adopt == 2
+    # bad input: a block of another pool, the null block, a negative count; nothing changed
+    before = dict(kres.residency_changes["r0"])
+    host_block = m.kc.host_manager.block_pool.blocks[1]
+    with pytest.raises(TypeError):
+        kres.adopt_resident_page("r0", 1, host_block)
+    with pytest.raises(ValueError):
+        kres.adopt_resident_page("r0", 1, m.km.block_pool.null_block)
+    with pytest.raises(ValueError):
+        m.kc.commit_computed_blocks("r0", -1)
+    assert dict(kres.residency_changes["r0"]) == before

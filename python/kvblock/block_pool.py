@@ -405,6 +405,9 @@ class BlockPool(_core.BlockPoolCore):
 
     #: The KV event classes the pool builds (vLLM's own in :class:`kvblock.vllm.BlockPool`).
     event_classes: tuple[Any, Any, Any] = (BlockStored, BlockRemoved, AllBlocksCleared)
+    #: HiSparse only: ``(source group, host pool view)``, so a manager's ``KVCacheBlocks`` view
+    #: that group's ids (host-pool ids) through the host pool (``kvblock.vllm.hisparse.bind``).
+    _hisparse_group_view: tuple[int, Callable[[int], Any]] | None = None
 
     def __init__(
         self,

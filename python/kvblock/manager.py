@@ -88,12 +88,11 @@ class IdsBackedBlocks:
         if b is None:
             view = self._pool._view
             b = tuple([view(i) for i in group] for group in self._ids)  # type: ignore[union-attr]
-            # HiSparse's source group holds host block ids: its views are the host pool's
-            # (kvblock.vllm.hisparse.bind sets the pair on the manager's device pool)
-            host = getattr(self._pool, "_hisparse_host", None)
+            # HiSparse: the source group's ids are host-pool ids (kvblock.vllm.hisparse.bind)
+            host = getattr(self._pool, "_hisparse_group_view", None)
             if host is not None and host[0] < len(b):
-                g, host_view = host[0], host[1]._view
-                b = b[:g] + ([host_view(i) for i in self._ids[g]],) + b[g + 1 :]  # type: ignore[index]
+                g, host_view = host
+                b = (*b[:g], [host_view(i) for i in self._ids[g]], *b[g + 1 :])  # type: ignore[index]
             self._blocks = b
         return b
 

@@ -199,10 +199,10 @@ class HostBlockPool:
 
 
 class _ResidencyChanges(Mapping[str, dict[int, Any]]):
-    """A resident group's ``residency_changes``: ``{request_id: {page: block}}`` of the pages
-    whose residency differs from the request's table (None-valued pages read from the
-    host), derived from the Rust rows: a page differs when its residency row entry differs
-    from the table."""
+    """A resident group's ``residency_changes``: ``{request_id: {page: block}}``, the Rust
+    overlay itself (vLLM's entries exactly: an adopted page as its device block, a dropped one
+    as the null block, also where that equals the table), read on every access (a
+    snapshot per read: the resident calls change it, not this mapping)."""
 
     def __init__(self, view: Any, k: int) -> None:
         self._v = view
@@ -210,16 +210,8 @@ class _ResidencyChanges(Mapping[str, dict[int, Any]]):
 
     def _dict(self) -> dict[str, dict[int, Any]]:
         m = self._v._m
-        pool = m.block_pool
-        out: dict[str, dict[int, Any]] = {}
-        g = self._v.kv_cache_group_id
-        for rid in m._group_request_ids(g):
-            table = m._group_table(g, rid) or []
-            row = m._hisparse_residency_row(self._k, rid, 0)
-            diff = {i: pool._view(b) for i, (t, b) in enumerate(zip(table, row)) if t != b}
-            if diff:
-                out[rid] = diff
-        return out
+        view = m.block_pool._view
+        return {rid: {p: view(b) for p, b in pages} for rid, pages in m._hisparse_residency_changes(self._k)}
 
     def __getitem__(self, request_id: str) -> dict[int, Any]:
         return self._dict()[request_id]
@@ -245,6 +237,26 @@ class _ResidentCalls:
         it (vLLM's ``get_resident_page``)."""
         b = self._m._hisparse_resident_page(self._hisparse_k, request_id, operator.index(block_idx))  # type: ignore[attr-defined]
         return None if b is None else self._m.block_pool._view(b)  # type: ignore[attr-defined]
+
+    def drop_resident_page(self, request_id: str, block_idx: int) -> Any:
+        """Stop reading page ``block_idx`` from the GPU; the device block it was read from, None
+        if it had none (vLLM's ``drop_resident_page``, on the Rust overlay)."""
+        b = self._m._hisparse_drop_resident_page(self._hisparse_k, request_id, operator.index(block_idx))  # type: ignore[attr-defined]
+        return None if b is None else self._m.block_pool._view(b)  # type: ignore[attr-defined]
+
+    def adopt_resident_page(self, request_id: str, block_idx: int, block: Any) -> bool:
+        """Read host-only page ``block_idx`` from device ``block`` (vLLM's
+        ``adopt_resident_page``: no reference taken; False when the page is past the table or
+        already resident). ``block`` must be a block of the device pool (``TypeError``); the
+        null block is a ``ValueError``; nothing changes then."""
+        pool = self._m.block_pool  # type: ignore[attr-defined]
+        if getattr(block, "pool", None) is not pool:
+            raise TypeError(f"{block!r} is not a block of the device pool")
+        return bool(
+            self._m._hisparse_adopt_resident_page(  # type: ignore[attr-defined]
+                self._hisparse_k, request_id, operator.index(block_idx), block.block_id
+            )
+        )
 
     def get_residency_row(self, request_id: str, start: int = 0) -> list[Any]:
         """The request's pages from ``start`` on, each the device block it is read from or
@@ -282,8 +294,9 @@ class _HotCalls:
         return set(self._m._hisparse_hot_required(self._hisparse_hot_k))  # type: ignore[attr-defined]
 
     def require_hot(self, request_id: str) -> None:
-        """vLLM's ``require_hot(request_id)``: the request needs its hot region (allocated at
-        the group's next ``allocate_new_blocks``), in the Rust residency."""
+        """Ask for a hot region for ``request_id`` (allocated by its next
+        ``allocate_slots``), as vLLM's ``HiSparseHotManager.require_hot``: recorded in the
+        Rust residency (``hot_required`` is a snapshot, so vLLM's ``set.add`` would be lost)."""
         self._m._hisparse_require_hot(self._hisparse_hot_k, str(request_id))  # type: ignore[attr-defined]
 
 
@@ -331,18 +344,26 @@ class _PendingSpillView:
         return f"_PendingSpill(transfer_id={self.transfer_id}, page={self.page})"
 
 
+def _count(name: str, value: Any) -> int:
+    """``value`` as a count (an integer >= 0); TypeError / ValueError otherwise."""
+    n = operator.index(value)
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
 class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
     """kvblock's HiSparse coordinator: an instance of vLLM's ``HiSparseCoordinator`` whose
     books are the Rust residency of kvblock's manager. Attributes (``resident_managers``,
     ``hot_managers``, ``host_manager``, ``host_group_id``, ``gpu_pool``,
-    ``transition_watermark``, ``max_spill_pages``, ``num_reprefillable_tokens``) are fixed at
-    binding; ``spills_to_send``, ``pending_spills``, ``request_states`` and ``copies`` are read
+    ``num_reprefillable_tokens``) are fixed at binding; ``transition_watermark`` and
+    ``max_spill_pages`` are the Rust residency's (settable, as vLLM's); ``spills_to_send``, ``pending_spills``, ``request_states`` and ``copies`` are read
     from Rust on every access (snapshots: changing them changes nothing). The methods are
     vLLM's, run in Rust."""
 
     def __init__(self, manager: Any, coordinator: Any) -> None:  # noqa: D107 - vLLM's constructor is not run
         self._m = manager
-        host_group, resident_groups, hot_groups, max_spill_pages, watermark = manager._hisparse_layout()
+        host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
         managers = tuple(coordinator.single_type_managers)
         self.managers = managers
         self.num_reprefillable_tokens = coordinator.num_reprefillable_tokens
@@ -352,8 +373,6 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self.resident_managers = tuple(managers[g] for g in resident_groups)
         self.hot_managers = tuple(managers[g] for g, _ in hot_groups)
         self.gpu_pool = manager.block_pool if self.resident_managers else None
-        self.transition_watermark = watermark
-        self.max_spill_pages = max_spill_pages
         # vLLM builds its coordinator on the first get_hisparse_coordinator call; this view
         # exists from the manager's construction, so that call fixes 0.34's import step
         self._import_step_fixed = False
@@ -377,6 +396,27 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self._import_step_tokens = n
 
     # -- state ------------------------------------------------------------------------------
+    @property
+    def max_spill_pages(self) -> int:  # type: ignore[override]
+        """The spills one step may plan (``max_model_len // block_size`` at first). Setting it
+        sets the Rust residency's (vLLM's tests lower it); a negative number is a
+        ``ValueError``, nothing set."""
+        return int(self._m._hisparse_layout()[3])
+
+    @max_spill_pages.setter
+    def max_spill_pages(self, value: int) -> None:
+        self._m._hisparse_set_limits(max_spill_pages=_count("max_spill_pages", value))
+
+    @property
+    def transition_watermark(self) -> int:  # type: ignore[override]
+        """Free device blocks below which requests start reading from the host. Settable,
+        as ``max_spill_pages``."""
+        return int(self._m._hisparse_layout()[4])
+
+    @transition_watermark.setter
+    def transition_watermark(self, value: int) -> None:
+        self._m._hisparse_set_limits(transition_watermark=_count("transition_watermark", value))
+
     @property
     def spills_to_send(self) -> list[Any]:  # type: ignore[override]
         return [_spill(t) for t in self._m._hisparse_spills_to_send()]
@@ -484,6 +524,30 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
     def get_host_block_pool(self) -> Any:
         return self.host_manager.block_pool
 
+    def publish_when_ready(self, request: Any, num_computed_tokens: int, retention_interval: Any = None, **kwargs: Any) -> None:
+        """Not a view call: kvblock's manager makes it itself, from the source group's
+        ``cache_blocks`` (it keeps the request's hashes for the deferred publication). Raises
+        ``NotImplementedError`` (vLLM's own body would change only a snapshot)."""
+        raise NotImplementedError(
+            "kvblock's manager publishes the host blocks itself (manager.cache_blocks); "
+            "publish_when_ready is not a call of its HiSparse coordinator view"
+        )
+
+    def free(self, request_id: str) -> None:
+        """Not a view call: kvblock's manager frees the residency with the request
+        (``manager.free(request)``, which reads ``request.is_finished()``). Raises
+        ``NotImplementedError`` (vLLM's own body would change only a snapshot)."""
+        raise NotImplementedError(
+            "kvblock's manager frees a request's residency itself (manager.free(request)); "
+            "free(request_id) is not a call of its HiSparse coordinator view"
+        )
+
+    def commit_computed_blocks(self, request_id: str, num_host_pages: int) -> None:
+        """A prefix hit on the request's first ``num_host_pages`` host pages (capped at those
+        it holds): they are clean, their GPU copies adopted at the next ``update_residency``.
+        kvblock's manager makes this call itself on admission; this one is vLLM's, forwarded."""
+        self._m._hisparse_commit_computed_blocks(request_id, _count("num_host_pages", num_host_pages))
+
     def take_host_block_copies(self) -> tuple[Any, ...]:
         """vLLM's ``take_host_block_copies()``: the host group's copy-on-write copies (a
         partial prefix hit on a host block redirected to a private host block), drained, as
@@ -572,9 +636,9 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     view, as vLLM's coordinator binds itself."""
     host_group, resident_groups, hot_groups, _, _ = manager._hisparse_layout()
     views = coordinator.single_type_managers
-    views[host_group]._hisparse_pool = host_pool = HostBlockPool(manager)
+    host_pool = views[host_group]._hisparse_pool = HostBlockPool(manager)
     # the manager's KVCacheBlocks view the source group's ids through the host pool
-    manager.block_pool._hisparse_host = (host_group, host_pool)
+    manager.block_pool._hisparse_group_view = (host_group, host_pool._view)
     for k, g in enumerate(resident_groups):
         views[g]._hisparse_k = k
     for k, (g, _) in enumerate(hot_groups):

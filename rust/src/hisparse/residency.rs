@@ -260,6 +260,15 @@ impl Residency {
     pub fn set_import_step_tokens(&mut self, import_step_tokens: usize) {
         self.layout.import_step_tokens = import_step_tokens;
     }
+    /// Set `max_spill_pages` (vLLM's attribute is plain: its tests lower it to bound a
+    /// step's spills). Spills already planned stay planned.
+    pub fn set_max_spill_pages(&mut self, n: usize) {
+        self.max_spill_pages = n;
+    }
+    /// Set `transition_watermark` (a plain attribute in vLLM, as `max_spill_pages`).
+    pub fn set_transition_watermark(&mut self, n: usize) {
+        self.transition_watermark = n;
+    }
     /// A live request's state (`request_states[request]`).
     pub fn request_state(&self, request: &str) -> Option<&RequestState> {
         self.by_request.get(request).and_then(|s| self.states.get(s))

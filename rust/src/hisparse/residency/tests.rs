@@ -218,6 +218,42 @@ fn spill_budget_is_max_model_len_in_pages() {
 }
 
 #[test]
+fn a_lowered_spill_budget_bounds_the_next_plan() {
+    // vLLM's tests assign `coordinator.max_spill_pages = 1`; the watermark is as plain
+    let mut env = TestEnv::new(32, 16);
+    let mut r = Residency::new(layout(32, 128, 8)).unwrap();
+    r.set_max_spill_pages(1);
+    r.set_transition_watermark(5);
+    assert_eq!((r.max_spill_pages(), r.transition_watermark()), (1, 5));
+    admit(&mut env, "r", 2);
+    r.plan_prefix_materialization(&mut env, "r", 32).unwrap();
+    let first = r.take_offload_command().unwrap();
+    assert_eq!(first.iter().map(|t| t.host_block_id).collect::<Vec<_>>(), vec![1]);
+    r.plan_prefix_materialization(&mut env, "r", 32).unwrap();
+    let second = r.take_offload_command().unwrap();
+    assert_eq!(second.iter().map(|t| t.host_block_id).collect::<Vec<_>>(), vec![2]);
+    assert_ne!(first[0].transfer_id, second[0].transfer_id);
+}
+
+#[test]
+fn a_hot_group_asked_directly_needs_a_region() {
+    // vLLM's tests call `hot_manager.require_hot(request)` on every hot group; the request
+    // then reads from the host once the region is allocated
+    let mut env = TestEnv::new(32, 16);
+    let mut r = Residency::new(layout(32, 128, 8)).unwrap();
+    admit(&mut env, "r", 4);
+    r.require_hot(0, "r");
+    assert!(r.hot_required(0).contains("r"));
+    assert!(!r.has_hot(&env, 0, "r"));
+    env.grow(HOT, "r", 2);
+    assert!(r.has_hot(&env, 0, "r"));
+    r.advance_scheduled(&mut env, &[("r".into(), 64)]).unwrap();
+    complete_all(&mut r, &mut env);
+    // pages 0 and 1 are clean and released (2 and 3 are the active tail)
+    assert_eq!(r.request_state("r").unwrap().unpinned_pages.iter().copied().collect::<Vec<_>>(), vec![0, 1]);
+}
+
+#[test]
 fn publication_follows_the_clean_prefix_and_records_device_copies() {
     let mut env = TestEnv::new(32, 16);
     let mut r = Residency::new(layout(32, 128, 8)).unwrap();

@@ -114,6 +114,114 @@ impl PyManager {
         })
     }
 
+    /// `hot_managers[k].require_hot(request_id)`: the request asks hot group `k` for a hot
+    /// region (allocated by its next `allocate_slots`). A `k` past the hot groups is a
+    /// `ValueError`, nothing changed.
+    fn _hisparse_require_hot(&self, py: Python<'_>, k: usize, request_id: String) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            if k >= r.layout().hot_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
+            }
+            r.require_hot(k, &request_id);
+            Ok(())
+        })
+    }
+
+    /// Set `max_spill_pages` and / or `transition_watermark` (vLLM's plain attributes);
+    /// None leaves one as it is. Negative numbers are refused by the conversion (nothing set).
+    #[pyo3(signature = (max_spill_pages=None, transition_watermark=None))]
+    fn _hisparse_set_limits(
+        &self,
+        py: Python<'_>,
+        max_spill_pages: Option<usize>,
+        transition_watermark: Option<usize>,
+    ) -> PyResult<()> {
+        self.residency(py, |r, _| {
+            if let Some(n) = max_spill_pages {
+                r.set_max_spill_pages(n);
+            }
+            if let Some(n) = transition_watermark {
+                r.set_transition_watermark(n);
+            }
+            Ok(())
+        })
+    }
+
+    /// `resident_managers[k].residency_changes`: `[(request_id, [(page, block_id), ...])]`
+    /// (the overlay itself: a dropped page as the null block 0), sorted by request and page.
+    #[allow(clippy::type_complexity)]
+    fn _hisparse_residency_changes(&self, py: Python<'_>, k: usize) -> PyResult<Vec<(String, Vec<(usize, u32)>)>> {
+        self.residency(py, |r, _| {
+            if k >= r.layout().resident_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
+            }
+            let mut v: Vec<(String, Vec<(usize, u32)>)> = r
+                .residency_changes(k)
+                .iter()
+                .map(|(q, c)| (q.clone(), c.iter().map(|(&p, &b)| (p, b)).collect()))
+                .collect();
+            v.sort();
+            Ok(v)
+        })
+    }
+
+    /// `resident_managers[k].drop_resident_page(request_id, page)`: stop reading the page from
+    /// the device; the block id it was read from, None if it had none.
+    fn _hisparse_drop_resident_page(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        request_id: String,
+        page: usize,
+    ) -> PyResult<Option<u32>> {
+        self.residency(py, |r, e| {
+            if k >= r.layout().resident_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
+            }
+            Ok(r.drop_resident_page(e, k, &request_id, page))
+        })
+    }
+
+    /// `resident_managers[k].adopt_resident_page(request_id, page, block_id)`: read a
+    /// host-only page from device block `block_id` (no reference taken, as vLLM's). A block id
+    /// outside the device pool is a `ValueError`, nothing changed.
+    fn _hisparse_adopt_resident_page(
+        &self,
+        py: Python<'_>,
+        k: usize,
+        request_id: String,
+        page: usize,
+        block_id: u32,
+    ) -> PyResult<bool> {
+        self.residency(py, |r, e| {
+            if k >= r.layout().resident_groups.len() {
+                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
+            }
+            let n = e.device_ref().num_blocks();
+            if block_id == 0 || block_id as usize >= n {
+                return Err(crate::error::Error::value(
+                    "block_id",
+                    format!("{block_id} is not a device block (1..{n})"),
+                ));
+            }
+            Ok(r.adopt_resident_page(e, k, &request_id, page, block_id))
+        })
+    }
+
+    /// `commit_computed_blocks(request_id, num_host_pages)`: a prefix hit on the request's
+    /// first `num_host_pages` host pages (capped at the host pages it holds).
+    fn _hisparse_commit_computed_blocks(
+        &self,
+        py: Python<'_>,
+        request_id: String,
+        num_host_pages: usize,
+    ) -> PyResult<()> {
+        self.residency(py, |r, e| {
+            r.commit_computed_blocks(e, &request_id, num_host_pages);
+            Ok(())
+        })
+    }
+
     /// `has_pending_work()`.
     fn _hisparse_has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
         self.residency(py, |r, _| Ok(r.has_pending_work()))
