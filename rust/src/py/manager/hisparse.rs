@@ -508,17 +508,4 @@ impl PyManager {
         let mut p = pool.get().state.borrow_mut(py)?;
         me.inner.coord.pop_blocks_for_free_routed(&mut p.inner, request_id_str(&id)?, finished).py_err()
     }
-
-    /// `hot_managers[k].require_hot(request_id)`: the request needs its hot region (the
-    /// hot group allocates it at its next `allocate_new_blocks`). ValueError, nothing
-    /// changed, for a `k` that is not a hot group index.
-    fn _hisparse_require_hot(&self, py: Python<'_>, k: usize, request_id: String) -> PyResult<()> {
-        self.residency(py, |r, _| {
-            if k >= r.layout().hot_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
-            }
-            r.require_hot(k, &request_id);
-            Ok(())
-        })
-    }
 }
