@@ -621,3 +621,21 @@ def test_request_id_that_is_not_utf8_is_a_value_error_naming_it():
             call()
         assert not isinstance(e.value, UnicodeError)
     assert mgr.block_pool.get_num_free_blocks() == free
+
+
+def test_a_dropped_manager_and_its_pool_go_in_one_collection():
+    # the manager's Rust state holds its pool (and the pool the requests behind pending
+    # events): both tell the collector (__traverse__), so a manager caught in a cycle (a view
+    # holding it) frees its pool, and the pool's own cycles, in the same collection
+    import gc
+    import weakref
+
+    m = KVCacheManager(num_blocks=16, block_size=4, enable_kv_cache_events=True)
+    pool = m.block_pool
+    r = Request("r", list(range(8)), block_hasher=m.request_block_hasher)
+    assert m.allocate_slots(r, 8) is not None
+    m.cycle = m  # a cycle through the manager
+    refs = [weakref.ref(m), weakref.ref(pool)]
+    del m, pool, r
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None]

@@ -4,9 +4,8 @@ its ``HiSparseCoordinator``, in lockstep, driven as vLLM's HiSparse connector dr
 
 vLLM's side is built as vLLM's HiSparse tests build it (``make_hisparse_kv_cache_config``'s
 layout: source group on the host pool, indexer, resident, hot with two blocks per request,
-then ``get_hisparse_coordinator``). kvblock's side is ``kvblock.vllm.KVCacheManager`` with
-``KVBLOCK_VLLM_HISPARSE=1`` (without it a HiSparse configuration still falls back: the views
-vLLM's HiSparse connector reads are not written yet). A hypothesis state machine admits
+then ``get_hisparse_coordinator``). kvblock's side is ``kvblock.vllm.KVCacheManager`` (a
+HiSparse configuration goes to kvblock's manager, with its views). A hypothesis state machine admits
 requests (new prompts and external imports, with and without the full-sequence admission
 gate), runs decode steps and frees requests (finished or preempted), and makes the
 connector's coordinator calls (``advance_scheduled``, ``update_residency``,
@@ -82,29 +81,22 @@ def _config(num_blocks: int, host_num_blocks: int | None) -> KVCacheConfig:
     )
 
 
-def test_a_hisparse_configuration_is_translated_and_still_falls_back_by_default(monkeypatch):
-    monkeypatch.delenv("KVBLOCK_VLLM_HISPARSE", raising=False)
+def test_a_hisparse_configuration_is_translated_to_kvblock_s_manager():
     path = translate(_config(32, 16))
-    assert not path.on_kvblock and "HiSparse" in path.reason
+    assert path.on_kvblock and path.hisparse_host_num_blocks == 16
     assert [g["kind"] for g in path.groups] == ["hisparse_source", "full_attention", "hisparse_resident", "hisparse_hot"]
     assert path.groups[3]["blocks_per_request"] == 2
     assert [g["prefix_cacheable"] for g in path.groups] == [True, True, False, False]
     # the source and the indexer share a spec but not a manager class: separate lookups
     assert path.groups[0]["spec_class"] != path.groups[1]["spec_class"]
-    assert path.hisparse_host_num_blocks == 16
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
-    path = translate(_config(32, 16))
-    assert path.on_kvblock and path.hisparse_host_num_blocks == 16
 
 
-def test_hisparse_roles_without_host_capacity_fall_back(monkeypatch):
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+def test_hisparse_roles_without_host_capacity_fall_back():
     path = translate(_config(32, None))
     assert not path.on_kvblock and "role" in path.reason
 
 
-def test_vllm_hisparse_errors_are_vllm_s_and_build_nothing(monkeypatch):
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+def test_vllm_hisparse_errors_are_vllm_s_and_build_nothing():
     cfg = _config(32, 16)
     cfg.kv_cache_groups[0], cfg.kv_cache_groups[2] = cfg.kv_cache_groups[2], cfg.kv_cache_groups[0]
     with pytest.raises(ValueError, match="HiSparse host group must precede resident groups."):
@@ -353,12 +345,7 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
             assert seen(self.vm.get_blocks(r).blocks) == seen(self.km.get_blocks(r).blocks), r
 
 
-@pytest.fixture
-def hisparse_on(monkeypatch):
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
-
-
-def test_hisparse_manager_lockstep(hisparse_on):
+def test_hisparse_manager_lockstep():
     HiSparseManagerLockstep.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=40,
@@ -378,7 +365,7 @@ def test_hisparse_manager_lockstep(hisparse_on):
     ), COVERAGE
 
 
-def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on):
+def test_a_released_page_reused_by_other_code_is_lost_on_both_sides():
     # a request that filled its admission window gets a hot region, reads from the host, and
     # releases its clean sealed pages (unpin_blocks); vLLM code outside the manager then takes
     # every free device block: kvblock's manager loses those pages at its next call, as
@@ -400,7 +387,7 @@ def test_a_released_page_reused_by_other_code_is_lost_on_both_sides(hisparse_on)
     assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
 
 
-def test_resident_page_calls_on_the_views_are_vllm_s(hisparse_on):
+def test_resident_page_calls_on_the_views_are_vllm_s():
     # the resident groups' drop_resident_page / adopt_resident_page and the coordinator's
     # commit_computed_blocks, called on the views as on vLLM's managers: the same overlay
     # (residency_changes, also a dropped adopted page's null entry) and rows on both sides

@@ -1,6 +1,6 @@
 """``kvblock.vllm.hisparse``: the HiSparse views vLLM's ``get_hisparse_coordinator``, connector
-and tests read, on kvblock's manager (``KVBLOCK_VLLM_HISPARSE=1``). vLLM's own HiSparse tests
-drive them (``tests/test_vllm_hisparse_judged.py``); here: the binding, and bad input to the
+and tests read, on kvblock's manager. vLLM's own HiSparse tests drive them (each release's
+judge, ``tests/test_vllm_judge.py``, in strict mode); here: the binding, and bad input to the
 host pool view (vLLM's exception, nothing changed)."""
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from kvblock.vllm.manager import KVCacheManager  # noqa: E402
 
 
 @pytest.fixture
-def manager(monkeypatch):
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
+def manager():
     return KVCacheManager(_config(32, 16), max_model_len=128, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True)
 
 

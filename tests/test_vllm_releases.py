@@ -38,7 +38,6 @@ FILES = [
     "tests/test_vllm_hisparse_lockstep.py",
     "tests/test_vllm_hisparse_manager.py",
     "tests/test_vllm_manager_views.py",
-    "tests/test_vllm_hisparse_judged.py",
     "tests/test_vllm_hisparse_views.py",
 ]
 #: Not ported to vLLM 0.32 yet: the kept cases, the bad-input comparison and the request-read

@@ -407,7 +407,7 @@ class BlockPool(_core.BlockPoolCore):
     event_classes: tuple[Any, Any, Any] = (BlockStored, BlockRemoved, AllBlocksCleared)
     #: HiSparse only: ``(source group, host pool view)``, so a manager's ``KVCacheBlocks`` view
     #: that group's ids (host-pool ids) through the host pool (``kvblock.vllm.hisparse.bind``).
-    _hisparse_group_view: tuple[int, Callable[[int], Any]] | None = None
+    _hisparse_group_view: tuple[int, Callable[[], Callable[[int], Any]]] | None = None
 
     def __init__(
         self,

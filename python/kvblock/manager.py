@@ -91,7 +91,7 @@ class IdsBackedBlocks:
             # HiSparse: the source group's ids are host-pool ids (kvblock.vllm.hisparse.bind)
             host = getattr(self._pool, "_hisparse_group_view", None)
             if host is not None and host[0] < len(b):
-                g, host_view = host
+                g, host_view = host[0], host[1]()
                 b = (*b[:g], [host_view(i) for i in self._ids[g]], *b[g + 1 :])  # type: ignore[index]
             self._blocks = b
         return b

@@ -176,6 +176,8 @@ def run_judge(
         for node in NOT_STOCK_PASSES.get(release, []):
             cmd += ["--deselect", node]
         if not stock:
+            # strict: a configuration kvblock's manager does not hold fails instead of falling back
+            env["KVBLOCK_VLLM_STRICT"] = "1"
             cmd += ["-p", "kvblock.vllm.testing", f"--kvblock-exclusions={exclusions(release)}"]
             if report is not None:
                 cmd.append(f"--kvblock-report={report}")

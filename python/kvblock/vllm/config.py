@@ -8,8 +8,8 @@ back to vLLM's own manager, with the reason: :func:`describe` names it.
 
 HiSparse configurations (``hisparse_host_num_blocks`` with a ``HISPARSE_SOURCE`` group) are
 translated (``hisparse_source`` / ``hisparse_resident`` / ``hisparse_hot`` groups, the indexer as
-full attention) but still fall back unless ``KVBLOCK_VLLM_HISPARSE=1``: kvblock's Rust manager
-holds them and ``kvblock.vllm.hisparse`` has their views, not all of them right yet (``docs/hisparse.md``).
+full attention): kvblock's Rust manager holds the host pool and the residency, and
+``kvblock.vllm.hisparse`` has the views vLLM's HiSparse connector reads (``docs/hisparse.md``).
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def translate(
     use_eagle: bool = True,
 ) -> Path:
     """The kvblock groups of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or the reason
-    kvblock does not manage it. A HiSparse configuration's groups come with the fallback
-    (``Path("vllm", reason, groups)``) unless ``KVBLOCK_VLLM_HISPARSE=1``."""
+    kvblock does not manage it."""
     from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec, KVCacheGroupRole, MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
@@ -131,15 +130,6 @@ def translate(
                 prefill_checkpoint_alignment=spec.prefill_checkpoint_alignment,
             )
         groups.append(g)
-    if host_num_blocks is not None or any(g["kind"].startswith("hisparse_") for g in groups):
-        if not env_flag("KVBLOCK_VLLM_HISPARSE"):
-            return Path(
-                "vllm",
-                "HiSparse host-tier KV cache (hisparse_host_num_blocks is set): kvblock's manager holds it "
-                "(KVBLOCK_VLLM_HISPARSE=1), not every view vLLM's HiSparse connector reads is right yet",
-                groups,
-                host_num_blocks,
-            )
     return Path("kvblock", "", groups, host_num_blocks)
 
 

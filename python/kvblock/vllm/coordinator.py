@@ -9,6 +9,7 @@ every method are kvblock's.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Iterator, Mapping, MutableMapping, Set
 from typing import Any, NamedTuple, Sequence
@@ -72,6 +73,11 @@ class _ReqToBlocks(MutableMapping):
         return repr({k: list(self.get(k)) for k in self})
 
 
+_GC_UNTRACK = ctypes.pythonapi.PyObject_GC_UnTrack
+_GC_UNTRACK.argtypes = [ctypes.py_object]
+_GC_UNTRACK.restype = None
+
+
 class _Table(Sequence):
     """One request's table in one group, as a list of blocks: read live while the request
     holds a table (assigning an item writes the Rust table); once it is freed, the table it
@@ -83,6 +89,9 @@ class _Table(Sequence):
         self._rid = request_id
         self._owner = owner
         self._last = manager._group_table(group, request_id) or []
+        # as vLLM's request block lists (0.34: `untracked_list`), hidden from the cyclic GC:
+        # it refers to the manager, which never refers back to it, so it is in no cycle
+        _GC_UNTRACK(self)
 
     def _list(self) -> list[int]:
         ids = self._m._group_table(self._g, self._rid)

@@ -13,6 +13,7 @@ built, so ``get_hisparse_coordinator(manager)`` returns it. See ``docs/hisparse.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -619,8 +620,6 @@ class _ResidencyWatcher:
     must not keep its manager alive)."""
 
     def __init__(self, manager: Any) -> None:
-        import weakref
-
         self._manager = weakref.ref(manager)
 
     def __call__(self, block: Any) -> None:
@@ -638,7 +637,9 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     views = coordinator.single_type_managers
     host_pool = views[host_group]._hisparse_pool = HostBlockPool(manager)
     # the manager's KVCacheBlocks view the source group's ids through the host pool
-    manager.block_pool._hisparse_group_view = (host_group, host_pool._view)
+    # (weakly: the host pool view holds the manager, whose Rust state holds the device pool,
+    # and the cyclic GC cannot see through that edge)
+    manager.block_pool._hisparse_group_view = (host_group, weakref.WeakMethod(host_pool._view))
     for k, g in enumerate(resident_groups):
         views[g]._hisparse_k = k
     for k, (g, _) in enumerate(hot_groups):

@@ -67,6 +67,22 @@ impl<T> GilCell<T> {
     }
 }
 
+impl<T> GilCell<T> {
+    /// `f` on the value for the garbage collector's `__traverse__` (which gets no `Python`
+    /// token, though the collector runs with the GIL held); None, skipping the visit, while
+    /// the value is borrowed mutably (a collection triggered inside a method), as PyO3 skips
+    /// a mutably borrowed pyclass.
+    pub fn traverse_with<R>(&self, f: impl FnOnce(&T) -> R) -> Option<R> {
+        if self.flag.get() < 0 {
+            return None;
+        }
+        // SAFETY: the collector runs with the GIL held, on the thread that holds it; no
+        // mutable borrow exists (checked above) and none can start while `f` runs, which
+        // only hands references to the collector's visitor.
+        Some(f(unsafe { &*self.value.get() }))
+    }
+}
+
 /// A shared borrow of a [`GilCell`].
 pub struct GilRef<'a, T> {
     cell: &'a GilCell<T>,

@@ -225,6 +225,25 @@ fn opt_tokens(v: Option<i64>, arg: &str) -> PyResult<Option<usize>> {
 
 #[pymethods]
 impl PyBlockPool {
+    /// For the garbage collector: the requests (and their token snapshots) behind pending
+    /// `BlockStored` events.
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        self.state
+            .traverse_with(|me| {
+                for (request, tokens, fields) in me.tags.values() {
+                    visit.call(request)?;
+                    if let Some((t, _)) = tokens {
+                        visit.call(t)?;
+                    }
+                    if let Some(f) = fields {
+                        visit.call(f)?;
+                    }
+                }
+                Ok(())
+            })
+            .unwrap_or(Ok(()))
+    }
+
     #[new]
     #[pyo3(signature = (num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=false, metrics_collector=None, num_hash_lookahead_tokens=0, *_args, **_kwargs))]
     #[allow(clippy::too_many_arguments)] // vLLM's BlockPool arguments

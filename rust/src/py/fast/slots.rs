@@ -78,6 +78,11 @@ pub struct SlotFactory {
 }
 
 impl SlotFactory {
+    /// Hand the collector the type the factory builds (`__traverse__` of its owner).
+    pub fn visit(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.ty)
+    }
+
     /// A factory for `ty`, whose object slots `names` will be set, in this order, by
     /// [`SlotFactory::make`].
     pub fn new(ty: &Bound<'_, PyType>, names: &[&str]) -> PyResult<Self> {

@@ -205,6 +205,27 @@ struct ManagerState {
     reader: Option<ContentReader>,
 }
 
+impl ManagerState {
+    /// Hand the collector every Python object held here (`__traverse__`).
+    fn visit(&self, visit: &pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.pool)?;
+        for o in [&self.empty, &self.empty_blocks, &self.clock].into_iter().flatten() {
+            visit.call(o)?;
+        }
+        if let Some((a, b)) = &self.waiting_states {
+            visit.call(a)?;
+            visit.call(b)?;
+        }
+        if let Some(f) = &self.make_blocks {
+            f.visit(visit)?;
+        }
+        if let Some(r) = &self.reader {
+            visit.call(&r.extra_keys)?;
+        }
+        Ok(())
+    }
+}
+
 /// A count field a request may lack (0 then); present, it reads as a count argument (None,
 /// a bool or a non-int is a TypeError), as vLLM's arithmetic on it would fail.
 fn opt_field_count(fields: &RequestFields, request: &Bound<'_, PyAny>, f: Field, arg: &str) -> PyResult<usize> {
@@ -261,6 +282,14 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
+    /// For the garbage collector: the Python objects the manager's state holds (its pool, the
+    /// shared empty `KVCacheBlocks`, the clock, the hit-verification callback...), so that a
+    /// manager and its pool become garbage in one collection, and cycles through them (a view
+    /// holding the manager) are found.
+    fn __traverse__(&self, visit: pyo3::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        self.state.traverse_with(|me| me.visit(&visit)).unwrap_or(Ok(()))
+    }
+
     /// The free blocks of HiSparse's host pool (the source group's), None without HiSparse
     /// groups.
     #[getter]
