@@ -113,14 +113,16 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         host_num_blocks=st.integers(6, 32),
         max_in_flight_tokens=st.sampled_from([None, 32, 48]),
         caching=st.booleans(),
+        events=st.booleans(),
     )
-    def setup(self, num_blocks: int, host_num_blocks: int, max_in_flight_tokens, caching: bool) -> None:
+    def setup(self, num_blocks: int, host_num_blocks: int, max_in_flight_tokens, caching: bool, events: bool) -> None:
         args = dict(
             max_model_len=128,
             scheduler_block_size=BS,
             hash_block_size=BS,
             max_in_flight_tokens=max_in_flight_tokens,
             enable_caching=caching,
+            enable_kv_cache_events=events,
         )
         self.vm = VllmManager(_config(num_blocks, host_num_blocks), **args)
         self.vc = hisparse.get_hisparse_coordinator(self.vm)
@@ -343,6 +345,10 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
 
         for r in self.requests:
             assert seen(self.vm.get_blocks(r).blocks) == seen(self.km.get_blocks(r).blocks), r
+        # KV events: the host pool's (medium CPU) share the device pool's queue, in order
+        v_events, k_events = self.vm.take_events(), self.km.take_events()
+        assert v_events == k_events
+        COVERAGE["host events"] += any(getattr(e, "medium", None) == "CPU" for e in k_events)
 
 
 def test_hisparse_manager_lockstep():
@@ -371,7 +377,7 @@ def test_a_released_page_reused_by_other_code_is_lost_on_both_sides():
     # every free device block: kvblock's manager loses those pages at its next call, as
     # vLLM's watcher does at once
     m = HiSparseManagerLockstep()
-    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=32, caching=False)
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=32, caching=False, events=False)
     m.admit(request="r0", prompt=64, external=0, must_fit=False)
     m.connector_step()  # pages 0-2 spill; 4 resident pages fill the window of 2: hot required
     m.same_tables_and_pools()
@@ -392,7 +398,7 @@ def test_resident_page_calls_on_the_views_are_vllm_s():
     # commit_computed_blocks, called on the views as on vLLM's managers: the same overlay
     # (residency_changes, also a dropped adopted page's null entry) and rows on both sides
     m = HiSparseManagerLockstep()
-    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=None, caching=False)
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=None, caching=False, events=False)
     m.admit(request="r0", prompt=64, external=48, must_fit=False)  # pages 0-1 host-only, 2-3 resident
     m.admit(request="r1", prompt=16, external=0, must_fit=False)
     m.same_tables_and_pools()
@@ -422,3 +428,25 @@ def test_resident_page_calls_on_the_views_are_vllm_s():
     with pytest.raises(ValueError):
         m.kc.commit_computed_blocks("r0", -1)
     assert dict(kres.residency_changes["r0"]) == before
+
+
+def test_host_kv_events_share_the_device_queue_as_vllm_s():
+    # a prompt's pages spill and publish on the host pool (BlockStored, medium CPU, group 0),
+    # a second request reads them back (the hit's BlockStored, host), the host pool evicts
+    # one (BlockRemoved, medium CPU): the same events, in the same order, as vLLM's manager
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=16, max_in_flight_tokens=None, caching=True, events=True)
+    m.admit(request="r0", prompt=64, external=0, must_fit=False)
+    m.connector_step()
+    m.same_tables_and_pools()  # compares the events and drains them
+    assert COVERAGE["host events"]
+    m.free(request="r0", finished=True)
+    m.admit(request="r1", prompt=64, external=0, must_fit=False)
+    m.connector_step()
+    v, k = m.vm.take_events(), m.km.take_events()
+    assert v == k
+    host = [b.block_id for b in m.km.get_blocks("r1").blocks[0] if not b.is_null][:1]
+    for c in (m.vc, m.kc):
+        c.host_manager.block_pool.evict_blocks(set(host))
+    v, k = m.vm.take_events(), m.km.take_events()
+    assert v == k and [(e.medium, e.group_idx) for e in k if type(e).__name__ == "BlockRemoved"] != []
