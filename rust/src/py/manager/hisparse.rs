@@ -10,6 +10,22 @@ use crate::error::Result;
 use crate::hisparse::residency::{Env, Residency};
 use crate::manager::hisparse_tier::TierEnv;
 
+/// `ValueError` unless `k` indexes one of the resident groups.
+fn resident_index(r: &Residency, k: usize) -> Result<()> {
+    if k >= r.layout().resident_groups.len() {
+        return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
+    }
+    Ok(())
+}
+
+/// `ValueError` unless `k` indexes one of the hot groups.
+fn hot_index(r: &Residency, k: usize) -> Result<()> {
+    if k >= r.layout().hot_groups.len() {
+        return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
+    }
+    Ok(())
+}
+
 fn no_hisparse() -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err("this KV cache manager has no HiSparse groups")
 }
@@ -95,9 +111,7 @@ impl PyManager {
         start: usize,
     ) -> PyResult<Vec<u32>> {
         self.residency(py, |r, e| {
-            if k >= r.layout().resident_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
-            }
+            resident_index(r, k)?;
             Ok(r.get_residency_row(e, k, &request_id, start))
         })
     }
@@ -105,9 +119,7 @@ impl PyManager {
     /// `hot_managers[k].hot_required`, sorted.
     fn _hisparse_hot_required(&self, py: Python<'_>, k: usize) -> PyResult<Vec<String>> {
         self.residency(py, |r, _| {
-            if k >= r.layout().hot_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
-            }
+            hot_index(r, k)?;
             let mut v: Vec<String> = r.hot_required(k).iter().cloned().collect();
             v.sort();
             Ok(v)
@@ -119,9 +131,7 @@ impl PyManager {
     /// `ValueError`, nothing changed.
     fn _hisparse_require_hot(&self, py: Python<'_>, k: usize, request_id: String) -> PyResult<()> {
         self.residency(py, |r, _| {
-            if k >= r.layout().hot_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a hot group index")));
-            }
+            hot_index(r, k)?;
             r.require_hot(k, &request_id);
             Ok(())
         })
@@ -152,9 +162,7 @@ impl PyManager {
     #[allow(clippy::type_complexity)]
     fn _hisparse_residency_changes(&self, py: Python<'_>, k: usize) -> PyResult<Vec<(String, Vec<(usize, u32)>)>> {
         self.residency(py, |r, _| {
-            if k >= r.layout().resident_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
-            }
+            resident_index(r, k)?;
             let mut v: Vec<(String, Vec<(usize, u32)>)> = r
                 .residency_changes(k)
                 .iter()
@@ -175,9 +183,7 @@ impl PyManager {
         page: usize,
     ) -> PyResult<Option<u32>> {
         self.residency(py, |r, e| {
-            if k >= r.layout().resident_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
-            }
+            resident_index(r, k)?;
             Ok(r.drop_resident_page(e, k, &request_id, page))
         })
     }
@@ -194,9 +200,7 @@ impl PyManager {
         block_id: u32,
     ) -> PyResult<bool> {
         self.residency(py, |r, e| {
-            if k >= r.layout().resident_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
-            }
+            resident_index(r, k)?;
             let n = e.device_ref().num_blocks();
             if block_id == 0 || block_id as usize >= n {
                 return Err(crate::error::Error::value(
@@ -258,9 +262,7 @@ impl PyManager {
         page: usize,
     ) -> PyResult<Option<u32>> {
         self.residency(py, |r, e| {
-            if k >= r.layout().resident_groups.len() {
-                return Err(crate::error::Error::value("k", format!("{k} is not a resident group index")));
-            }
+            resident_index(r, k)?;
             Ok(r.get_resident_page(e, k, &request_id, page))
         })
     }
