@@ -10,6 +10,8 @@ HiSparse configurations (``hisparse_host_num_blocks`` with a ``HISPARSE_SOURCE``
 translated (``hisparse_source`` / ``hisparse_resident`` / ``hisparse_hot`` groups, the indexer as
 full attention): kvblock's Rust manager holds the host pool and the residency, and
 ``kvblock.vllm.hisparse`` has the views vLLM's HiSparse connector reads (``docs/hisparse.md``).
+With a ``metrics_collector`` the host pool records residency metrics into a collector of its own,
+as vLLM's ``bind_host_pool`` gives it one.
 """
 
 from __future__ import annotations
@@ -76,8 +78,6 @@ def translate(
     hisparse_roles = (
         {KVCacheGroupRole.HISPARSE_SOURCE, KVCacheGroupRole.HISPARSE_INDEXER} if host_num_blocks is not None else set()
     )
-    if metrics_collector is not None and host_num_blocks is not None:
-        return Path("vllm", "HiSparse host-tier KV cache with KV cache residency metrics")
     if metrics_collector is not None:
         from .metrics import unsupported_reason
 

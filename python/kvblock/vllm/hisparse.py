@@ -22,7 +22,16 @@ from vllm.v1.hisparse import types as _vht
 
 from .releases import current as _current_release
 
-__all__ = ["HiSparseCoordinatorView", "HostBlock", "HostBlockPool", "bind", "group_mixins", "pop_blocks_for_free"]
+__all__ = [
+    "HiSparseCoordinatorView",
+    "HostBlock",
+    "HostBlockPool",
+    "bind",
+    "bind_host_metrics",
+    "group_mixins",
+    "host_metrics_collector",
+    "pop_blocks_for_free",
+]
 
 RELEASE = _current_release()
 
@@ -96,7 +105,13 @@ class HostBlockPool:
     holds in Rust. Its blocks are :class:`HostBlock` views; ``num_gpu_blocks`` is the host
     pool's size (vLLM's name); ``kv_event_queue`` is the device pool's (vLLM shares one
     queue). Bad ids and over-freeing raise ``ValueError`` (the Rust pool's), changing
-    nothing."""
+    nothing.
+
+    ``metrics_collector``: None, or, when the manager was built with one (``--kv-cache-metrics``),
+    the host pool's own ``KVCacheMetricsCollector`` at the device collector's ``sample_rate``
+    (vLLM's ``bind_host_pool``), a :class:`kvblock.vllm.metrics.KVCacheMetricsCollector` over
+    the Rust host pool's residency metrics (:func:`bind_host_metrics`): the host pool's
+    allocations, hits and evictions are recorded there, as the device pool's are."""
 
     medium = "CPU"
 
@@ -107,6 +122,52 @@ class HostBlockPool:
         self.enable_caching = bool(caching)
         self.hash_block_size = int(hash_block_size)
         self._views: dict[int, HostBlock] = {}
+        self.metrics_collector: Any = None
+
+    def __del__(self) -> None:
+        # residency metrics: the events recorded and not read yet stay the collector's
+        if self.__dict__.get("metrics_collector") is not None:
+            from .metrics import pool_finalized
+
+            pool_finalized(self)
+
+    # the residency calls kvblock.vllm.metrics makes on a pool (BlockPoolCore's _residency_*),
+    # on the Rust host pool
+    def _residency_enable(self, sample_rate: float, seed: int) -> None:
+        self._m._hisparse_host_residency_enable(sample_rate, seed)
+
+    def _residency_on(self) -> bool:
+        return bool(self._m._hisparse_host_residency_on())
+
+    def _residency_set_rate(self, sample_rate: float) -> None:
+        self._m._hisparse_host_residency_set_rate(sample_rate)
+
+    def _residency_ids(self) -> list[int]:
+        return self._m._hisparse_host_residency_ids()  # type: ignore[no-any-return]
+
+    def _residency_len(self) -> int:
+        return int(self._m._hisparse_host_residency_len())
+
+    def _residency_get(self, block_id: int) -> tuple[int, int, list[int]] | None:
+        return self._m._hisparse_host_residency_get(block_id)  # type: ignore[no-any-return]
+
+    def _residency_set(self, block_id: int, birth_time_ns: int, last_access_ns: int, history: list[int]) -> None:
+        self._m._hisparse_host_residency_set(block_id, birth_time_ns, last_access_ns, history)
+
+    def _residency_remove(self, block_id: int) -> bool:
+        return bool(self._m._hisparse_host_residency_remove(block_id))
+
+    def _residency_clear(self) -> None:
+        self._m._hisparse_host_residency_clear()
+
+    def _residency_hook(self, kind: str, block_id: int) -> None:
+        self._m._hisparse_host_residency_hook(kind, block_id)
+
+    def _residency_take_events(self, cls: type, out: list[Any]) -> int:
+        return int(self._m._hisparse_host_residency_take_events(cls, out))
+
+    def _residency_num_pending(self) -> int:
+        return int(self._m._hisparse_host_residency_num_pending())
 
     def _view(self, block_id: int) -> HostBlock:
         v = self._views.get(block_id)
@@ -650,6 +711,32 @@ def bind(manager: Any, coordinator: Any) -> HiSparseCoordinatorView:
     manager.block_pool._residency_on_reuse = _ResidencyWatcher(manager)
     _install_coordinator_lookup()
     return out
+
+
+def host_metrics_collector(device_collector: Any) -> Any:
+    """The host pool's own collector, as vLLM's ``bind_host_pool`` makes it: vLLM's
+    ``KVCacheMetricsCollector(device_collector.sample_rate)`` (None without a device
+    collector). Made before kvblock's manager builds anything, so that a rate vLLM's
+    constructor refuses (outside ``(0, 1]``, NaN) raises its ``AssertionError`` with nothing
+    built."""
+    if device_collector is None:
+        return None
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+
+    return KVCacheMetricsCollector(device_collector.sample_rate)
+
+
+def bind_host_metrics(manager: Any, collector: Any) -> None:
+    """Make the Rust host pool of kvblock's ``manager`` record residency metrics for
+    ``collector`` (from :func:`host_metrics_collector`), and set it as the host pool view's
+    ``metrics_collector`` (:func:`kvblock.vllm.metrics.bind`: sampled at its ``sample_rate``,
+    seeded from Python's ``random``)."""
+    from .metrics import bind as bind_metrics
+
+    host = next(v for v in manager.coordinator.single_type_managers if getattr(v, "_hisparse_source", False))
+    pool = host.block_pool
+    bind_metrics(collector, pool)
+    pool.metrics_collector = collector
 
 
 def pop_blocks_for_free(manager: Any, request: Any) -> list[Any]:

@@ -82,14 +82,19 @@ class KVCacheManager(_core.KVCacheManagerCore):
     ``num_hash_lookahead_tokens``, ``num_prefill_lookahead``, ``log_stats``,
     ``enable_kv_cache_events``, ``dcp_world_size``, ``pcp_world_size``, ``metrics_collector``
     (vLLM's ``KVCacheMetricsCollector``: the Rust pool records its residency metrics, see
-    :mod:`kvblock.vllm.metrics`), ``watermark`` (fraction of blocks),
+    :mod:`kvblock.vllm.metrics`; with a HiSparse host tier the host pool records into a
+    collector of its own at the same ``sample_rate``, as vLLM's ``bind_host_pool`` makes it),
+    ``watermark`` (fraction of blocks),
     ``enable_mamba_shared_prefix_checkpoint``.
 
     Returns vLLM's own ``KVCacheManager`` for a configuration kvblock does not manage.
 
     Raises:
         AssertionError / ValueError: where vLLM's constructor raises (block sizes that do not
-            divide, Mamba prefix caching outside "align" mode, a bad retention interval...).
+            divide, Mamba prefix caching outside "align" mode, a bad retention interval...);
+            with a HiSparse host tier also where vLLM's ``bind_host_pool`` raises (the
+            ``AssertionError`` of a ``metrics_collector.sample_rate`` outside ``(0, 1]``, which
+            vLLM raises at its first ``get_hisparse_coordinator``), nothing built.
         UnsupportedConfiguration: an unsupported configuration with ``KVBLOCK_VLLM_STRICT=1``.
 
     Bad input to its methods: where vLLM's manager raises, the same exception type
@@ -135,6 +140,13 @@ class KVCacheManager(_core.KVCacheManagerCore):
             # by keyword, as the installed release names them
             return VllmKVCacheManager(**a)
         assert watermark >= 0.0, "watermark must be non-negative"
+        host_collector = None
+        if path.hisparse_host_num_blocks is not None:
+            # vLLM's bind_host_pool gives the host pool a collector of its own; made before
+            # anything is built, so that a rate its constructor refuses raises with nothing built
+            from .hisparse import host_metrics_collector
+
+            host_collector = host_metrics_collector(metrics_collector)
         pool = BlockPool._for_manager(
             num_gpu_blocks=kv_cache_config.num_blocks,
             enable_caching=enable_caching,
@@ -200,6 +212,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
             hit_limit_field=RELEASE.hit_limit_field,
         )
         self.coordinator = make_coordinator(self, kv_cache_config)
+        if host_collector is not None:
+            from .hisparse import bind_host_metrics
+
+            bind_host_metrics(self, host_collector)
         self.mamba_shared_prefix_checkpoint = self._coordinator_info()["mamba_shared_prefix_checkpoint"]
         kvblock_counter[0] += 1
         if kvblock_counter[0] == 1:

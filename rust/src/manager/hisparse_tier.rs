@@ -190,12 +190,19 @@ impl HiSparseTier {
         device.absorb_events(&mut self.host);
     }
 
-    /// Forget everything (a rebuilt device pool): an empty residency and host pool.
+    /// Forget everything (a rebuilt device pool): an empty residency and host pool. The host
+    /// pool's residency metrics stay on (rate, generator and pending events kept; no block
+    /// sampled).
     pub fn reset(&mut self) -> Result<()> {
         let residency = Residency::new(self.residency.layout().clone())?;
         let mut host = BlockPool::new(self.host.num_blocks(), self.host_caching, self.hash_block_size, false)?;
         if self.host_events {
             host.set_event_sharing(true, Medium::Host, true);
+        }
+        if let Some(metrics) = self.host.residency() {
+            let mut metrics = metrics.clone();
+            metrics.clear_samples();
+            host.restore_residency(metrics)?;
         }
         self.residency = residency;
         self.host = host;

@@ -135,6 +135,21 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Put back residency metrics taken from a pool of the same size (a rebuilt pool keeps its
+    /// collector's rate, generator and pending events). Errors, changing nothing, when `r` was
+    /// made for another number of blocks.
+    pub fn restore_residency(&mut self, r: Residency) -> Result<()> {
+        if r.num_blocks() != self.num_blocks {
+            return Err(Error::Value(format!(
+                "residency metrics of {} blocks for a pool of {}",
+                r.num_blocks(),
+                self.num_blocks
+            )));
+        }
+        self.residency = Some(Box::new(r));
+        Ok(())
+    }
+
     /// Turn residency metrics off (their state is dropped).
     pub fn disable_residency(&mut self) {
         self.residency = None;

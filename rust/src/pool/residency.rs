@@ -138,6 +138,11 @@ impl Residency {
         })
     }
 
+    /// The number of blocks of the pool these metrics were made for.
+    pub fn num_blocks(&self) -> usize {
+        self.samples.len()
+    }
+
     /// `sample_rate`.
     pub fn sample_rate(&self) -> f64 {
         self.sample_rate

@@ -24,7 +24,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 mod caching;
 mod inspect;
-mod residency;
+pub(crate) mod residency;
 
 /// Block ids from a list of ints, a 1-D integer array (int32 arrays are read in place) or any
 /// sequence of ints; each must fit in u32. `f` gets them as a slice.

@@ -26,13 +26,13 @@ fn hot_index(r: &Residency, k: usize) -> Result<()> {
     Ok(())
 }
 
-fn no_hisparse() -> PyErr {
+pub(super) fn no_hisparse() -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err("this KV cache manager has no HiSparse groups")
 }
 
 impl PyManager {
     /// Run `f` on the manager's residency over its device pool.
-    fn residency<R>(
+    pub(super) fn residency<R>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Residency, &mut TierEnv<'_>) -> Result<R>,

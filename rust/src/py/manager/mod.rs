@@ -33,6 +33,7 @@ mod calls;
 mod construct;
 mod groups;
 mod hisparse;
+mod hisparse_metrics;
 mod state;
 /// the interpreter (a fast path: off with `fast::enabled()`); any other goes through
 /// `PyUnicode_AsUTF8AndSize`.
