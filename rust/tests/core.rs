@@ -825,3 +825,33 @@ mod shared_event_queue {
         assert!(device.take_events().is_empty());
     }
 }
+
+/// Residency metrics moved to a rebuilt pool (HiSparse's host pool when its tier is reset):
+/// the rate, generator and pending events go with them; a pool of another size refuses them.
+mod residency_restore {
+    use _core::pool::block_pool::BlockPool;
+
+    #[test]
+    fn a_pool_of_the_same_size_takes_them_another_refuses_them() {
+        let mut old = BlockPool::new(8, true, 4, false).unwrap();
+        old.enable_residency(1.0, 7).unwrap();
+        let mut got = Vec::new();
+        old.get_new_blocks(3, &mut got).unwrap();
+        old.free_blocks(&got, true).unwrap();
+        got.clear();
+        old.get_new_blocks(7, &mut got).unwrap(); // the 3 sampled blocks evicted (caching on)
+        let mut metrics = old.residency().unwrap().clone();
+        assert_eq!(metrics.num_pending_events(), 3);
+        metrics.clear_samples();
+        let mut other = BlockPool::new(6, true, 4, false).unwrap();
+        assert!(other.restore_residency(metrics.clone()).is_err());
+        assert!(other.residency().is_none());
+        let mut rebuilt = BlockPool::new(8, true, 4, false).unwrap();
+        rebuilt.restore_residency(metrics).unwrap();
+        let r = rebuilt.residency().unwrap();
+        assert_eq!((r.len(), r.num_pending_events(), r.sample_rate()), (0, 3, 1.0));
+        got.clear();
+        rebuilt.get_new_blocks(2, &mut got).unwrap();
+        assert_eq!(rebuilt.residency().unwrap().sampled_ids(), got);
+    }
+}
