@@ -16,6 +16,8 @@ own births, hits and evictions. kvblock does the same in Rust:
   or none, on both sides.
 * The host collector is vLLM's class, its own object, at the device collector's rate; its
   ``drain_events()`` gives vLLM's ``KVCacheEvictionEvent``.
+* ``reset_prefix_cache`` resets the host pool and its collector too, as vLLM's coordinator
+  resets every group's pool.
 * A device collector whose ``sample_rate`` vLLM's ``bind_host_pool`` refuses raises vLLM's
   ``AssertionError`` (vLLM raises it at ``get_hisparse_coordinator``), nothing built and the
   collector untouched.
@@ -218,6 +220,35 @@ def test_host_evictions_with_reuse_gaps_agree_with_vllms(hisparse_on):
     events = [c.drain_events() for c in m.collectors]
     assert len(events[1]) > 0 and all(type(e) is KVCacheEvictionEvent for e in events[1])
     assert [len(e.reuse_gaps_seconds) for e in events[0]] == [len(e.reuse_gaps_seconds) for e in events[1]]
+
+
+def test_reset_prefix_cache_resets_both_pools_and_collectors_as_vllm(hisparse_on):
+    # vLLM's coordinator resets every group's pool once (the host pool's too, whose collector
+    # is reset with it); a pool with a block in use refuses, the others are still reset
+    m = HiSparseMetricsLockstep()
+    m.setup(num_blocks=32, host_num_blocks=16, max_in_flight_tokens=None, caching=True)
+    m.admit(request="r0", prompt=64, external=0, must_fit=False)
+    m.connector_step()
+    m.host_outsiders(n=2, all_free=False, touches=1)
+    m.free(request="r0", finished=True)
+    m.connector_step()
+    m.same_tables_and_pools()
+    m.same_metrics()
+    host = m.kc.host_manager.block_pool
+    assert any(b.block_hash is not None for b in host.blocks) and len(m.collectors[1].block_metrics) > 0
+    # a host block held by other code: the host pool refuses, the device pool resets
+    assert m.vm.reset_prefix_cache() is m.km.reset_prefix_cache() is False
+    m.same_metrics()
+    assert len(m.collectors[1].block_metrics) == 0 and len(m.host_collectors[1].block_metrics) > 0
+    m.release_host_outsiders()
+    assert m.vm.reset_prefix_cache() is m.km.reset_prefix_cache() is True
+    m.same_tables_and_pools()
+    m.same_metrics()
+    assert len(m.host_collectors[1].block_metrics) == 0 and m.host_collectors[1].drain_events() == []
+    assert all(b.block_hash is None for b in host.blocks)
+    assert [b.block_hash is None for b in m.vc.host_manager.block_pool.blocks] == [b.block_hash is None for b in host.blocks]
+    # the coordinator's own call (vLLM's KVCacheCoordinator.reset_prefix_cache) does the same
+    assert m.vm.coordinator.reset_prefix_cache() is m.km.coordinator.reset_prefix_cache() is True
 
 
 def test_the_host_pool_has_its_own_collector_at_the_device_rate(hisparse_on):

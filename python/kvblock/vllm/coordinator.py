@@ -576,6 +576,10 @@ class _CoordinatorView:
         self._m.new_step_starts()
 
     def reset_prefix_cache(self) -> bool:
+        if self._m._hisparse_host_free_blocks is not None:
+            from .hisparse import reset_prefix_cache
+
+            return reset_prefix_cache(self._m)
         return self._m.block_pool.reset_prefix_cache()
 
     def emit_cached_block_events(self, request: Any, computed_blocks: tuple[Sequence[Any], ...]) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "group_mixins",
     "host_metrics_collector",
     "pop_blocks_for_free",
+    "reset_prefix_cache",
 ]
 
 RELEASE = _current_release()
@@ -255,6 +256,16 @@ class HostBlockPool:
             assert 0 <= i < n, f"Invalid block_id {i} >= {n}."
             ids.append(i)
         self._m._hisparse_host_evict(ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache`` on the host pool: if no host block is in use, every
+        cache key is cleared (an ``AllBlocksCleared`` into the device pool's queue with KV
+        events on) and the host collector reset; False, changing nothing, otherwise."""
+        ok = bool(self._m._hisparse_host_reset_prefix_cache())
+        if ok and self.metrics_collector is not None:
+            # as vLLM's pool (the Rust metrics were reset with the keys)
+            self.metrics_collector.reset()
+        return ok
 
     def __repr__(self) -> str:
         return f"<kvblock HiSparse host pool of {self.num_gpu_blocks} blocks>"
@@ -737,6 +748,16 @@ def bind_host_metrics(manager: Any, collector: Any) -> None:
     pool = host.block_pool
     bind_metrics(collector, pool)
     pool.metrics_collector = collector
+
+
+def reset_prefix_cache(manager: Any) -> bool:
+    """vLLM's coordinator ``reset_prefix_cache()`` on kvblock's manager with HiSparse groups:
+    each pool once, in the order its first group comes (the host pool first when the source
+    group is group 0), every pool tried; True if every pool was reset."""
+    host_group = manager._hisparse_layout()[0]
+    host = manager.coordinator.single_type_managers[host_group].block_pool
+    pools = [host, manager.block_pool] if host_group == 0 else [manager.block_pool, host]
+    return all([pool.reset_prefix_cache() for pool in pools])
 
 
 def pop_blocks_for_free(manager: Any, request: Any) -> list[Any]:

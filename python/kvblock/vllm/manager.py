@@ -336,7 +336,14 @@ class KVCacheManager(_core.KVCacheManagerCore):
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        if not self.block_pool.reset_prefix_cache():
+        if self._hisparse_host_free_blocks is not None:
+            # the host pool too, as vLLM's coordinator resets every group's pool
+            from .hisparse import reset_prefix_cache
+
+            ok = reset_prefix_cache(self)
+        else:
+            ok = self.block_pool.reset_prefix_cache()
+        if not ok:
             return False
         if self.log_stats:
             assert self.prefix_cache_stats is not None

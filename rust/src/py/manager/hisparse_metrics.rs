@@ -1,8 +1,9 @@
 //! `KVCacheManagerCore`'s HiSparse host pool residency metrics: the `_residency_*` calls of
 //! `BlockPoolCore` (`crate::py::block_pool::residency::ops`) on the host pool the manager's
 //! HiSparse tier holds, for `kvblock.vllm.hisparse.HostBlockPool`'s `metrics_collector` (vLLM's
-//! `bind_host_pool` gives its host pool a `KVCacheMetricsCollector` of its own). Thin: every
-//! call is the pool's; a manager without HiSparse groups raises `RuntimeError`.
+//! `bind_host_pool` gives its host pool a `KVCacheMetricsCollector` of its own), and the host
+//! pool's `reset_prefix_cache` (which resets them). Thin: every call is the pool's; a manager
+//! without HiSparse groups raises `RuntimeError`.
 
 use super::hisparse::no_hisparse;
 use super::*;
@@ -24,6 +25,13 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
+    /// The host pool's `reset_prefix_cache()`: every cache key cleared (its residency metrics
+    /// reset, an `AllBlocksCleared` event into the device pool's queue when events are on) if
+    /// no host block is in use; False, changing nothing, otherwise.
+    fn _hisparse_host_reset_prefix_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        self.host_pool(py, |h| Ok(h.reset_prefix_cache()))
+    }
+
     /// Turn residency metrics on for the host pool (`_residency_enable`): sampled at
     /// `sample_rate` from a generator seeded with `seed`. Replaces earlier host metrics.
     fn _hisparse_host_residency_enable(&self, py: Python<'_>, sample_rate: f64, seed: u64) -> PyResult<()> {
