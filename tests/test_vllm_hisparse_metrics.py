@@ -16,6 +16,7 @@ own births, hits and evictions. kvblock does the same in Rust:
   or none, on both sides.
 * The host collector is vLLM's class, its own object, at the device collector's rate; its
   ``drain_events()`` gives vLLM's ``KVCacheEvictionEvent``.
+* Host sampling at rate 0.25 is Bernoulli (a seeded statistical test).
 * ``reset_prefix_cache`` resets the host pool and its collector too, as vLLM's coordinator
   resets every group's pool.
 * A device collector whose ``sample_rate`` vLLM's ``bind_host_pool`` refuses raises vLLM's
@@ -331,3 +332,27 @@ def test_a_hisparse_configuration_with_a_collector_takes_the_hisparse_path(monke
     assert "metrics" not in path.reason
     monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
     assert translate(_config(32, 16), metrics_collector=c).on_kvblock
+
+
+def test_host_sampling_at_a_rate_below_one_is_bernoulli(hisparse_on):
+    """At the device collector's rate 0.25 every host allocation is sampled with probability
+    0.25: over 20,000 host allocations the number sampled lies within 6 standard deviations of
+    5,000 (seeded through Python's ``random``, which seeds the host pool's generator when its
+    collector binds), as ``tests/test_vllm_metrics.py`` checks for the device pool."""
+    import math
+    import random
+
+    rate, blocks, rounds = 0.25, 200, 100
+    random.seed(1234)
+    m = KvblockManager(_config(32, blocks + 1), max_model_len=128, scheduler_block_size=BS, hash_block_size=BS,
+                       metrics_collector=KVCacheMetricsCollector(rate))
+    host = hisparse.get_hisparse_coordinator(m).host_manager.block_pool
+    hc = host.metrics_collector
+    n = 0
+    for _ in range(rounds):
+        got = host.get_new_blocks(blocks)
+        host.free_blocks(got)
+        n += len(hc.drain_events())
+    n += len(hc.block_metrics)  # every sampled allocation: evicted since, or held
+    trials = blocks * rounds
+    assert abs(n - trials * rate) < 6 * math.sqrt(trials * rate * (1 - rate)), n
