@@ -356,3 +356,23 @@ def test_host_sampling_at_a_rate_below_one_is_bernoulli(hisparse_on):
     n += len(hc.block_metrics)  # every sampled allocation: evicted since, or held
     trials = blocks * rounds
     assert abs(n - trials * rate) < 6 * math.sqrt(trials * rate * (1 - rate)), n
+
+
+def test_a_dropped_manager_leaves_its_unread_host_events_to_the_collector(hisparse_on):
+    # as the device pool's: the host pool view's finalizer moves the Rust events not read yet
+    # into the collector's list, and the manager and its host pool go in one collection
+    import gc
+    import weakref
+
+    m = KvblockManager(_config(32, 16), max_model_len=128, scheduler_block_size=BS, hash_block_size=BS,
+                       metrics_collector=KVCacheMetricsCollector(1.0))
+    host = hisparse.get_hisparse_coordinator(m).host_manager.block_pool
+    hc = host.metrics_collector
+    host.free_blocks(host.get_new_blocks(3))
+    host.get_new_blocks(15)  # every free host block: the 3 sampled ones evicted
+    assert host._residency_num_pending() == 3
+    refs = [weakref.ref(m), weakref.ref(host)]
+    del m, host
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert len(hc.drain_events()) == 3 and len(hc.block_metrics) == 0
