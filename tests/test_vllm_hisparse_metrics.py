@@ -66,11 +66,6 @@ EXAMPLES = int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES", "60"))
 COVERAGE: Counter[str] = Counter()
 
 
-@pytest.fixture
-def hisparse_on(monkeypatch):
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
-
-
 def _residency(c) -> tuple:
     """Sampled blocks in dict order with their access-history lengths; pending events as
     their reuse-gap counts, in order."""
@@ -178,7 +173,7 @@ class HiSparseMetricsLockstep(HiSparseManagerLockstep):
         COVERAGE["device events"] += len(_residency(self.collectors[1])[1])
 
 
-def test_hisparse_metrics_lockstep(hisparse_on):
+def test_hisparse_metrics_lockstep():
     HiSparseMetricsLockstep.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=40,
@@ -198,7 +193,7 @@ def test_hisparse_metrics_lockstep(hisparse_on):
     ), COVERAGE
 
 
-def test_host_evictions_with_reuse_gaps_agree_with_vllms(hisparse_on):
+def test_host_evictions_with_reuse_gaps_agree_with_vllms():
     # the lockstep machine by hand: requests on both tiers, host blocks touched by other code,
     # then every free host block handed out again (the sampled ones evicted, with their gaps)
     m = HiSparseMetricsLockstep()
@@ -225,7 +220,7 @@ def test_host_evictions_with_reuse_gaps_agree_with_vllms(hisparse_on):
     assert [len(e.reuse_gaps_seconds) for e in events[0]] == [len(e.reuse_gaps_seconds) for e in events[1]]
 
 
-def test_reset_prefix_cache_resets_both_pools_and_collectors_as_vllm(hisparse_on):
+def test_reset_prefix_cache_resets_both_pools_and_collectors_as_vllm():
     # vLLM's coordinator resets every group's pool once (the host pool's too, whose collector
     # is reset with it); a pool with a block in use refuses, the others are still reset
     m = HiSparseMetricsLockstep()
@@ -254,7 +249,7 @@ def test_reset_prefix_cache_resets_both_pools_and_collectors_as_vllm(hisparse_on
     assert m.vm.coordinator.reset_prefix_cache() is m.km.coordinator.reset_prefix_cache() is True
 
 
-def test_the_host_pool_has_its_own_collector_at_the_device_rate(hisparse_on):
+def test_the_host_pool_has_its_own_collector_at_the_device_rate():
     c = KVCacheMetricsCollector(0.5)
     assert translate(_config(32, 16), metrics_collector=c).on_kvblock
     m = KvblockManager(_config(32, 16), max_model_len=128, scheduler_block_size=BS, hash_block_size=BS,
@@ -289,7 +284,7 @@ def test_the_host_pool_has_its_own_collector_at_the_device_rate(hisparse_on):
     assert host._residency_get(3) == (1, 2, [2])
 
 
-def test_without_a_collector_the_host_pool_records_nothing(hisparse_on):
+def test_without_a_collector_the_host_pool_records_nothing():
     m = KvblockManager(_config(32, 16), max_model_len=128, scheduler_block_size=BS, hash_block_size=BS)
     host = hisparse.get_hisparse_coordinator(m).host_manager.block_pool
     assert host.metrics_collector is None and not host._residency_on()
@@ -298,7 +293,7 @@ def test_without_a_collector_the_host_pool_records_nothing(hisparse_on):
 
 
 @pytest.mark.parametrize("rate", [0.0, -0.1, 1.0000001, 2.0, float("nan")])
-def test_a_rate_bind_host_pool_refuses_raises_vllms_assertion_with_nothing_built(hisparse_on, rate):
+def test_a_rate_bind_host_pool_refuses_raises_vllms_assertion_with_nothing_built(rate):
     # vLLM: the manager builds; its coordinator's bind_host_pool raises at the first
     # get_hisparse_coordinator (KVCacheMetricsCollector(rate) asserts the range)
     cv = KVCacheMetricsCollector(1.0)
@@ -324,17 +319,14 @@ def test_a_rate_bind_host_pool_refuses_raises_vllms_assertion_with_nothing_built
     assert type(m) is KvblockManager and type(ck) is km.KVCacheMetricsCollector
 
 
-def test_a_hisparse_configuration_with_a_collector_takes_the_hisparse_path(monkeypatch):
-    # no separate fallback for residency metrics: the configuration goes where HiSparse goes
+def test_a_hisparse_configuration_with_a_collector_goes_to_kvblock():
+    # no fallback for HiSparse with residency metrics: kvblock's manager holds both
     c = KVCacheMetricsCollector(1.0)
-    monkeypatch.delenv("KVBLOCK_VLLM_HISPARSE", raising=False)
     path = translate(_config(32, 16), metrics_collector=c)
-    assert "metrics" not in path.reason
-    monkeypatch.setenv("KVBLOCK_VLLM_HISPARSE", "1")
-    assert translate(_config(32, 16), metrics_collector=c).on_kvblock
+    assert path.on_kvblock and path.hisparse_host_num_blocks == 16
 
 
-def test_host_sampling_at_a_rate_below_one_is_bernoulli(hisparse_on):
+def test_host_sampling_at_a_rate_below_one_is_bernoulli():
     """At the device collector's rate 0.25 every host allocation is sampled with probability
     0.25: over 20,000 host allocations the number sampled lies within 6 standard deviations of
     5,000 (seeded through Python's ``random``, which seeds the host pool's generator when its
@@ -358,7 +350,7 @@ def test_host_sampling_at_a_rate_below_one_is_bernoulli(hisparse_on):
     assert abs(n - trials * rate) < 6 * math.sqrt(trials * rate * (1 - rate)), n
 
 
-def test_a_dropped_manager_leaves_its_unread_host_events_to_the_collector(hisparse_on):
+def test_a_dropped_manager_leaves_its_unread_host_events_to_the_collector():
     # as the device pool's: the host pool view's finalizer moves the Rust events not read yet
     # into the collector's list, and the manager and its host pool go in one collection
     import gc
