@@ -76,11 +76,15 @@ REPS = int(os.environ.get("KVBLOCK_BENCH_HISPARSE_REPS", "3"))
 TARGET = 10.0
 SEED = 20261205
 BS = 16
-NUM_BLOCKS = 3072  # device blocks (16 tokens each)
-HOST_NUM_BLOCKS = 4096
-MAX_MODEL_LEN = 1024
-MAX_RUNNING = 32
-STEP_BUDGET = 2048
+NUM_BLOCKS = 4096  # device blocks (16 tokens each)
+HOST_NUM_BLOCKS = 8192
+MAX_MODEL_LEN = 4096
+MAX_RUNNING = 16
+STEP_BUDGET = 1024
+#: vLLM's ``VllmConfig.max_in_flight_tokens`` for one batch in flight: the resident groups'
+#: admission window (64 pages), shorter than most contexts here, so requests read from the host
+MAX_IN_FLIGHT_TOKENS = STEP_BUDGET
+NUM_REQUESTS = 256
 WARM_STEPS = 4  # the steps before the requests that share a system prompt arrive
 
 
@@ -109,13 +113,13 @@ class Spec:
     outputs: list[int]
 
 
-def workload(num_requests: int = 320) -> list[Spec]:
+def workload(num_requests: int = NUM_REQUESTS) -> list[Spec]:
     """The seeded requests (see the module docstring), in arrival order."""
     rng = random.Random(SEED)
-    systems = [[100_000 + s * 1000 + t for t in range(256)] for s in range(8)]
+    systems = [[100_000 + s * 10_000 + t for t in range(1024)] for s in range(8)]
     specs = []
     for i in range(num_requests):
-        user = [rng.randrange(1, 50_000) for _ in range(rng.randint(64, 448))]
+        user = [rng.randrange(1, 50_000) for _ in range(rng.randint(128, 1536))]
         outputs = [rng.randrange(1, 50_000) for _ in range(rng.randint(16, 96))]
         # the first request of each system prompt comes alone, the others once its pages are
         # on the host: vLLM records the GPU copy of a host block that two requests complete in
@@ -135,6 +139,8 @@ class Run:
     by_name: dict[str, list[int]] = field(default_factory=dict)  # name -> [ns (net), calls]
     spills: int = 0
     hits: int = 0
+    hot: int = 0  # allocations that gave a request its hot region
+    not_resident: int = 0  # steps whose context pages were not all resident
     kind: str = ""
 
 
@@ -161,7 +167,7 @@ def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BS, sha256)
     manager = cls(_config(), max_model_len=MAX_MODEL_LEN, scheduler_block_size=BS, hash_block_size=BS,
-                  enable_caching=True)
+                  enable_caching=True, max_in_flight_tokens=MAX_IN_FLIGHT_TOKENS)
     coord = hisparse.get_hisparse_coordinator(manager)
     kind = type(manager).__module__
     clock = time.perf_counter_ns
@@ -182,7 +188,7 @@ def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
     waiting: list[Request] = []
     running: list[Request] = []
     outputs: dict[str, list[int]] = {}
-    steps = spills = hits = 0
+    steps = spills = hits = hot = not_resident = 0
     gc.collect()
     gc.freeze()
     try:
@@ -204,6 +210,7 @@ def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
                     parts.append(f"R{req.request_id}")
                     continue  # refused: it waits a step
                 parts.append(f"C{req.request_id}:{_ids(new)}")
+                hot += bool(new.get_block_ids()[3])
                 scheduled[req.request_id] = (req.num_computed_tokens, n)
                 budget -= n
             while waiting and len(running) < MAX_RUNNING and budget > 0:
@@ -240,6 +247,7 @@ def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
             resident = timed("all_context_pages_resident", coord.all_context_pages_resident, rows)
             updates = timed("take_residency_updates", coord.take_residency_updates,
                             {rid: count for rid, _, count in rows})
+            not_resident += not resident
             parts.append(f"A{resident}U" + ";".join(
                 f"{r}:{u.pages}:{[list(g) for g in u.block_ids]}" for r, u in sorted(updates.items())))
             # the model: a prefill chunk samples nothing, a complete one or a decode step a token
@@ -272,7 +280,7 @@ def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
     overhead = _clock_overhead_ns()
     by_name = {k: [max(ns - n * overhead, 0), n] for k, (ns, n) in totals.items()}
     return Run(fp.hexdigest(), steps, sum(v[0] for v in by_name.values()), sum(v[1] for v in by_name.values()),
-               by_name, spills, hits, kind)
+               by_name, spills, hits, hot, not_resident, kind)
 
 
 def test_vllm_hisparse_manager(record_measured, report_line):
@@ -292,12 +300,12 @@ def test_vllm_hisparse_manager(record_measured, report_line):
     r0 = every[0]
     assert r0.spills > 0 and r0.hits > 0, (r0.spills, r0.hits)
     per_step = {impl: [r.manager_ns / r.steps / 1e9 for r in rs] for impl, rs in runs.items()}
-    group = f"vLLM {series} HiSparse KV cache manager + coordinator time per step [320 requests, block size 16]"
+    group = f"vLLM {series} HiSparse KV cache manager + coordinator time per step [{NUM_REQUESTS} requests, block size 16]"
     for impl, s in per_step.items():
         record_measured(group, impl, s)
     med = {impl: statistics.median(s) for impl, s in per_step.items()}
     ratio = med["vllm"] / med["kvblock"]
-    report_line(f"HiSparse [vLLM {series}, 320 requests, block size 16]: manager + coordinator "
+    report_line(f"HiSparse [vLLM {series}, {NUM_REQUESTS} requests, block size 16]: manager + coordinator "
                 f"{med['vllm'] * 1e6:.0f} µs/step stock, {med['kvblock'] * 1e6:.0f} µs/step kvblock (medians of "
                 f"{REPS}): {ratio:.1f}x, target >= {TARGET:.0f}x: {'met' if ratio >= TARGET else 'NOT met'}; "
                 f"{r0.steps} steps, {r0.calls} calls, {r0.spills} spills, {r0.hits} hit tokens, "
