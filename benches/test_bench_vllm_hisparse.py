@@ -162,7 +162,8 @@ def _ids(blocks) -> str:
 
 def run(impl: str, specs: list[Spec], trace: list[str] | None = None) -> Run:
     """Drive one fresh manager (``impl`` "vllm" or "kvblock") and its coordinator through the
-    workload to the end."""
+    workload to the end; with ``trace``, each step's fingerprinted text is appended to it (to
+    find the first step where two runs differ)."""
     cls = KvblockManager if impl == "kvblock" else VllmManager
     init_none_hash(sha256)
     hasher = get_request_block_hasher(BS, sha256)
@@ -298,7 +299,8 @@ def test_vllm_hisparse_manager(record_measured, report_line):
     every = runs["vllm"] + runs["kvblock"]
     assert len({r.fingerprint for r in every}) == 1, "stock vLLM and kvblock handed out different blocks"
     r0 = every[0]
-    assert r0.spills > 0 and r0.hits > 0, (r0.spills, r0.hits)
+    # the workload spills, hits on the host pool, gives requests hot regions and reads from the host
+    assert r0.spills and r0.hits and r0.hot and r0.not_resident, (r0.spills, r0.hits, r0.hot, r0.not_resident)
     per_step = {impl: [r.manager_ns / r.steps / 1e9 for r in rs] for impl, rs in runs.items()}
     group = f"vLLM {series} HiSparse KV cache manager + coordinator time per step [{NUM_REQUESTS} requests, block size 16]"
     for impl, s in per_step.items():
@@ -309,6 +311,7 @@ def test_vllm_hisparse_manager(record_measured, report_line):
                 f"{med['vllm'] * 1e6:.0f} µs/step stock, {med['kvblock'] * 1e6:.0f} µs/step kvblock (medians of "
                 f"{REPS}): {ratio:.1f}x, target >= {TARGET:.0f}x: {'met' if ratio >= TARGET else 'NOT met'}; "
                 f"{r0.steps} steps, {r0.calls} calls, {r0.spills} spills, {r0.hits} hit tokens, "
+                f"{r0.hot} hot regions, {r0.not_resident} steps reading from the host, "
                 f"fingerprint {r0.fingerprint[:16]} in all {len(every)} runs")
     # where the time goes, per call (the last run of each)
     k, v = runs["kvblock"][-1].by_name, runs["vllm"][-1].by_name
