@@ -219,3 +219,28 @@ def test_limits_are_the_rust_residency_s(manager):
     with pytest.raises(ValueError):
         manager._hisparse_require_hot(5, "r")
     assert c.hot_managers[0].hot_required == set()
+
+
+def test_transfers_and_row_mirrors_are_vllm_s_objects():
+    # the view builds vLLM's frozen dataclasses by filling their __dict__ (no generated
+    # __init__): equal, hashed, printed, pickled and copied as vLLM's own, on this release
+    import copy
+    import pickle
+
+    from vllm.v1.hisparse import types as vht
+
+    from kvblock.vllm import hisparse as kh
+
+    fields = {f.name for f in __import__("dataclasses").fields(vht.SparseKVPageTransfer)}
+    theirs = vht.SparseKVPageTransfer(
+        transfer_id=7, host_block_id=3, resident_block_ids=(4, 5), restore=True,
+        **({"after_forward": False} if "after_forward" in fields else {}),
+    )
+    ours = kh._spill((7, 3, [4, 5], False, 1))
+    mirror = vht.SparseKVRowMirror(source_starts=(1, 2), destination_start=3, num_rows=4)
+    for a, b in ((ours, theirs), (kh._mirror([1, 2], 3, 4), mirror)):
+        assert type(a) is type(b) and a == b and hash(a) == hash(b) and repr(a) == repr(b)
+        assert pickle.loads(pickle.dumps(a)) == b and copy.deepcopy(a) == b
+        with pytest.raises(AttributeError):
+            a.num_rows = 0  # still frozen
+    assert ours.restore is True and type(ours.resident_block_ids) is tuple

@@ -12,6 +12,7 @@ built, so ``get_hisparse_coordinator(manager)`` returns it. See ``docs/hisparse.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -387,14 +388,64 @@ def group_mixins(manager_cls: type) -> tuple[type, ...]:
     return ()
 
 
-def _spill(t: Sequence[Any]) -> Any:
-    """vLLM's ``SparseKVPageTransfer`` of one Rust transfer row."""
-    kwargs: dict[str, Any] = dict(
-        transfer_id=t[0], host_block_id=t[1], resident_block_ids=tuple(t[2]), restore=bool(t[4])
+def _plain_frozen_dataclass(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` is a dataclass with exactly the fields ``names`` (in order), instances
+    with a ``__dict__`` and no ``__post_init__``: then :func:`_spill` and :func:`_mirror` fill
+    the instance's ``__dict__`` themselves (vLLM's generated ``__init__`` of a frozen dataclass
+    sets each field with ``object.__setattr__``, two thirds of the cost of building a row)."""
+    return (
+        dataclasses.is_dataclass(cls)
+        and tuple(f.name for f in dataclasses.fields(cls)) == names
+        and "__slots__" not in vars(cls)
+        and not hasattr(cls, "__post_init__")
     )
-    if RELEASE.hisparse_after_forward:
-        kwargs["after_forward"] = bool(t[3])
-    return _vht.SparseKVPageTransfer(**kwargs)
+
+
+_new_instance = object.__new__
+_SPILL_FIELDS = ("transfer_id", "host_block_id", "resident_block_ids", "after_forward", "restore")
+_FAST_SPILL = {
+    True: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS),
+    False: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS[:3] + _SPILL_FIELDS[4:]),
+}
+_FAST_MIRROR = _plain_frozen_dataclass(_vht.SparseKVRowMirror, ("source_starts", "destination_start", "num_rows"))
+
+
+def _spill(t: Sequence[Any]) -> Any:
+    """vLLM's ``SparseKVPageTransfer`` of one Rust transfer row (``(transfer_id,
+    host_block_id, resident_block_ids, after_forward, restore)``; ``after_forward`` only
+    where the release has it): equal, field for field, to vLLM's ``__init__``'s."""
+    after_forward = RELEASE.hisparse_after_forward
+    if not _FAST_SPILL[after_forward]:
+        kwargs: dict[str, Any] = dict(
+            transfer_id=t[0], host_block_id=t[1], resident_block_ids=tuple(t[2]), restore=bool(t[4])
+        )
+        if after_forward:
+            kwargs["after_forward"] = bool(t[3])
+        return _vht.SparseKVPageTransfer(**kwargs)
+    obj = _new_instance(_vht.SparseKVPageTransfer)
+    d = obj.__dict__
+    d["transfer_id"] = t[0]
+    d["host_block_id"] = t[1]
+    d["resident_block_ids"] = tuple(t[2])
+    if after_forward:
+        d["after_forward"] = bool(t[3])
+    d["restore"] = bool(t[4])
+    return obj
+
+
+def _mirror(source_starts: Sequence[int], destination_start: int, num_rows: int) -> Any:
+    """vLLM's ``SparseKVRowMirror`` of one Rust row mirror: equal, field for field, to vLLM's
+    ``__init__``'s."""
+    if not _FAST_MIRROR:
+        return _vht.SparseKVRowMirror(
+            source_starts=tuple(source_starts), destination_start=destination_start, num_rows=num_rows
+        )
+    obj = _new_instance(_vht.SparseKVRowMirror)
+    d = obj.__dict__
+    d["source_starts"] = tuple(source_starts)
+    d["destination_start"] = destination_start
+    d["num_rows"] = num_rows
+    return obj
 
 
 class _PendingSpillView:
@@ -562,9 +613,7 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
 
     def build_row_mirrors(self, requests: Iterable[tuple[str, int, int]]) -> tuple[Any, ...]:
         rows = self._m._hisparse_build_row_mirrors([(r, operator.index(c), operator.index(s)) for r, c, s in requests])
-        return tuple(
-            _vht.SparseKVRowMirror(source_starts=tuple(src), destination_start=dst, num_rows=n) for src, dst, n in rows
-        )
+        return tuple([_mirror(src, dst, n) for src, dst, n in rows])
 
     def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
         return bool(
