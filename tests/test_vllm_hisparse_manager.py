@@ -393,6 +393,61 @@ def test_a_released_page_reused_by_other_code_is_lost_on_both_sides():
     assert m.km._hisparse_residency_row(0, "r0") == [0 if i in released else b for i, b in enumerate(table)]
 
 
+def _same_record(ours, theirs) -> None:
+    import copy
+    import pickle
+
+    assert type(ours) is type(theirs) and ours == theirs and hash(ours) == hash(theirs) and repr(ours) == repr(theirs)
+    assert pickle.loads(pickle.dumps(ours)) == theirs and copy.deepcopy(ours) == theirs
+    name = next(iter(vars(theirs)))
+    with pytest.raises(AttributeError):
+        setattr(ours, name, None)  # still frozen
+
+
+def test_connector_calls_return_vllm_s_objects():
+    # the connector's per-step calls go straight to the core, which builds vLLM's own frozen
+    # dataclasses (SparseKVRowMirror, SparseKVPageTransfer in a SparseKVOffloadCommand,
+    # SparseKVResidencyUpdate): equal, hashed, printed, pickled and copied as vLLM's, from
+    # any iterable (a generator here) or mapping vLLM's connector passes
+    m = HiSparseManagerLockstep()
+    m.setup(num_blocks=32, host_num_blocks=32, max_in_flight_tokens=None, caching=False, events=False)
+    m.admit(request="r0", prompt=64, external=48, must_fit=False)  # pages 0-1 host-only, 2-3 resident
+    m.admit(request="r1", prompt=40, external=0, must_fit=False)
+    rows = [("r0", 64, 1), ("r1", 40, 1)]
+    theirs, ours = m.vc.build_row_mirrors(rows), m.kc.build_row_mirrors(r for r in rows)
+    assert type(ours) is tuple and len(ours) == len(theirs) >= 1
+    for a, b in zip(ours, theirs):
+        _same_record(a, b)
+    assert m.kc.all_context_pages_resident(r for r in rows) is m.vc.all_context_pages_resident(rows)
+    steps = [("r0", 64), ("r1", 40)]
+    m.vc.advance_scheduled(steps)
+    m.kc.advance_scheduled(s for s in steps)
+    theirs, ours = m.vc.build_offload_command(), m.kc.build_offload_command()
+    assert type(ours) is type(theirs) and len(ours.page_transfers) == len(theirs.page_transfers) >= 1
+    for a, b in zip(ours.page_transfers, theirs.page_transfers):
+        _same_record(a, b)
+    assert type(ours.page_transfers) is type(theirs.page_transfers)
+    counts = {t.transfer_id: 1 for t in theirs.page_transfers}
+    m.vc.update_spills(counts, counts)
+    m.kc.update_spills(counts, counts)
+    m.same_tables_and_pools()
+    assert m.kc.request_states == m.vc.request_states
+    updates_v = m.vc.take_residency_updates(["r0", "r1"])
+    updates_k = m.kc.take_residency_updates(r for r in ["r0", "r1"])
+    assert list(updates_k) == list(updates_v)
+    for rid in updates_v:
+        assert type(updates_k[rid]) is type(updates_v[rid]) and updates_k[rid] == updates_v[rid]
+    # bad input, as vLLM's body meets it (a non-int count: TypeError; a short row: ValueError,
+    # as unpacking it): nothing changed
+    with pytest.raises(TypeError):
+        m.kc.build_row_mirrors([("r0", "x", 1)])
+    with pytest.raises(TypeError):
+        m.kc.update_spills({"x": 1}, {})
+    with pytest.raises(ValueError):
+        m.kc.advance_scheduled([("r0",)])
+    assert m.kc.request_states == m.vc.request_states
+
+
 def test_resident_page_calls_on_the_views_are_vllm_s():
     # the resident groups' drop_resident_page / adopt_resident_page and the coordinator's
     # commit_computed_blocks, called on the views as on vLLM's managers: the same overlay

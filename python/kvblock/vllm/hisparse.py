@@ -13,6 +13,7 @@ built, so ``get_hisparse_coordinator(manager)`` returns it. See ``docs/hisparse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -390,7 +391,7 @@ def group_mixins(manager_cls: type) -> tuple[type, ...]:
 
 def _plain_frozen_dataclass(cls: type, names: tuple[str, ...]) -> bool:
     """Whether ``cls`` is a dataclass with exactly the fields ``names`` (in order), instances
-    with a ``__dict__`` and no ``__post_init__``: then :func:`_spill` and :func:`_mirror` fill
+    with a ``__dict__`` and no ``__post_init__``: then :func:`_spill` and the core fill
     the instance's ``__dict__`` themselves (vLLM's generated ``__init__`` of a frozen dataclass
     sets each field with ``object.__setattr__``, two thirds of the cost of building a row)."""
     return (
@@ -408,6 +409,8 @@ _FAST_SPILL = {
     False: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS[:3] + _SPILL_FIELDS[4:]),
 }
 _FAST_MIRROR = _plain_frozen_dataclass(_vht.SparseKVRowMirror, ("source_starts", "destination_start", "num_rows"))
+# (fast, after_forward) for the core's SparseKVPageTransfer builder
+_TRANSFER_FLAGS = (_FAST_SPILL[RELEASE.hisparse_after_forward], RELEASE.hisparse_after_forward)
 
 
 def _spill(t: Sequence[Any]) -> Any:
@@ -430,21 +433,6 @@ def _spill(t: Sequence[Any]) -> Any:
     if after_forward:
         d["after_forward"] = bool(t[3])
     d["restore"] = bool(t[4])
-    return obj
-
-
-def _mirror(source_starts: Sequence[int], destination_start: int, num_rows: int) -> Any:
-    """vLLM's ``SparseKVRowMirror`` of one Rust row mirror: equal, field for field, to vLLM's
-    ``__init__``'s."""
-    if not _FAST_MIRROR:
-        return _vht.SparseKVRowMirror(
-            source_starts=tuple(source_starts), destination_start=destination_start, num_rows=num_rows
-        )
-    obj = _new_instance(_vht.SparseKVRowMirror)
-    d = obj.__dict__
-    d["source_starts"] = tuple(source_starts)
-    d["destination_start"] = destination_start
-    d["num_rows"] = num_rows
     return obj
 
 
@@ -502,6 +490,21 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
         self._import_step_fixed = False
         if RELEASE.hisparse_import_reservations:
             self._import_step_tokens = 0
+        # the connector's per-step calls bound straight to the core (the methods below say
+        # the same): no Python frame per call, vLLM's result objects built in Rust
+        self.advance_scheduled = manager._hisparse_advance_scheduled  # type: ignore[method-assign]
+        self.update_spills = manager._hisparse_update_spills  # type: ignore[method-assign]
+        self.all_context_pages_resident = manager._hisparse_all_context_pages_resident  # type: ignore[method-assign]
+        self.build_row_mirrors = functools.partial(  # type: ignore[method-assign]
+            manager._hisparse_row_mirror_objects, _vht.SparseKVRowMirror, _FAST_MIRROR
+        )
+        self.build_offload_command = functools.partial(  # type: ignore[method-assign]
+            manager._hisparse_offload_command_object,
+            _vht.SparseKVOffloadCommand, _vht.SparseKVPageTransfer, *_TRANSFER_FLAGS,
+        )
+        self.take_residency_updates = functools.partial(  # type: ignore[method-assign]
+            manager._hisparse_residency_update_objects, _vht.SparseKVResidencyUpdate
+        )
 
     @property
     def import_step_tokens(self) -> int:  # type: ignore[override]
@@ -591,7 +594,7 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
     def advance_scheduled(self, requests: Iterable[tuple[str, int]]) -> None:
         """The step's requests (``(request_id, num_computed_tokens after the step)``): plan
         their spills and update their residency."""
-        self._m._hisparse_advance_scheduled([(r, operator.index(n)) for r, n in requests])
+        self._m._hisparse_advance_scheduled(requests)
 
     def update_residency(self, request_id: str) -> None:
         self._m._hisparse_update_residency(request_id)
@@ -601,32 +604,26 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
 
     def update_spills(self, enqueued_counts: Mapping[int, int], completed_counts: Mapping[int, int]) -> None:
         """The workers' spill reports (``{transfer_id: workers}`` enqueued and completed)."""
-        self._m._hisparse_update_spills(list(enqueued_counts.items()), list(completed_counts.items()))
+        self._m._hisparse_update_spills(enqueued_counts, completed_counts)
 
     def build_offload_command(self) -> Any:
         """vLLM's ``SparseKVOffloadCommand`` of the planned spills (taken); None without
         resident groups."""
-        rows = self._m._hisparse_take_offload_command()
-        if rows is None:
-            return None
-        return _vht.SparseKVOffloadCommand(page_transfers=[_spill(t) for t in rows])
-
-    def build_row_mirrors(self, requests: Iterable[tuple[str, int, int]]) -> tuple[Any, ...]:
-        rows = self._m._hisparse_build_row_mirrors([(r, operator.index(c), operator.index(s)) for r, c, s in requests])
-        return tuple([_mirror(src, dst, n) for src, dst, n in rows])
-
-    def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
-        return bool(
-            self._m._hisparse_all_context_pages_resident(
-                [(r, operator.index(c), operator.index(s)) for r, c, s in requests]
-            )
+        return self._m._hisparse_offload_command_object(
+            _vht.SparseKVOffloadCommand, _vht.SparseKVPageTransfer, *_TRANSFER_FLAGS
         )
 
+    def build_row_mirrors(self, requests: Iterable[tuple[str, int, int]]) -> tuple[Any, ...]:
+        """vLLM's ``SparseKVRowMirror``s of the step's requests (``(request_id,
+        num_computed_tokens, num_scheduled_tokens)``)."""
+        return self._m._hisparse_row_mirror_objects(_vht.SparseKVRowMirror, _FAST_MIRROR, requests)  # type: ignore[no-any-return]
+
+    def all_context_pages_resident(self, requests: Iterable[tuple[str, int, int]]) -> bool:
+        return bool(self._m._hisparse_all_context_pages_resident(requests))
+
     def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
-        return {
-            rid: _vht.SparseKVResidencyUpdate(pages=list(pages), block_ids=tuple(list(g) for g in block_ids))
-            for rid, pages, block_ids in self._m._hisparse_take_residency_updates(list(request_ids))
-        }
+        """vLLM's ``SparseKVResidencyUpdate`` per request id (taken)."""
+        return self._m._hisparse_residency_update_objects(_vht.SparseKVResidencyUpdate, request_ids)  # type: ignore[no-any-return]
 
     def has_pending_work(self) -> bool:
         return bool(self._m._hisparse_has_pending_work())

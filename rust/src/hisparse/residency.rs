@@ -15,7 +15,9 @@
 //! kept here. Pages are page indices (token position / block size); block ids are the device
 //! pool's except where named host.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use hashbrown::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
 use crate::pool::block_pool::{BlockPool, NULL_BLOCK};

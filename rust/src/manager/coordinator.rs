@@ -371,6 +371,9 @@ impl Coordinator {
         debug_assert_eq!(self.slot(request_id), Some(slot));
         if self.managers.iter().all(|m| m.is_vacant(slot)) {
             self.reqs.remove(request_id);
+            if let Some(t) = self.hisparse.as_deref_mut() {
+                t.collect_publication(request_id);
+            }
         }
     }
 
@@ -793,6 +796,12 @@ impl Coordinator {
         let hi = (num_computed_tokens / h).min(num_hashes);
         let mut lo = hi;
         for m in &self.managers {
+            if matches!(
+                m.cfg.spec.kind,
+                Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } | Kind::CrossAttention
+            ) {
+                continue; // its cache_blocks reads no hash
+            }
             let scale = (m.cfg.block_size / h).max(1);
             let cached = m.req(slot).and_then(|r| r.num_cached).unwrap_or(0);
             lo = lo.min((cached * scale).saturating_sub(scale));

@@ -86,7 +86,7 @@ impl Coordinator {
 
     /// Run `f` on the residency with its view of this coordinator and `device` (None without
     /// a tier), after draining the reuse watchers that fired since the last call. Publication
-    /// inputs the residency no longer owes are dropped afterwards.
+    /// inputs the residency no longer owes, of requests no longer held, are dropped afterwards.
     pub fn with_residency<R>(
         &mut self,
         device: &mut BlockPool,
@@ -102,7 +102,7 @@ impl Coordinator {
             }
             f(residency, &mut env)
         };
-        tier.collect_publications();
+        tier.collect_publications(reqs);
         tier.move_events(device);
         out.map(Some)
     }

@@ -8,7 +8,7 @@
 //! the residency where vLLM's managers call their coordinator. [`TierEnv`] is the residency's
 //! [`Env`] over the coordinator's tables.
 
-use std::collections::HashMap;
+use hashbrown::HashMap;
 
 use crate::error::{Error, Result};
 use crate::hashing::source::{HashSource, ScaledHashes};
@@ -49,6 +49,9 @@ pub struct HiSparseTier {
     roles: Vec<Option<usize>>,
     /// The inputs of the publications the residency still owes, by request.
     publications: HashMap<String, PublishInputs>,
+    /// How many of `publications` may belong to requests the manager no longer holds (an
+    /// upper bound; [`HiSparseTier::collect_publications`] looks only when it is not 0).
+    num_detached: usize,
     /// What the tier was built from, to rebuild it empty.
     host_caching: bool,
     hash_block_size: usize,
@@ -103,6 +106,7 @@ impl HiSparseTier {
             trim_null_head: cfg.rules.hisparse_trim_null_head,
             roles,
             publications: HashMap::new(),
+            num_detached: 0,
             host_caching,
             hash_block_size: cfg.hash_block_size,
             host_events: false,
@@ -130,7 +134,7 @@ impl HiSparseTier {
 
     /// Keep what `request`'s publication of `num_tokens` reads (its hashes up to there),
     /// before [`Residency::publish_when_ready`]. Hashes kept earlier stay (a request's
-    /// hashes only grow).
+    /// hashes only grow), so a running request's call digests only its new full blocks.
     pub fn keep_publication(
         &mut self,
         req: &ReqInfo<'_>,
@@ -141,30 +145,50 @@ impl HiSparseTier {
     ) -> Result<()> {
         let want = (num_tokens / self.hash_block_size).min(hashes.len());
         let kept = self.publications.get(req.request_id).map_or(0, |p| p.hashes.len());
+        // read (and checked) before anything is kept: an error keeps nothing new
         let mut more = Vec::with_capacity(want.saturating_sub(kept));
         for i in kept..want {
             more.push(hashes.digest(i)?);
         }
-        let p = self.publications.entry(req.request_id.to_string()).or_default();
+        let p = match self.publications.get_mut(req.request_id) {
+            Some(p) => p,
+            None => self.publications.entry(req.request_id.to_string()).or_default(),
+        };
         p.hashes.extend(more);
         p.num_prompt_tokens = req.num_prompt_tokens;
         p.shared_prefix_boundary = req.shared_prefix_boundary;
         p.event_tag = req.event_tag;
         p.retention_interval = retention_interval;
-        p.replay_boundaries = replay_boundaries.to_vec();
+        if p.replay_boundaries != replay_boundaries {
+            p.replay_boundaries = replay_boundaries.to_vec();
+        }
         Ok(())
     }
 
-    /// Drop the inputs of publications the residency no longer owes.
-    pub fn collect_publications(&mut self) {
-        if self.publications.is_empty() {
+    /// Drop the inputs of publications the residency no longer owes, of requests `reqs` no
+    /// longer holds (a running request's stay: its next publication extends them).
+    pub fn collect_publications(&mut self, reqs: &RequestTable<()>) {
+        if self.num_detached == 0 {
             return;
         }
         let residency = &self.residency;
-        self.publications.retain(|r, _| residency.has_publication(r));
+        self.publications.retain(|r, _| reqs.slot(r).is_some() || residency.has_publication(r));
+        self.num_detached = self.publications.keys().filter(|r| reqs.slot(r).is_none()).count();
     }
 
-    /// The event tags of the publications still owed (their host events come later).
+    /// Drop the inputs of `request` (no longer held) unless its publication is still owed.
+    pub fn collect_publication(&mut self, request: &str) {
+        if self.publications.contains_key(request) {
+            if self.residency.has_publication(request) {
+                self.num_detached += 1;
+            } else {
+                self.publications.remove(request);
+            }
+        }
+    }
+
+    /// The event tags of the kept publication inputs (owed publications' host events come
+    /// later; a running request's latest tag is kept with its inputs).
     pub fn publication_tags(&self) -> Vec<u64> {
         self.publications.values().map(|p| p.event_tag).filter(|&t| t != 0).collect()
     }
@@ -207,6 +231,7 @@ impl HiSparseTier {
         self.residency = residency;
         self.host = host;
         self.publications.clear();
+        self.num_detached = 0;
         Ok(())
     }
 

@@ -228,12 +228,15 @@ fn durable_host_pages_are_published_and_hit_from_the_host_pool() {
     let tier = m.coord.hisparse().unwrap();
     assert!(tier.host.block_key(host_blocks[0]).unwrap().is_some());
     assert!(tier.host.block_key(host_blocks[1]).unwrap().is_some());
-    assert_eq!(tier.num_kept_publications(), 0);
+    // published; the running request's inputs stay for its next publication
+    assert_eq!(tier.num_kept_publications(), 1);
     // a request with the same prompt hits the host group on the host pool
     let hs = hashes(1, 40);
     let (hit, _, _) = m.get_computed_blocks(&p, true, 40, &hs, None, None, true).unwrap();
     assert_eq!(hit[SOURCE], host_blocks[..2].to_vec());
     assert!(hit[RESIDENT].is_empty() && hit[HOT].is_empty());
+    m.free(&mut p, "a").unwrap();
+    assert_eq!(m.coord.hisparse().unwrap().num_kept_publications(), 0);
 }
 
 #[test]

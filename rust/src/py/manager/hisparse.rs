@@ -26,6 +26,22 @@ fn hot_index(r: &Residency, k: usize) -> Result<()> {
     Ok(())
 }
 
+/// `{transfer_id: workers}` (a mapping) or `(transfer_id, workers)` pairs.
+fn worker_counts(counts: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, usize)>> {
+    let pairs = match counts.cast::<pyo3::types::PyDict>() {
+        Ok(d) => return d.iter().map(|(k, v)| Ok((k.extract()?, v.extract()?))).collect(),
+        Err(_) if counts.hasattr(pyo3::intern!(counts.py(), "items"))? => {
+            counts.call_method0(pyo3::intern!(counts.py(), "items"))?
+        }
+        Err(_) => counts.clone(),
+    };
+    let mut out = Vec::new();
+    for pair in pairs.try_iter()? {
+        out.push(pair?.extract::<(u64, usize)>()?);
+    }
+    Ok(out)
+}
+
 pub(super) fn no_hisparse() -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err("this KV cache manager has no HiSparse groups")
 }
@@ -48,9 +64,14 @@ impl PyManager {
 
 #[pymethods]
 impl PyManager {
-    /// `advance_scheduled([(request_id, num_computed_tokens_after_the_step), ...])`.
-    fn _hisparse_advance_scheduled(&self, py: Python<'_>, requests: Vec<(String, usize)>) -> PyResult<()> {
-        self.residency(py, |r, e| r.advance_scheduled(e, &requests))
+    /// `advance_scheduled(requests)`: `(request_id, num_computed_tokens after the step)`
+    /// rows, any iterable. `TypeError` for a malformed row; nothing changes then.
+    fn _hisparse_advance_scheduled(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut rows = Vec::new();
+        for row in requests.try_iter()? {
+            rows.push(row?.extract::<(String, usize)>()?);
+        }
+        self.residency(py, |r, e| r.advance_scheduled(e, &rows))
     }
 
     /// A residency reuse watcher called by hand (vLLM's `_reuse_watchers[block_id](block)`):
@@ -74,29 +95,15 @@ impl PyManager {
         self.residency(py, |r, e| r.update_residency(e, &request_id))
     }
 
-    /// `build_offload_command()`'s page transfers, taken: None when there are none, else
-    /// `(transfer_id, host_block_id, resident_block_ids, after_forward, restore)` each.
-    #[allow(clippy::type_complexity)]
-    fn _hisparse_take_offload_command(
-        &self,
-        py: Python<'_>,
-    ) -> PyResult<Option<Vec<(u64, u32, Vec<u32>, bool, bool)>>> {
-        self.residency(py, |r, _| {
-            Ok(r.take_offload_command().map(|v| {
-                v.into_iter()
-                    .map(|t| (t.transfer_id, t.host_block_id, t.resident_block_ids, t.after_forward, t.restore))
-                    .collect()
-            }))
-        })
-    }
-
-    /// `update_spills(enqueued, completed)`: `[(transfer_id, workers), ...]` each.
+    /// `update_spills(enqueued, completed)`: `{transfer_id: workers}` each (a mapping, or
+    /// `(transfer_id, workers)` pairs). `TypeError` for a malformed entry; nothing changes then.
     fn _hisparse_update_spills(
         &self,
         py: Python<'_>,
-        enqueued: Vec<(u64, usize)>,
-        completed: Vec<(u64, usize)>,
+        enqueued: &Bound<'_, PyAny>,
+        completed: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let (enqueued, completed) = (worker_counts(enqueued)?, worker_counts(completed)?);
         self.residency(py, |r, e| r.update_spills(e, &enqueued, &completed))
     }
 
@@ -267,42 +274,10 @@ impl PyManager {
         })
     }
 
-    /// `build_row_mirrors([(request_id, num_computed_tokens, num_scheduled_tokens)])` as
-    /// `[(source_starts, destination_start, num_rows)]` (rows, not blocks).
-    #[allow(clippy::type_complexity)]
-    fn _hisparse_build_row_mirrors(
-        &self,
-        py: Python<'_>,
-        requests: Vec<(String, usize, usize)>,
-    ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
-        self.residency(py, |r, e| {
-            Ok(r.build_row_mirrors(e, &requests)
-                .into_iter()
-                .map(|m| (m.source_starts, m.destination_start, m.num_rows))
-                .collect())
-        })
-    }
-
     /// `all_context_pages_resident([(request_id, num_computed_tokens, num_scheduled_tokens)])`.
-    fn _hisparse_all_context_pages_resident(
-        &self,
-        py: Python<'_>,
-        requests: Vec<(String, usize, usize)>,
-    ) -> PyResult<bool> {
+    fn _hisparse_all_context_pages_resident(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let requests = super::hisparse_objects::request_rows(requests)?;
         self.residency(py, |r, e| Ok(r.all_context_pages_resident(e, &requests)))
-    }
-
-    /// `take_residency_updates(request_ids)` as `[(request_id, pages, block ids per
-    /// resident group)]`.
-    #[allow(clippy::type_complexity)]
-    fn _hisparse_take_residency_updates(
-        &self,
-        py: Python<'_>,
-        request_ids: Vec<String>,
-    ) -> PyResult<Vec<(String, Vec<usize>, Vec<Vec<u32>>)>> {
-        self.residency(py, |r, e| {
-            Ok(r.take_residency_updates(e, &request_ids).into_iter().map(|(q, u)| (q, u.pages, u.block_ids)).collect())
-        })
     }
 
     /// `spills_to_send` (not taken): `(transfer_id, host_block_id, resident_block_ids,

@@ -34,6 +34,7 @@ mod construct;
 mod groups;
 mod hisparse;
 mod hisparse_metrics;
+mod hisparse_objects;
 mod state;
 /// the interpreter (a fast path: off with `fast::enabled()`); any other goes through
 /// `PyUnicode_AsUTF8AndSize`.

@@ -1,0 +1,153 @@
+//! vLLM's HiSparse connector calls that return vLLM's own objects (`build_row_mirrors`,
+//! `build_offload_command`, `take_residency_updates`), built here from the residency's rows
+//! so the coordinator view binds them straight to the core (no Python frame per call). The
+//! classes come from the caller (`vllm.v1.hisparse.types`); `fast` says the class is a
+//! plain frozen dataclass whose instance `__dict__` may be filled directly (what its
+//! generated `__init__` would store, field for field), else the class is called with keywords.
+
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+
+use super::*;
+
+/// An instance of `cls` with the fields `names` = `values`: `object.__new__(cls)` with its
+/// `__dict__` filled when `fast`, else `cls(**fields)`.
+fn new_record<'py, const N: usize>(
+    cls: &Bound<'py, PyType>,
+    fast: bool,
+    names: [&Bound<'py, PyString>; N],
+    values: [Bound<'py, PyAny>; N],
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = cls.py();
+    if fast {
+        static NEW: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+        let new = NEW.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            Ok(py.get_type::<pyo3::types::PyAny>().getattr("__new__")?.unbind())
+        })?;
+        let obj = new.bind(py).call1((cls,))?;
+        let d = obj.getattr(pyo3::intern!(py, "__dict__"))?.cast_into::<PyDict>()?;
+        for (k, v) in names.into_iter().zip(values) {
+            d.set_item(k, v)?;
+        }
+        return Ok(obj);
+    }
+    let kwargs = PyDict::new(py);
+    for (k, v) in names.into_iter().zip(values) {
+        kwargs.set_item(k, v)?;
+    }
+    cls.call((), Some(&kwargs))
+}
+
+/// `[(request_id, num_computed_tokens, num_scheduled_tokens), ...]` from any iterable of
+/// 3-item rows (ints or objects with `__index__`).
+pub(super) fn request_rows(requests: &Bound<'_, PyAny>) -> PyResult<Vec<(String, usize, usize)>> {
+    let mut out = Vec::new();
+    for row in requests.try_iter()? {
+        out.push(row?.extract::<(String, usize, usize)>()?);
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl PyManager {
+    /// `build_row_mirrors(requests)` (`[(request_id, num_computed_tokens,
+    /// num_scheduled_tokens)]`, any iterable) as a tuple of `mirror_cls` (vLLM's
+    /// `SparseKVRowMirror`: `source_starts` a tuple of row indices, `destination_start`,
+    /// `num_rows`). Errors: `TypeError` for a malformed row; nothing changes.
+    fn _hisparse_row_mirror_objects<'py>(
+        &self,
+        py: Python<'py>,
+        mirror_cls: &Bound<'py, PyType>,
+        fast: bool,
+        requests: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let requests = request_rows(requests)?;
+        let mirrors = self.residency(py, |r, e| Ok(r.build_row_mirrors(e, &requests)))?;
+        let names =
+            [pyo3::intern!(py, "source_starts"), pyo3::intern!(py, "destination_start"), pyo3::intern!(py, "num_rows")];
+        let mut out = Vec::with_capacity(mirrors.len());
+        for m in mirrors {
+            let values = [
+                PyTuple::new(py, m.source_starts)?.into_any(),
+                m.destination_start.into_pyobject(py)?.into_any(),
+                m.num_rows.into_pyobject(py)?.into_any(),
+            ];
+            out.push(new_record(mirror_cls, fast, names, values)?);
+        }
+        PyTuple::new(py, out)
+    }
+
+    /// `build_offload_command()`: the planned spills, taken, as `command_cls(page_transfers=[
+    /// transfer_cls(...), ...])` (vLLM's `SparseKVOffloadCommand` of `SparseKVPageTransfer`s:
+    /// `transfer_id`, `host_block_id`, `resident_block_ids` a tuple, `after_forward` where
+    /// `after_forward` says the release has it, `restore`); None without resident groups.
+    fn _hisparse_offload_command_object<'py>(
+        &self,
+        py: Python<'py>,
+        command_cls: &Bound<'py, PyType>,
+        transfer_cls: &Bound<'py, PyType>,
+        fast: bool,
+        after_forward: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let Some(transfers) = self.residency(py, |r, _| Ok(r.take_offload_command()))? else {
+            return Ok(py.None().into_bound(py));
+        };
+        let out = PyList::empty(py);
+        for t in transfers {
+            let (id, host, blocks) = (
+                t.transfer_id.into_pyobject(py)?.into_any(),
+                t.host_block_id.into_pyobject(py)?.into_any(),
+                PyTuple::new(py, t.resident_block_ids)?.into_any(),
+            );
+            let restore = pyo3::types::PyBool::new(py, t.restore).to_owned().into_any();
+            let obj = if after_forward {
+                let names = [
+                    pyo3::intern!(py, "transfer_id"),
+                    pyo3::intern!(py, "host_block_id"),
+                    pyo3::intern!(py, "resident_block_ids"),
+                    pyo3::intern!(py, "after_forward"),
+                    pyo3::intern!(py, "restore"),
+                ];
+                let after = pyo3::types::PyBool::new(py, t.after_forward).to_owned().into_any();
+                new_record(transfer_cls, fast, names, [id, host, blocks, after, restore])?
+            } else {
+                let names = [
+                    pyo3::intern!(py, "transfer_id"),
+                    pyo3::intern!(py, "host_block_id"),
+                    pyo3::intern!(py, "resident_block_ids"),
+                    pyo3::intern!(py, "restore"),
+                ];
+                new_record(transfer_cls, fast, names, [id, host, blocks, restore])?
+            };
+            out.append(obj)?;
+        }
+        let kwargs = PyDict::new(py);
+        kwargs.set_item(pyo3::intern!(py, "page_transfers"), out)?;
+        command_cls.call((), Some(&kwargs))
+    }
+
+    /// `take_residency_updates(request_ids)` (any iterable of str) as `{request_id:
+    /// update_cls(pages=[...], block_ids=([...], ...))}` (vLLM's `SparseKVResidencyUpdate`:
+    /// page indices, and per resident group the block ids, the null block 0 for a page read
+    /// from the host). Errors: `TypeError` for a non-str id; nothing is taken then.
+    fn _hisparse_residency_update_objects<'py>(
+        &self,
+        py: Python<'py>,
+        update_cls: &Bound<'py, PyType>,
+        request_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mut ids = Vec::new();
+        for r in request_ids.try_iter()? {
+            ids.push(r?.extract::<String>()?);
+        }
+        let updates = self.residency(py, |r, e| Ok(r.take_residency_updates(e, &ids)))?;
+        let out = PyDict::new(py);
+        for (rid, u) in updates {
+            let groups = u.block_ids.into_iter().map(|g| PyList::new(py, g)).collect::<PyResult<Vec<_>>>()?;
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(pyo3::intern!(py, "pages"), PyList::new(py, u.pages)?)?;
+            kwargs.set_item(pyo3::intern!(py, "block_ids"), PyTuple::new(py, groups)?)?;
+            out.set_item(rid, update_cls.call((), Some(&kwargs))?)?;
+        }
+        Ok(out)
+    }
+}
