@@ -490,7 +490,7 @@ impl Residency {
         if self.layout.resident_groups.is_empty() {
             return Ok(());
         }
-        let host = match self.host_table(env, request) {
+        let host = match env.table(self.layout.host_group, request) {
             Some(t) if !t.is_empty() => t,
             _ => return Ok(()),
         };
@@ -1037,7 +1037,9 @@ impl Residency {
                 self.publish_detached(env, &p.request, p.state)?;
             }
             env.host().free_blocks(&[p.host_block], true)?;
-            self.collect_state(p.state);
+            if self.by_request.get(&p.request) != Some(&p.state) {
+                self.collect_state(p.state); // a live request's state stays
+            }
         }
         for request in requests {
             let s = self.by_request[&request];
