@@ -99,7 +99,7 @@ def render_result(result: ReplayResult, console: Console) -> None:
     if r.preempted_requests:
         table.add_row("  after preemption", _ratio_pct(r.preempted_hits, r.preempted_queries), f"{r.preempted_hits:,} / {r.preempted_queries:,} tokens ({r.preempted_requests:,} resumed)")
     table.add_row("block hit rate", _ratio_pct(r.blocks_hit, r.blocks_queried), f"{r.blocks_hit:,} / {r.blocks_queried:,} blocks")
-    table.add_row("evictions", f"{r.evictions:,}", "cached blocks reused")
+    table.add_row("evictions", f"{r.evictions:,}", "cached blocks dropped")
     table.add_row("preemptions", f"{r.preemptions:,}", "")
     table.add_row("blocks in use", f"peak {r.peak_blocks_in_use:,}", f"mean {r.mean_blocks_in_use:,.0f} of {r.usable_blocks:,}")
     if r.usage.size > 1:
