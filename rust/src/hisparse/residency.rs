@@ -588,10 +588,11 @@ impl Residency {
     fn lose_page(&mut self, env: &impl Env, request: &str, page: usize) {
         self.resident_requests.remove(request);
         let Some(&s) = self.by_request.get(request) else { return };
+        let owner = (request.to_string(), page);
         for k in 0..self.layout.resident_groups.len() {
             if let Some(b) = self.drop_resident_page(env, k, request, page) {
                 if let Some(o) = self.owners.get_mut(&b) {
-                    o.remove(&(request.to_string(), page));
+                    o.remove(&owner);
                 }
             }
         }
@@ -1096,6 +1097,8 @@ impl Residency {
         } else {
             self.st(s).publication = None;
         }
+        // one owner key, its page set per use (no string copy per page)
+        let mut owner = (request.to_string(), 0);
         for k in 0..self.layout.resident_groups.len() {
             let row = self.get_residency_row(env, k, request, 0);
             for page in (0..row.len()).rev() {
@@ -1106,7 +1109,8 @@ impl Residency {
                 let st = &self.states[&s];
                 if st.unpinned_pages.contains(&page) {
                     if let Some(o) = self.owners.get_mut(&b) {
-                        o.remove(&(request.to_string(), page));
+                        owner.1 = page;
+                        o.remove(&owner);
                     }
                 } else if st.valid_pages.contains(&page) && !st.pending_pages.contains_key(&page) {
                     env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
