@@ -430,10 +430,15 @@ impl PrefixIndex {
 
     /// Apply decoded events for instance `name` (registered if new, marked seen at `now_ms`).
     pub fn apply_batch(&mut self, name: &str, batch: &Batch<'_>, now_ms: u64) -> Result<ApplyStats> {
+        self.apply_events(name, &batch.events, &batch.hashes, now_ms)
+    }
+
+    /// [`Self::apply_batch`] of a batch's events and hashes.
+    fn apply_events(&mut self, name: &str, events: &[Event<'_>], hashes: &[u64], now_ms: u64) -> Result<ApplyStats> {
         let id = self.add_instance(name)?;
         // reserve first: nothing below can fail
         let (mut new_stored, mut new_roots) = (0, 0);
-        for ev in &batch.events {
+        for ev in events {
             if let Event::Stored { start, end, medium, parent, .. } = ev {
                 new_stored += end - start;
                 new_roots += usize::from(parent.is_none() && end > start);
@@ -449,7 +454,7 @@ impl PrefixIndex {
         }
         self.slab.reserve(new_stored)?;
         let mut st = ApplyStats::default();
-        for ev in &batch.events {
+        for ev in events {
             let (mut added, mut dropped) = (0usize, 0usize);
             match *ev {
                 Event::Cleared => {
@@ -478,8 +483,8 @@ impl PrefixIndex {
                         (Some(p), _) if tag != ROOT_TAG => table.find_key(p),
                         _ => None,
                     };
-                    for (j, &h) in batch.hashes[start..end].iter().enumerate() {
-                        let run = &batch.hashes[start..end];
+                    for (j, &h) in hashes[start..end].iter().enumerate() {
+                        let run = &hashes[start..end];
                         if j == 0 {
                             for &ahead in run.iter().take(2 * STORE_AHEAD) {
                                 table.prefetch(ahead);
@@ -511,7 +516,7 @@ impl PrefixIndex {
                         tag = parent_tag(Some(h));
                     }
                     if let (Some(p), Some(Some(inst))) = (prev, self.instances.get_mut(id as usize)) {
-                        inst.last = (m, batch.hashes[end - 1], p);
+                        inst.last = (m, hashes[end - 1], p);
                     }
                 }
                 Event::Removed { start, end, medium, group } => {
@@ -521,7 +526,7 @@ impl PrefixIndex {
                     }
                     let Some(m) = self.medium_id(medium) else { continue };
                     let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
-                    for &h in &batch.hashes[start..end] {
+                    for &h in &hashes[start..end] {
                         dropped += table.remove(h, id, &mut self.slab) + roots.remove(h, id, &mut self.slab);
                     }
                 }
@@ -717,31 +722,21 @@ impl PrefixIndex {
 
     /// `name` holds `hashes` on `medium`, chained from `parent` (a `BlockStored`).
     pub fn store(&mut self, name: &str, hashes: &[u64], parent: Option<u64>, medium: Option<&str>) -> Result<usize> {
-        let batch = Batch {
-            ts: 0.0,
-            events: vec![Event::Stored {
-                start: 0,
-                end: hashes.len(),
-                parent,
-                block_size: self.block_size.unwrap_or(0),
-                medium,
-                group: self.group,
-            }],
-            data_parallel_rank: None,
-            hashes: hashes.to_vec(),
+        let ev = Event::Stored {
+            start: 0,
+            end: hashes.len(),
+            parent,
+            block_size: self.block_size.unwrap_or(0),
+            medium,
+            group: self.group,
         };
-        Ok(self.apply_batch(name, &batch, 0)?.stored)
+        Ok(self.apply_events(name, &[ev], hashes, 0)?.stored)
     }
 
     /// `name` no longer holds `hashes` on `medium` (a `BlockRemoved`).
     pub fn remove(&mut self, name: &str, hashes: &[u64], medium: Option<&str>) -> Result<usize> {
-        let batch = Batch {
-            ts: 0.0,
-            events: vec![Event::Removed { start: 0, end: hashes.len(), medium, group: self.group }],
-            data_parallel_rank: None,
-            hashes: hashes.to_vec(),
-        };
-        Ok(self.apply_batch(name, &batch, 0)?.removed)
+        let ev = Event::Removed { start: 0, end: hashes.len(), medium, group: self.group };
+        Ok(self.apply_events(name, &[ev], hashes, 0)?.removed)
     }
 
     // -- lookups -----------------------------------------------------------------------------

@@ -88,7 +88,7 @@ const NO_NEXT: u32 = u32::MAX;
 /// How far ahead (nodes) [`Table::run_len`] requests the arena, the nodes hints name, and
 /// a differing holder bitset.
 const RUN_AHEAD: usize = 32;
-const HINT_RUN_AHEAD: usize = 24;
+const HINT_RUN_AHEAD: usize = 64;
 const SET_AHEAD: usize = 16;
 
 /// The young nodes are laid out in chain order ([`Table::settle`]) once there are this
@@ -211,21 +211,33 @@ impl Table {
     /// Rebuild the index with `cap` slots (at least `len / 0.8`) from the arena.
     fn reindex(&mut self, cap: usize) -> Result<()> {
         let cap = cap.max(MIN_CAP);
+        let oom = |_| Error::Memory("cannot grow the prefix index".into());
         if cap != self.index.len() {
             let mut index = Vec::new();
-            index.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            index.try_reserve_exact(cap).map_err(oom)?;
             huge_pages(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
             index.resize(cap, FREE_SLOT);
             self.index = index;
         } else {
             self.index.fill(FREE_SLOT);
         }
-        for (p, n) in self.nodes.iter().enumerate() {
+        self.place_all();
+        Ok(())
+    }
+
+    /// Put every live node in the (empty) index.
+    fn place_all(&mut self) {
+        let cap = self.index.len();
+        // one random slot per node: each requested ahead
+        for p in 0..self.nodes.len() {
+            if let Some(a) = self.nodes.get(p + SETTLE_AHEAD) {
+                crate::prefetch::prefetch(&self.index[Self::home_of(fp(a.key), cap)]);
+            }
+            let n = self.nodes[p];
             if n.set != EMPTY {
                 Self::place(&mut self.index, n.key, p);
             }
         }
-        Ok(())
     }
 
     /// Slide the live nodes down over the dead ones (order kept), then rebuild the index in
@@ -350,9 +362,10 @@ impl Table {
             self.index = Vec::new();
             index.resize(icap, FREE_SLOT);
             self.index = index;
+        } else {
+            self.index.fill(FREE_SLOT);
         }
-        // the same size now: an in-place rebuild that allocates nothing
-        let _ = self.reindex(icap);
+        self.place_all();
         Ok(())
     }
 
@@ -576,7 +589,8 @@ impl Table {
                 if h[0] & h[1] & h[2] & h[3] != NO_NEXT {
                     for &x in h {
                         if let Some(n) = self.nodes.get(x as usize) {
-                            crate::prefetch::prefetch(n);
+                            // the start of the run it names, a few lines of it
+                            crate::prefetch::prefetch_bytes(n as *const Node as *const u8, 4 * 64);
                         }
                     }
                 }
