@@ -897,36 +897,35 @@ impl PrefixIndex {
             }
             let h = hashes[i];
             let tag = parent_tag(Some(hashes[i - 1]));
-            let before = sets;
+            // whether a table's set word differs from the previous block's (a flag, not a
+            // compare of the arrays: that read the words just written, a stall)
+            let mut changed = false;
             for (k, t) in tables.iter().enumerate() {
                 let p = pos[k] + 1;
                 t.prefetch_hint(p + HINT_AHEAD);
                 t.prefetch_set(p + SET_AHEAD, &self.slab);
-                let s = t.at(p, h, tag);
+                let mut s = t.at(p, h, tag);
                 if s != table::EMPTY {
-                    sets[k] = s;
                     pos[k] = p;
-                    continue;
-                }
-                let q = t.hint(pos[k]);
-                let s = t.at(q, h, tag);
-                if s != table::EMPTY {
-                    sets[k] = s;
-                    pos[k] = q;
                 } else {
-                    match t.find(h, tag) {
-                        Some(p) => {
-                            sets[k] = t.at(p, h, tag);
-                            pos[k] = p;
-                        }
-                        None => {
-                            sets[k] = table::EMPTY;
-                            pos[k] = NONE;
+                    let q = t.hint(pos[k]);
+                    s = t.at(q, h, tag);
+                    if s != table::EMPTY {
+                        pos[k] = q;
+                    } else {
+                        match t.find(h, tag) {
+                            Some(p) => {
+                                s = t.at(p, h, tag);
+                                pos[k] = p;
+                            }
+                            None => pos[k] = NONE,
                         }
                     }
                 }
+                changed |= s != sets[k];
+                sets[k] = s;
             }
-            if sets == before {
+            if !changed {
                 // the previous block's holders (a shared prefix's blocks share one interned
                 // set): every instance still alive holds this block too
                 i += 1;
