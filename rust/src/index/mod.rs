@@ -158,11 +158,29 @@ impl Roots {
         }
     }
 
-    fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> isize {
+    /// Also returns the node's position in the roots table.
+    fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> (isize, usize) {
         let n = self.table.len();
-        let (d, _) = self.table.store(key, ROOT_TAG, inst, 1, slab);
+        let (d, at) = self.table.store(key, ROOT_TAG, inst, 1, slab);
         self.count(key, self.table.len() as isize - n as isize);
-        d
+        (d, at)
+    }
+
+    /// [`Self::get`], and the hint of where a chain's second block under `key` went in the
+    /// medium's table (a position to check, or past its end).
+    #[inline(always)]
+    fn get_hinted(&self, key: u64) -> (u32, usize) {
+        if self.bits.is_empty() {
+            return (table::EMPTY, usize::MAX - 1);
+        }
+        let b = self.bucket(key);
+        if self.bits[b / 64] >> (b % 64) & 1 == 0 {
+            return (table::EMPTY, usize::MAX - 1);
+        }
+        match self.table.find(key, ROOT_TAG) {
+            Some(p) => (self.table.set_at(p), self.table.hint(p)),
+            None => (table::EMPTY, usize::MAX - 1),
+        }
     }
 
     fn remove(&mut self, key: u64, inst: u32, slab: &mut Slab) -> usize {
@@ -340,6 +358,7 @@ impl PrefixIndex {
             removed += r.table.clear_instance(id, &mut self.slab);
             r.refilter();
         }
+        self.sync_hints();
         self.pairs -= removed;
         if let Some(Some(inst)) = self.instances.get_mut(id as usize) {
             inst.pairs = 0;
@@ -400,8 +419,12 @@ impl PrefixIndex {
                     // an empty table: nothing to compute, and no slot array to allocate yet
                     let _ = t.track_depths(Some(Vec::new()), &self.slab);
                 }
+                // the roots' hints name positions in the table: it says when its nodes move
+                t.record_moves = true;
                 self.tables.push(t);
-                self.roots.push(Roots::default());
+                let mut r = Roots::default();
+                r.table.foreign_hints = true;
+                self.roots.push(r);
                 self.media.len() - 1
             }
         }
@@ -445,9 +468,12 @@ impl PrefixIndex {
                 self.medium_or_add(*medium);
             }
         }
+        let mut grown = Ok(());
         for t in &mut self.tables {
-            t.reserve(new_stored)?;
+            grown = grown.and_then(|_| t.reserve(new_stored));
         }
+        self.sync_hints();
+        grown?;
         for r in &mut self.roots {
             r.table.reserve(new_roots)?;
             r.reserve()?;
@@ -469,6 +495,8 @@ impl PrefixIndex {
                     let Some(m) = self.medium_id(medium) else { continue };
                     let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
                     let mut tag = parent_tag(parent);
+                    // the roots position of the chain's first block, while its second is due
+                    let mut root_at = None;
                     // the chain depth of the block before the first (only kept under a cap)
                     let mut depth = match parent {
                         None => 0,
@@ -499,11 +527,16 @@ impl PrefixIndex {
                         // stored under one tag: the other table loses it
                         let d = if tag == ROOT_TAG {
                             prev = None;
-                            roots.store(h, id, &mut self.slab) - table.remove(h, id, &mut self.slab) as isize
+                            let (d, rp) = roots.store(h, id, &mut self.slab);
+                            root_at = Some(rp);
+                            d - table.remove(h, id, &mut self.slab) as isize
                         } else {
                             let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
                             if let Some(q) = prev {
                                 table.link(q, at);
+                            }
+                            if let Some(rp) = root_at.take() {
+                                roots.table.set_hint(rp, at);
                             }
                             prev = Some(at);
                             d - roots.remove(h, id, &mut self.slab) as isize
@@ -551,7 +584,16 @@ impl PrefixIndex {
         self.stats.cleared += st.cleared;
         self.stats.skipped += st.skipped;
         self.enforce_cap();
+        self.sync_hints();
         Ok(st)
+    }
+
+    /// Carry the roots' hints (into their medium's table) over the moves the tables made.
+    fn sync_hints(&mut self) {
+        for (t, r) in self.tables.iter_mut().zip(self.roots.iter_mut()) {
+            let moves = t.take_moves();
+            r.table.remap_hints(&moves);
+        }
     }
 
     // -- the memory cap ----------------------------------------------------------------------
@@ -873,8 +915,12 @@ impl PrefixIndex {
         let n = hashes.len();
         let nt = tables.len();
         let mut sets = [table::EMPTY; MAX_MEDIA];
+        // per table, where the roots say the chain's second block went (checked like a
+        // continuation hint, so the walk's first step needs no probe of the index)
+        let mut seed = [NONE; MAX_MEDIA];
         for (k, r) in roots.iter().enumerate() {
-            sets[k] = r.get(hashes[0]);
+            (sets[k], seed[k]) = r.get_hinted(hashes[0]);
+            tables[k].prefetch_at(seed[k]);
         }
         let mut alive = [0u64; W];
         self.gather(&sets[..nt], &mut alive);
@@ -908,7 +954,7 @@ impl PrefixIndex {
                 if s != table::EMPTY {
                     pos[k] = p;
                 } else {
-                    let q = t.hint(pos[k]);
+                    let q = if pos[k] == NONE { std::mem::replace(&mut seed[k], NONE) } else { t.hint(pos[k]) };
                     s = t.at(q, h, tag);
                     if s != table::EMPTY {
                         pos[k] = q;

@@ -142,6 +142,14 @@ pub struct Table {
     /// Positions before `young` whose hint was set since then (to carry over when the young
     /// nodes move).
     into_young: Vec<u32>,
+    /// The hints name positions in another table (a roots table's: where a chain's second
+    /// block went in its medium's table): they move with their nodes unchanged, and
+    /// laying this arena out never follows them.
+    pub foreign_hints: bool,
+    /// Keep the moves of nodes (for another table's hints into this one) until
+    /// [`Self::take_moves`].
+    pub record_moves: bool,
+    moves: Moves,
     /// Tests that look at the layout growth makes turn [`Self::settle`] off.
     #[cfg(test)]
     no_settle: bool,
@@ -149,6 +157,17 @@ pub struct Table {
     /// arena position `p` (0: a dead node), and the (block, holder) pairs at each depth. See
     /// [`super::depth`].
     depth: Depths,
+}
+
+/// Nodes moved since [`Table::take_moves`] last asked.
+#[derive(Debug, Default)]
+pub enum Moves {
+    #[default]
+    None,
+    /// Position `p >= .0` went to `.1[p - .0]` ([`u32::MAX`]: dropped); those below stayed.
+    Map(usize, Vec<u32>),
+    /// Moved, not known where (more than one move since asked, or no memory for the map).
+    Lost,
 }
 
 /// What one eviction sweep of a table did.
@@ -277,9 +296,11 @@ impl Table {
         if !remap {
             self.laid_out();
         }
-        for x in &mut self.next {
-            if *x != NO_NEXT {
-                *x = if remap { moved.get(*x as usize).copied().unwrap_or(NO_NEXT) } else { NO_NEXT };
+        if !self.foreign_hints {
+            for x in &mut self.next {
+                if *x != NO_NEXT {
+                    *x = if remap { moved.get(*x as usize).copied().unwrap_or(NO_NEXT) } else { NO_NEXT };
+                }
             }
         }
         if remap {
@@ -288,6 +309,7 @@ impl Table {
             }
             self.into_young.retain(|&q| q != NO_NEXT);
         }
+        self.moved(0, remap.then_some(moved));
         self.dead = 0;
         self.hand = 0;
         let cap = self.index.len();
@@ -335,16 +357,18 @@ impl Table {
                 let child = |c: usize| c < n && old[c].set != EMPTY && old[c].tag == tag && moved[c] == NO_NEXT;
                 p = if child(p + 1) {
                     p + 1
-                } else if child(self.next[p] as usize) {
+                } else if !self.foreign_hints && child(self.next[p] as usize) {
                     self.next[p] as usize
                 } else {
                     break;
                 };
             }
         }
-        for x in &mut next {
-            if *x != NO_NEXT {
-                *x = moved.get(*x as usize).copied().unwrap_or(NO_NEXT);
+        if !self.foreign_hints {
+            for x in &mut next {
+                if *x != NO_NEXT {
+                    *x = moved.get(*x as usize).copied().unwrap_or(NO_NEXT);
+                }
             }
         }
         for (p, &m) in moved.iter().enumerate() {
@@ -357,6 +381,7 @@ impl Table {
         self.dead = 0;
         self.hand = 0;
         self.laid_out();
+        self.moved(0, Some(moved));
         if icap != self.index.len() {
             // dropping the old index first: the new one is reserved
             self.index = Vec::new();
@@ -367,6 +392,64 @@ impl Table {
         }
         self.place_all();
         Ok(())
+    }
+
+    /// Record a move (positions from `y` on went to `map`).
+    fn moved(&mut self, y: usize, map: Option<Vec<u32>>) {
+        if self.record_moves {
+            self.moves = match (std::mem::take(&mut self.moves), map) {
+                (Moves::None, Some(m)) => Moves::Map(y, m),
+                (Moves::Map(y1, m1), Some(m2)) => Self::compose(y1, &m1, y, &m2),
+                _ => Moves::Lost,
+            };
+        }
+    }
+
+    /// The moves `(y1, m1)` then `(y2, m2)` as one (positions past `m1`'s: nodes stored
+    /// between the two).
+    fn compose(y1: usize, m1: &[u32], y2: usize, m2: &[u32]) -> Moves {
+        let (base, end) = (y1.min(y2), (y1 + m1.len()).max(y2 + m2.len()));
+        let mut out: Vec<u32> = Vec::new();
+        if out.try_reserve_exact(end.saturating_sub(base)).is_err() {
+            return Moves::Lost;
+        }
+        for p in base..end {
+            let q = if p >= y1 { m1.get(p - y1).copied().unwrap_or(p as u32) } else { p as u32 };
+            out.push(match q {
+                NO_NEXT => NO_NEXT,
+                q if q as usize >= y2 => m2.get(q as usize - y2).copied().unwrap_or(NO_NEXT),
+                q => q,
+            });
+        }
+        Moves::Map(base, out)
+    }
+
+    /// The nodes moved since last asked (then forgotten).
+    pub fn take_moves(&mut self) -> Moves {
+        std::mem::take(&mut self.moves)
+    }
+
+    /// Set the (foreign) hint of position `q` to `a`.
+    #[inline(always)]
+    pub fn set_hint(&mut self, q: usize, a: usize) {
+        if let Some(x) = self.next.get_mut(q) {
+            *x = a as u32;
+        }
+    }
+
+    /// The table the (foreign) hints name moved its nodes: carry the hints over.
+    pub fn remap_hints(&mut self, moves: &Moves) {
+        match moves {
+            Moves::None => {}
+            Moves::Map(y, map) => {
+                for x in &mut self.next {
+                    if *x != NO_NEXT && *x as usize >= *y {
+                        *x = map.get(*x as usize - y).copied().unwrap_or(NO_NEXT);
+                    }
+                }
+            }
+            Moves::Lost => self.next.fill(NO_NEXT),
+        }
     }
 
     /// Every node is where the chain-order layout put it.
@@ -467,6 +550,7 @@ impl Table {
             self.hand = y;
         }
         self.laid_out();
+        self.moved(y, Some(moved));
     }
 
     /// Make room for `n` more nodes.
@@ -583,7 +667,8 @@ impl Table {
         let mut k = 0;
         while k + 4 <= avail {
             // a prefetch never faults: past the arena's end it is only wasted
-            crate::prefetch::prefetch_bytes(base.wrapping_add(start + k + RUN_AHEAD) as *const u8, 64);
+            // four nodes a step: one line a step, RUN_AHEAD nodes ahead, covers every line
+            crate::prefetch::prefetch_line(base.wrapping_add(start + k + RUN_AHEAD) as *const u8);
             let hints = next.get(k + HINT_RUN_AHEAD..k + HINT_RUN_AHEAD + 4);
             if let Some(h) = hints {
                 if h[0] & h[1] & h[2] & h[3] != NO_NEXT {
@@ -1235,6 +1320,65 @@ mod tests {
                 assert_eq!(t.find(ch[i], tag_of(ch, i)), Some(p));
             }
         }
+    }
+
+    /// A table's moves, composed when two come before they are asked for, carry another
+    /// table's hints into it over: each still names its node.
+    #[test]
+    fn foreign_hints_follow_the_moves() {
+        let mut t = Table { record_moves: true, no_settle: true, ..Table::default() };
+        let mut roots = Table { foreign_hints: true, ..Table::default() };
+        let mut slab = Slab::new();
+        t.reserve(64).unwrap();
+        roots.reserve(8).unwrap();
+        // 8 chains of 8, stored a batch of 2 at a time, interleaved; each chain's first
+        // block a root whose hint names the chain's second block
+        let key = |c: u64, b: u64| (c + 1) << 32 | (b + 1);
+        let tag = |c: u64, b: u64| if b == 0 { ROOT_TAG } else { parent_tag(Some(key(c, b - 1))) };
+        let mut prev: Vec<Option<usize>> = vec![None; 8];
+        for batch in 0..4 {
+            for c in 0..8u64 {
+                for b in batch * 2..batch * 2 + 2 {
+                    if b == 0 {
+                        let (_, rp) = roots.store(key(c, 0), ROOT_TAG, c as u32, 1, &mut slab);
+                        assert_eq!(rp, c as usize);
+                        continue;
+                    }
+                    let (_, at) = t.store(key(c, b), tag(c, b), c as u32, 2, &mut slab);
+                    if b == 1 {
+                        roots.set_hint(c as usize, at);
+                    }
+                    if let Some(q) = prev[c as usize] {
+                        t.link(q, at);
+                    }
+                    prev[c as usize] = Some(at);
+                }
+            }
+        }
+        // chain 3 goes but its second block, chain 5 loses a block: dead nodes; then a
+        // compaction and a settle (every node young) before the moves are asked for
+        for b in 2..8 {
+            t.remove(key(3, b), 3, &mut slab);
+        }
+        t.remove(key(5, 4), 5, &mut slab);
+        t.compact();
+        t.settle();
+        let moves = t.take_moves();
+        assert!(matches!(moves, Moves::Map(0, _)));
+        assert!(matches!(t.take_moves(), Moves::None));
+        roots.remap_hints(&moves);
+        for c in 0..8u64 {
+            assert_eq!(t.at(roots.hint(c as usize), key(c, 1), tag(c, 1)), c as u32, "chain {c}");
+        }
+        // the chains now read contiguously from their second block
+        for c in (0..8u64).filter(|c| ![3, 5].contains(c)) {
+            let p = roots.hint(c as usize);
+            for b in 1..8 {
+                assert_eq!(t.at(p + b as usize - 1, key(c, b), tag(c, b)), c as u32, "chain {c}, block {b}");
+            }
+        }
+        roots.remap_hints(&Moves::Lost);
+        assert!((0..8).all(|c| roots.hint(c) == NO_NEXT as usize));
     }
 
     /// Compaction (an arena left more than half dead) keeps every chain followable without
