@@ -24,7 +24,9 @@
 //! set) nodes in which a chain's blocks lie next to each other (laid out in chain order as it
 //! grows), a 4-byte continuation hint per node, and an 8-byte-slot hash index kept 53-80%
 //! full; a lookup probes the index where a stored run starts and reads the rest of the run
-//! contiguously. Holder sets in one `u32` per node (an instance id inline, or a slot of
+//! contiguously (its newest nodes settled in chain order every 32Ki). A chain's first block
+//! lives in a small roots table whose hint names where the chain's second block went, so a
+//! walk starts without a probe of the big index. Holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
 pub mod depth;

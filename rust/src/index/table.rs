@@ -14,9 +14,13 @@
 //! (the top 32 bits of the hash's mix, which also give its home slot, and the node's arena
 //! position), any capacity (multiply-shift home), grown at 80% load and shrunk below 25%,
 //! backward-shift deletion (no tombstones). A lookup walking a chain probes the index where
-//! a run starts and then reads the arena's next node ([`Table::follow`]): a hit when its key
-//! and tag are the query's next block and parent (a node is unique per (key, tag), so the
-//! answer is the one a probe gives), contiguous memory the hardware streams in.
+//! a run starts and then reads the arena's next nodes ([`Table::run_len`], [`Table::at`]): a
+//! hit when its key and tag are the query's next block and parent (a node is unique per
+//! (key, tag), so the answer is the one a probe gives), contiguous memory the hardware
+//! streams in. Chains stored in small batches interleaved with others' are laid out in
+//! chain order when the arena grows (`Table::relayout`) and, for the nodes stored since,
+//! every 32Ki nodes in place (`Table::settle`); a table records where its nodes moved
+//! ([`Table::take_moves`]) for another table's hints into it (a roots table's).
 
 use super::depth::Depths;
 use super::holders::Slab;
@@ -91,7 +95,7 @@ const RUN_AHEAD: usize = 32;
 const HINT_RUN_AHEAD: usize = 64;
 const SET_AHEAD: usize = 16;
 
-/// The young nodes are laid out in chain order ([`Table::settle`]) once there are this
+/// The young nodes are laid out in chain order (`Table::settle`) once there are this
 /// many, if at least `SETTLE_LINKS` runs among them were stored apart from their chain.
 /// (Small under test, so that every test's tables settle.)
 const SETTLE_NODES: usize = if cfg!(test) { 256 } else { 32 << 10 };
