@@ -792,17 +792,34 @@ impl PrefixIndex {
         out.clear();
         out.resize(self.instances.len(), 0);
         match medium {
-            None => self.walk_media(hashes, |_| true, out),
+            None => self.walk_media(hashes, |_| true, out.as_mut_slice()),
             Some(m) => {
                 if let Some(i) = self.medium_id(m) {
-                    self.walk_media(hashes, |x| x == i, out)
+                    self.walk_media(hashes, |x| x == i, out.as_mut_slice())
+                }
+            }
+        }
+    }
+
+    /// The longest cached prefix of the chain `hashes` on each instance with a hit, as
+    /// `(id, blocks)` pairs in `out` (cleared first; in no particular order): what
+    /// [`Self::match_dense`] gives, without writing a slot per instance (no allocation once
+    /// `out` has room).
+    pub fn match_sparse(&self, hashes: &[u64], medium: Option<Option<&str>>, out: &mut Vec<(u32, u32)>) {
+        out.clear();
+        let mut sink = Sparse(out);
+        match medium {
+            None => self.walk_media(hashes, |_| true, &mut sink),
+            Some(m) => {
+                if let Some(i) = self.medium_id(m) {
+                    self.walk_media(hashes, |x| x == i, &mut sink)
                 }
             }
         }
     }
 
     /// The walk over the media `keep` accepts (into `out`, zeroed, `id_bound` long).
-    fn walk_media(&self, hashes: &[u64], keep: impl Fn(usize) -> bool, out: &mut [u32]) {
+    fn walk_media<S: Sink + ?Sized>(&self, hashes: &[u64], keep: impl Fn(usize) -> bool, out: &mut S) {
         let n = (0..self.tables.len()).filter(|&m| keep(m)).count();
         if hashes.is_empty() || n == 0 {
             return;
@@ -824,11 +841,11 @@ impl PrefixIndex {
         }
         let (tables, roots) = (&tables[..k], &roots[..k]);
         match w {
-            1 => self.walk::<1>(hashes, roots, tables, out),
-            2 => self.walk::<2>(hashes, roots, tables, out),
-            3 | 4 => self.walk::<4>(hashes, roots, tables, out),
-            5..=8 => self.walk::<8>(hashes, roots, tables, out),
-            _ => self.walk::<16>(hashes, roots, tables, out),
+            1 => self.walk::<1, S>(hashes, roots, tables, out),
+            2 => self.walk::<2, S>(hashes, roots, tables, out),
+            3 | 4 => self.walk::<4, S>(hashes, roots, tables, out),
+            5..=8 => self.walk::<8, S>(hashes, roots, tables, out),
+            _ => self.walk::<16, S>(hashes, roots, tables, out),
         }
     }
 
@@ -876,7 +893,7 @@ impl PrefixIndex {
         let mut cur = vec![0u32; n];
         for t in tiers {
             cur.fill(0);
-            self.walk_media(hashes, |m| w_of[m] >= t, &mut cur);
+            self.walk_media(hashes, |m| w_of[m] >= t, cur.as_mut_slice());
             for ((o, d), c) in out.iter_mut().zip(depth.iter_mut()).zip(&cur) {
                 *o += t * c.saturating_sub(*d) as f64;
                 *d = *c;
@@ -912,7 +929,7 @@ impl PrefixIndex {
     /// that is not it (a run's start, a divergence, a hole). Exact either way: a table has
     /// one node per (key, parent tag). Nothing allocated; stops at the first block no
     /// instance still matching holds.
-    fn walk<const W: usize>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut [u32]) {
+    fn walk<const W: usize, S: Sink + ?Sized>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut S) {
         const NONE: usize = usize::MAX - 1;
         let n = hashes.len();
         let nt = tables.len();
@@ -984,7 +1001,7 @@ impl PrefixIndex {
             for k in 0..W {
                 let mut dead = alive[k] & !cur[k];
                 while dead != 0 {
-                    out[k * 64 + dead.trailing_zeros() as usize] = i as u32;
+                    out.put(k * 64 + dead.trailing_zeros() as usize, i as u32);
                     dead &= dead - 1;
                 }
                 alive[k] &= cur[k];
@@ -998,7 +1015,7 @@ impl PrefixIndex {
         mark(&alive, out, i as u32);
     }
 
-    fn walk_words(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut [u32]) {
+    fn walk_words<S: Sink + ?Sized>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut S) {
         let fill = |acc: &mut [u64], key: u64, tag: u32| {
             acc.fill(0);
             if tag == ROOT_TAG {
@@ -1086,12 +1103,37 @@ impl PrefixIndex {
     }
 }
 
+/// Where a walk writes each instance's prefix when it ends (written once per instance).
+trait Sink {
+    fn put(&mut self, id: usize, blocks: u32);
+}
+
+/// Dense: `out[id]`, zeroed before the walk.
+impl Sink for [u32] {
+    #[inline(always)]
+    fn put(&mut self, id: usize, blocks: u32) {
+        if let Some(x) = self.get_mut(id) {
+            *x = blocks;
+        }
+    }
+}
+
+/// Sparse: `(id, blocks)` pairs.
+struct Sparse<'a>(&'a mut Vec<(u32, u32)>);
+
+impl Sink for Sparse<'_> {
+    #[inline(always)]
+    fn put(&mut self, id: usize, blocks: u32) {
+        self.0.push((id as u32, blocks));
+    }
+}
+
 /// `out[id] = v` for every bit `id` set in `words`.
-fn mark(words: &[u64], out: &mut [u32], v: u32) {
+fn mark<S: Sink + ?Sized>(words: &[u64], out: &mut S, v: u32) {
     for (wi, x) in words.iter().enumerate() {
         let mut x = *x;
         while x != 0 {
-            out[wi * 64 + x.trailing_zeros() as usize] = v;
+            out.put(wi * 64 + x.trailing_zeros() as usize, v);
             x &= x - 1;
         }
     }
@@ -1257,6 +1299,11 @@ mod tests {
                         want.sort_unstable();
                         let got = ix.match_prefix(q, filter);
                         assert_eq!(got, want, "instances {ninst}, family {qi}, medium {mi:?}");
+                        let mut sparse = Vec::new();
+                        ix.match_sparse(q, filter, &mut sparse);
+                        sparse.sort_unstable();
+                        let sparse: Vec<(u32, usize)> = sparse.into_iter().map(|(i, k)| (i, k as usize)).collect();
+                        assert_eq!(sparse, want, "sparse: instances {ninst}, family {qi}, medium {mi:?}");
                     }
                 }
             }
@@ -1317,6 +1364,10 @@ mod tests {
                     }
                     want.sort_unstable();
                     assert_eq!(ix.match_prefix(q, None), want);
+                    let mut sparse = Vec::new();
+                    ix.match_sparse(q, None, &mut sparse);
+                    sparse.sort_unstable();
+                    assert!(sparse.iter().map(|&(i, k)| (i, k as usize)).eq(want.iter().copied()));
                 }
             }
         };
