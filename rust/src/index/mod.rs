@@ -967,8 +967,8 @@ impl PrefixIndex {
             let mut changed = false;
             for (k, t) in tables.iter().enumerate() {
                 let p = pos[k] + 1;
-                t.prefetch_hint(p + HINT_AHEAD);
-                t.prefetch_set(p + SET_AHEAD, &self.slab);
+                t.prefetch_hint(p.wrapping_add(HINT_AHEAD));
+                t.prefetch_set(p.wrapping_add(SET_AHEAD), &self.slab);
                 let mut s = t.at(p, h, tag);
                 if s != table::EMPTY {
                     pos[k] = p;
