@@ -22,6 +22,19 @@ pub fn prefetch_bytes(p: *const u8, size: usize) {
     let _ = (p, size);
 }
 
+/// Start loading the one cache line holding the byte at `p` (see [`prefetch_bytes`]).
+#[inline(always)]
+pub fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch is only a hint and never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Start loading `*v` (see [`prefetch_bytes`]).
 #[inline(always)]
 pub fn prefetch<T>(v: &T) {

@@ -46,7 +46,7 @@ struct Kv {
     ix: _core::index::PrefixIndex,
     names: Vec<String>,
     keys: Vec<u64>,
-    dense: Vec<u32>,
+    hits: Vec<(u32, u32)>,
     prepared: Vec<Vec<u64>>,
 }
 
@@ -57,7 +57,7 @@ impl Kv {
         for (h, n) in names.iter().enumerate() {
             assert_eq!(ix.add_instance(n).unwrap() as usize, h);
         }
-        Kv { ix, names, keys: Vec::new(), dense: Vec::new(), prepared: Vec::new() }
+        Kv { ix, names, keys: Vec::new(), hits: Vec::new(), prepared: Vec::new() }
     }
 }
 
@@ -74,11 +74,14 @@ impl Side for Kv {
         self.prepared = cell.keys.clone();
     }
     fn query(&mut self, _cell: &Cell, i: usize) {
-        self.ix.match_dense(&self.prepared[i], None, &mut self.dense);
-        black_box(&self.dense);
+        // the hits only, as SMG's `overlap` and Dynamo's `find_matches` give them
+        self.ix.match_sparse(&self.prepared[i], None, &mut self.hits);
+        black_box(&self.hits);
     }
     fn answer(&self) -> Vec<(u32, u32)> {
-        self.dense.iter().enumerate().filter(|(_, d)| **d > 0).map(|(h, d)| (h as u32, *d)).collect()
+        let mut v = self.hits.clone();
+        v.sort_unstable();
+        v
     }
 }
 

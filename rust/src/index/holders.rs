@@ -97,7 +97,12 @@ impl Slab {
         }
         let extra = n.saturating_sub(self.free.len());
         let err = || Error::Memory("cannot grow the holder sets".into());
+        let cap = self.bits.capacity();
         self.bits.try_reserve(extra * self.words).map_err(|_| err())?;
+        if self.bits.capacity() != cap {
+            // a lookup reads one random bitset per change of holders: huge pages once big
+            super::table::huge_pages(self.bits.as_ptr() as usize, self.bits.capacity() * 8);
+        }
         self.refs.try_reserve(extra).map_err(|_| err())?;
         self.tmp.try_reserve(self.words).map_err(|_| err())?;
         let (bits, w) = (&self.bits, self.words);

@@ -24,7 +24,9 @@
 //! set) nodes in which a chain's blocks lie next to each other (laid out in chain order as it
 //! grows), a 4-byte continuation hint per node, and an 8-byte-slot hash index kept 53-80%
 //! full; a lookup probes the index where a stored run starts and reads the rest of the run
-//! contiguously. Holder sets in one `u32` per node (an instance id inline, or a slot of
+//! contiguously (its newest nodes settled in chain order every 32Ki). A chain's first block
+//! lives in a small roots table whose hint names where the chain's second block went, so a
+//! walk starts without a probe of the big index. Holder sets in one `u32` per node (an instance id inline, or a slot of
 //! 64-instance bitsets, [`holders::Slab`]). Instances are `u32` ids with their names.
 
 pub mod depth;
@@ -104,6 +106,8 @@ const MAX_MEDIA: usize = 4;
 const STORE_AHEAD: usize = 3;
 /// How far ahead along a run the walk requests the node a continuation hint names.
 const HINT_AHEAD: usize = 6;
+/// How far ahead along a run the walk requests a node's holder bitset.
+const SET_AHEAD: usize = 8;
 
 /// One medium's chain-first blocks: their table, and in front of it a filter: one
 /// saturating count per hash bucket (4-8 buckets a node) kept for updates, and the bit
@@ -156,11 +160,29 @@ impl Roots {
         }
     }
 
-    fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> isize {
+    /// Also returns the node's position in the roots table.
+    fn store(&mut self, key: u64, inst: u32, slab: &mut Slab) -> (isize, usize) {
         let n = self.table.len();
-        let (d, _) = self.table.store(key, ROOT_TAG, inst, 1, slab);
+        let (d, at) = self.table.store(key, ROOT_TAG, inst, 1, slab);
         self.count(key, self.table.len() as isize - n as isize);
-        d
+        (d, at)
+    }
+
+    /// [`Self::get`], and the hint of where a chain's second block under `key` went in the
+    /// medium's table (a position to check, or past its end).
+    #[inline(always)]
+    fn get_hinted(&self, key: u64) -> (u32, usize) {
+        if self.bits.is_empty() {
+            return (table::EMPTY, usize::MAX - 1);
+        }
+        let b = self.bucket(key);
+        if self.bits[b / 64] >> (b % 64) & 1 == 0 {
+            return (table::EMPTY, usize::MAX - 1);
+        }
+        match self.table.find(key, ROOT_TAG) {
+            Some(p) => (self.table.set_at(p), self.table.hint(p)),
+            None => (table::EMPTY, usize::MAX - 1),
+        }
     }
 
     fn remove(&mut self, key: u64, inst: u32, slab: &mut Slab) -> usize {
@@ -338,6 +360,7 @@ impl PrefixIndex {
             removed += r.table.clear_instance(id, &mut self.slab);
             r.refilter();
         }
+        self.sync_hints();
         self.pairs -= removed;
         if let Some(Some(inst)) = self.instances.get_mut(id as usize) {
             inst.pairs = 0;
@@ -398,8 +421,12 @@ impl PrefixIndex {
                     // an empty table: nothing to compute, and no slot array to allocate yet
                     let _ = t.track_depths(Some(Vec::new()), &self.slab);
                 }
+                // the roots' hints name positions in the table: it says when its nodes move
+                t.record_moves = true;
                 self.tables.push(t);
-                self.roots.push(Roots::default());
+                let mut r = Roots::default();
+                r.table.foreign_hints = true;
+                self.roots.push(r);
                 self.media.len() - 1
             }
         }
@@ -428,26 +455,34 @@ impl PrefixIndex {
 
     /// Apply decoded events for instance `name` (registered if new, marked seen at `now_ms`).
     pub fn apply_batch(&mut self, name: &str, batch: &Batch<'_>, now_ms: u64) -> Result<ApplyStats> {
+        self.apply_events(name, &batch.events, &batch.hashes, now_ms)
+    }
+
+    /// [`Self::apply_batch`] of a batch's events and hashes.
+    fn apply_events(&mut self, name: &str, events: &[Event<'_>], hashes: &[u64], now_ms: u64) -> Result<ApplyStats> {
         let id = self.add_instance(name)?;
         // reserve first: nothing below can fail
         let (mut new_stored, mut new_roots) = (0, 0);
-        for ev in &batch.events {
+        for ev in events {
             if let Event::Stored { start, end, medium, parent, .. } = ev {
                 new_stored += end - start;
                 new_roots += usize::from(parent.is_none() && end > start);
                 self.medium_or_add(*medium);
             }
         }
+        let mut grown = Ok(());
         for t in &mut self.tables {
-            t.reserve(new_stored)?;
+            grown = grown.and_then(|_| t.reserve(new_stored));
         }
+        self.sync_hints();
+        grown?;
         for r in &mut self.roots {
             r.table.reserve(new_roots)?;
             r.reserve()?;
         }
         self.slab.reserve(new_stored)?;
         let mut st = ApplyStats::default();
-        for ev in &batch.events {
+        for ev in events {
             let (mut added, mut dropped) = (0usize, 0usize);
             match *ev {
                 Event::Cleared => {
@@ -462,6 +497,8 @@ impl PrefixIndex {
                     let Some(m) = self.medium_id(medium) else { continue };
                     let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
                     let mut tag = parent_tag(parent);
+                    // the roots position of the chain's first block, while its second is due
+                    let mut root_at = None;
                     // the chain depth of the block before the first (only kept under a cap)
                     let mut depth = match parent {
                         None => 0,
@@ -476,8 +513,8 @@ impl PrefixIndex {
                         (Some(p), _) if tag != ROOT_TAG => table.find_key(p),
                         _ => None,
                     };
-                    for (j, &h) in batch.hashes[start..end].iter().enumerate() {
-                        let run = &batch.hashes[start..end];
+                    for (j, &h) in hashes[start..end].iter().enumerate() {
+                        let run = &hashes[start..end];
                         if j == 0 {
                             for &ahead in run.iter().take(2 * STORE_AHEAD) {
                                 table.prefetch(ahead);
@@ -492,11 +529,16 @@ impl PrefixIndex {
                         // stored under one tag: the other table loses it
                         let d = if tag == ROOT_TAG {
                             prev = None;
-                            roots.store(h, id, &mut self.slab) - table.remove(h, id, &mut self.slab) as isize
+                            let (d, rp) = roots.store(h, id, &mut self.slab);
+                            root_at = Some(rp);
+                            d - table.remove(h, id, &mut self.slab) as isize
                         } else {
                             let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
                             if let Some(q) = prev {
                                 table.link(q, at);
+                            }
+                            if let Some(rp) = root_at.take() {
+                                roots.table.set_hint(rp, at);
                             }
                             prev = Some(at);
                             d - roots.remove(h, id, &mut self.slab) as isize
@@ -509,7 +551,7 @@ impl PrefixIndex {
                         tag = parent_tag(Some(h));
                     }
                     if let (Some(p), Some(Some(inst))) = (prev, self.instances.get_mut(id as usize)) {
-                        inst.last = (m, batch.hashes[end - 1], p);
+                        inst.last = (m, hashes[end - 1], p);
                     }
                 }
                 Event::Removed { start, end, medium, group } => {
@@ -519,7 +561,7 @@ impl PrefixIndex {
                     }
                     let Some(m) = self.medium_id(medium) else { continue };
                     let (table, roots) = (&mut self.tables[m], &mut self.roots[m]);
-                    for &h in &batch.hashes[start..end] {
+                    for &h in &hashes[start..end] {
                         dropped += table.remove(h, id, &mut self.slab) + roots.remove(h, id, &mut self.slab);
                     }
                 }
@@ -544,7 +586,16 @@ impl PrefixIndex {
         self.stats.cleared += st.cleared;
         self.stats.skipped += st.skipped;
         self.enforce_cap();
+        self.sync_hints();
         Ok(st)
+    }
+
+    /// Carry the roots' hints (into their medium's table) over the moves the tables made.
+    fn sync_hints(&mut self) {
+        for (t, r) in self.tables.iter_mut().zip(self.roots.iter_mut()) {
+            let moves = t.take_moves();
+            r.table.remap_hints(&moves);
+        }
     }
 
     // -- the memory cap ----------------------------------------------------------------------
@@ -715,31 +766,21 @@ impl PrefixIndex {
 
     /// `name` holds `hashes` on `medium`, chained from `parent` (a `BlockStored`).
     pub fn store(&mut self, name: &str, hashes: &[u64], parent: Option<u64>, medium: Option<&str>) -> Result<usize> {
-        let batch = Batch {
-            ts: 0.0,
-            events: vec![Event::Stored {
-                start: 0,
-                end: hashes.len(),
-                parent,
-                block_size: self.block_size.unwrap_or(0),
-                medium,
-                group: self.group,
-            }],
-            data_parallel_rank: None,
-            hashes: hashes.to_vec(),
+        let ev = Event::Stored {
+            start: 0,
+            end: hashes.len(),
+            parent,
+            block_size: self.block_size.unwrap_or(0),
+            medium,
+            group: self.group,
         };
-        Ok(self.apply_batch(name, &batch, 0)?.stored)
+        Ok(self.apply_events(name, &[ev], hashes, 0)?.stored)
     }
 
     /// `name` no longer holds `hashes` on `medium` (a `BlockRemoved`).
     pub fn remove(&mut self, name: &str, hashes: &[u64], medium: Option<&str>) -> Result<usize> {
-        let batch = Batch {
-            ts: 0.0,
-            events: vec![Event::Removed { start: 0, end: hashes.len(), medium, group: self.group }],
-            data_parallel_rank: None,
-            hashes: hashes.to_vec(),
-        };
-        Ok(self.apply_batch(name, &batch, 0)?.removed)
+        let ev = Event::Removed { start: 0, end: hashes.len(), medium, group: self.group };
+        Ok(self.apply_events(name, &[ev], hashes, 0)?.removed)
     }
 
     // -- lookups -----------------------------------------------------------------------------
@@ -751,17 +792,34 @@ impl PrefixIndex {
         out.clear();
         out.resize(self.instances.len(), 0);
         match medium {
-            None => self.walk_media(hashes, |_| true, out),
+            None => self.walk_media(hashes, |_| true, out.as_mut_slice()),
             Some(m) => {
                 if let Some(i) = self.medium_id(m) {
-                    self.walk_media(hashes, |x| x == i, out)
+                    self.walk_media(hashes, |x| x == i, out.as_mut_slice())
+                }
+            }
+        }
+    }
+
+    /// The longest cached prefix of the chain `hashes` on each instance with a hit, as
+    /// `(id, blocks)` pairs in `out` (cleared first; in no particular order): what
+    /// [`Self::match_dense`] gives, without writing a slot per instance (no allocation once
+    /// `out` has room).
+    pub fn match_sparse(&self, hashes: &[u64], medium: Option<Option<&str>>, out: &mut Vec<(u32, u32)>) {
+        out.clear();
+        let mut sink = Sparse(out);
+        match medium {
+            None => self.walk_media(hashes, |_| true, &mut sink),
+            Some(m) => {
+                if let Some(i) = self.medium_id(m) {
+                    self.walk_media(hashes, |x| x == i, &mut sink)
                 }
             }
         }
     }
 
     /// The walk over the media `keep` accepts (into `out`, zeroed, `id_bound` long).
-    fn walk_media(&self, hashes: &[u64], keep: impl Fn(usize) -> bool, out: &mut [u32]) {
+    fn walk_media<S: Sink + ?Sized>(&self, hashes: &[u64], keep: impl Fn(usize) -> bool, out: &mut S) {
         let n = (0..self.tables.len()).filter(|&m| keep(m)).count();
         if hashes.is_empty() || n == 0 {
             return;
@@ -783,11 +841,11 @@ impl PrefixIndex {
         }
         let (tables, roots) = (&tables[..k], &roots[..k]);
         match w {
-            1 => self.walk::<1>(hashes, roots, tables, out),
-            2 => self.walk::<2>(hashes, roots, tables, out),
-            3 | 4 => self.walk::<4>(hashes, roots, tables, out),
-            5..=8 => self.walk::<8>(hashes, roots, tables, out),
-            _ => self.walk::<16>(hashes, roots, tables, out),
+            1 => self.walk::<1, S>(hashes, roots, tables, out),
+            2 => self.walk::<2, S>(hashes, roots, tables, out),
+            3 | 4 => self.walk::<4, S>(hashes, roots, tables, out),
+            5..=8 => self.walk::<8, S>(hashes, roots, tables, out),
+            _ => self.walk::<16, S>(hashes, roots, tables, out),
         }
     }
 
@@ -835,7 +893,7 @@ impl PrefixIndex {
         let mut cur = vec![0u32; n];
         for t in tiers {
             cur.fill(0);
-            self.walk_media(hashes, |m| w_of[m] >= t, &mut cur);
+            self.walk_media(hashes, |m| w_of[m] >= t, cur.as_mut_slice());
             for ((o, d), c) in out.iter_mut().zip(depth.iter_mut()).zip(&cur) {
                 *o += t * c.saturating_sub(*d) as f64;
                 *d = *c;
@@ -871,13 +929,17 @@ impl PrefixIndex {
     /// that is not it (a run's start, a divergence, a hole). Exact either way: a table has
     /// one node per (key, parent tag). Nothing allocated; stops at the first block no
     /// instance still matching holds.
-    fn walk<const W: usize>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut [u32]) {
+    fn walk<const W: usize, S: Sink + ?Sized>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], out: &mut S) {
         const NONE: usize = usize::MAX - 1;
         let n = hashes.len();
         let nt = tables.len();
         let mut sets = [table::EMPTY; MAX_MEDIA];
+        // per table, where the roots say the chain's second block went (checked like a
+        // continuation hint, so the walk's first step needs no probe of the index)
+        let mut seed = [NONE; MAX_MEDIA];
         for (k, r) in roots.iter().enumerate() {
-            sets[k] = r.get(hashes[0]);
+            (sets[k], seed[k]) = r.get_hinted(hashes[0]);
+            tables[k].prefetch_at(seed[k]);
         }
         let mut alive = [0u64; W];
         self.gather(&sets[..nt], &mut alive);
@@ -888,37 +950,47 @@ impl PrefixIndex {
         let mut cur = [0u64; W];
         let mut i = 1;
         while i < n {
+            if nt == 1 && pos[0] != NONE && tables[0].set_at(pos[0] + 1) == sets[0] {
+                // one medium, inside a stored run: the blocks whose nodes follow in the
+                // arena with the same holders change nothing
+                let r = tables[0].run_len(pos[0], sets[0], hashes, i, &self.slab);
+                pos[0] += r;
+                i += r;
+                if i >= n {
+                    break;
+                }
+            }
             let h = hashes[i];
             let tag = parent_tag(Some(hashes[i - 1]));
-            let before = sets;
+            // whether a table's set word differs from the previous block's (a flag, not a
+            // compare of the arrays: that read the words just written, a stall)
+            let mut changed = false;
             for (k, t) in tables.iter().enumerate() {
                 let p = pos[k] + 1;
-                t.prefetch_hint(p + HINT_AHEAD);
-                let s = t.at(p, h, tag);
+                t.prefetch_hint(p.wrapping_add(HINT_AHEAD));
+                t.prefetch_set(p.wrapping_add(SET_AHEAD), &self.slab);
+                let mut s = t.at(p, h, tag);
                 if s != table::EMPTY {
-                    sets[k] = s;
                     pos[k] = p;
-                    continue;
-                }
-                let q = t.hint(pos[k]);
-                let s = t.at(q, h, tag);
-                if s != table::EMPTY {
-                    sets[k] = s;
-                    pos[k] = q;
                 } else {
-                    match t.find(h, tag) {
-                        Some(p) => {
-                            sets[k] = t.at(p, h, tag);
-                            pos[k] = p;
-                        }
-                        None => {
-                            sets[k] = table::EMPTY;
-                            pos[k] = NONE;
+                    let q = if pos[k] == NONE { std::mem::replace(&mut seed[k], NONE) } else { t.hint(pos[k]) };
+                    s = t.at(q, h, tag);
+                    if s != table::EMPTY {
+                        pos[k] = q;
+                    } else {
+                        match t.find(h, tag) {
+                            Some(p) => {
+                                s = t.at(p, h, tag);
+                                pos[k] = p;
+                            }
+                            None => pos[k] = NONE,
                         }
                     }
                 }
+                changed |= s != sets[k];
+                sets[k] = s;
             }
-            if sets == before {
+            if !changed {
                 // the previous block's holders (a shared prefix's blocks share one interned
                 // set): every instance still alive holds this block too
                 i += 1;
@@ -929,7 +1001,7 @@ impl PrefixIndex {
             for k in 0..W {
                 let mut dead = alive[k] & !cur[k];
                 while dead != 0 {
-                    out[k * 64 + dead.trailing_zeros() as usize] = i as u32;
+                    out.put(k * 64 + dead.trailing_zeros() as usize, i as u32);
                     dead &= dead - 1;
                 }
                 alive[k] &= cur[k];
@@ -943,7 +1015,7 @@ impl PrefixIndex {
         mark(&alive, out, i as u32);
     }
 
-    fn walk_words(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut [u32]) {
+    fn walk_words<S: Sink + ?Sized>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut S) {
         let fill = |acc: &mut [u64], key: u64, tag: u32| {
             acc.fill(0);
             if tag == ROOT_TAG {
@@ -1031,12 +1103,37 @@ impl PrefixIndex {
     }
 }
 
+/// Where a walk writes each instance's prefix when it ends (written once per instance).
+trait Sink {
+    fn put(&mut self, id: usize, blocks: u32);
+}
+
+/// Dense: `out[id]`, zeroed before the walk.
+impl Sink for [u32] {
+    #[inline(always)]
+    fn put(&mut self, id: usize, blocks: u32) {
+        if let Some(x) = self.get_mut(id) {
+            *x = blocks;
+        }
+    }
+}
+
+/// Sparse: `(id, blocks)` pairs.
+struct Sparse<'a>(&'a mut Vec<(u32, u32)>);
+
+impl Sink for Sparse<'_> {
+    #[inline(always)]
+    fn put(&mut self, id: usize, blocks: u32) {
+        self.0.push((id as u32, blocks));
+    }
+}
+
 /// `out[id] = v` for every bit `id` set in `words`.
-fn mark(words: &[u64], out: &mut [u32], v: u32) {
+fn mark<S: Sink + ?Sized>(words: &[u64], out: &mut S, v: u32) {
     for (wi, x) in words.iter().enumerate() {
         let mut x = *x;
         while x != 0 {
-            out[wi * 64 + x.trailing_zeros() as usize] = v;
+            out.put(wi * 64 + x.trailing_zeros() as usize, v);
             x &= x - 1;
         }
     }
@@ -1202,10 +1299,115 @@ mod tests {
                         want.sort_unstable();
                         let got = ix.match_prefix(q, filter);
                         assert_eq!(got, want, "instances {ninst}, family {qi}, medium {mi:?}");
+                        let mut sparse = Vec::new();
+                        ix.match_sparse(q, filter, &mut sparse);
+                        sparse.sort_unstable();
+                        let sparse: Vec<(u32, usize)> = sparse.into_iter().map(|(i, k)| (i, k as usize)).collect();
+                        assert_eq!(sparse, want, "sparse: instances {ninst}, family {qi}, medium {mi:?}");
                     }
                 }
             }
         }
+    }
+
+    /// Chains shared by 1-4 instances, stored in batches of 8 whose streams interleave (as
+    /// a fleet's engines publish), with re-published batches, holes, restores under a wrong
+    /// parent and cleared instances: the answers match a reference model at every checkpoint,
+    /// while the tables settle their young nodes in chain order many times over and grow.
+    #[test]
+    fn interleaved_batches_match_a_reference_through_settles() {
+        use std::collections::HashMap as Map;
+        let mut x = 0x9e37_79b9u64;
+        let mut rnd = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        let ninst = 24u64;
+        let chains: Vec<Vec<u64>> =
+            (0..120u64).map(|c| (0..8 + rnd(200)).map(|b| ((c + 1) << 32) + b * 7919 + 1).collect()).collect();
+        // per (chain, holder) a script of (parent, batch)
+        type Script = Vec<(Option<u64>, Vec<u64>)>;
+        let mut scripts: Vec<(u64, Script)> = Vec::new();
+        for ch in &chains {
+            let h0 = rnd(ninst);
+            for k in 0..1 + rnd(4) {
+                let mut parent = None;
+                let mut script = Vec::new();
+                for b in ch.chunks(8) {
+                    script.push((parent, b.to_vec()));
+                    parent = b.last().copied();
+                }
+                scripts.push(((h0 + 5 * k) % ninst, script));
+            }
+        }
+        let mut ix = PrefixIndex::new(None, 0);
+        let mut held: Map<(u64, u64), u32> = Map::new();
+        let mut cursor = vec![0usize; scripts.len()];
+        let mut live: Vec<usize> = (0..scripts.len()).collect();
+        let mut step = 0;
+        let check = |ix: &PrefixIndex, held: &Map<(u64, u64), u32>| {
+            for ch in &chains {
+                for q in [&ch[..], &ch[..ch.len() / 2 + 1]] {
+                    let mut want = Vec::new();
+                    for inst in 0..ninst {
+                        let mut k = 0;
+                        while k < q.len() {
+                            let tag = if k == 0 { ROOT_TAG } else { parent_tag(Some(q[k - 1])) };
+                            if held.get(&(inst, q[k])) != Some(&tag) {
+                                break;
+                            }
+                            k += 1;
+                        }
+                        if k > 0 {
+                            want.push((ix.instance_id(&format!("i{inst}")).unwrap(), k));
+                        }
+                    }
+                    want.sort_unstable();
+                    assert_eq!(ix.match_prefix(q, None), want);
+                    let mut sparse = Vec::new();
+                    ix.match_sparse(q, None, &mut sparse);
+                    sparse.sort_unstable();
+                    assert!(sparse.iter().map(|&(i, k)| (i, k as usize)).eq(want.iter().copied()));
+                }
+            }
+        };
+        while !live.is_empty() {
+            let li = rnd(live.len() as u64) as usize;
+            let si = live[li];
+            let (inst, script) = &scripts[si];
+            let name = format!("i{inst}");
+            let (parent, batch) = &script[cursor[si]];
+            let parent = if rnd(100) == 0 { Some(99) } else { *parent };
+            ix.store(&name, batch, parent, None).unwrap();
+            let mut tag = parent_tag(parent);
+            for &h in batch {
+                held.insert((*inst, h), tag);
+                tag = parent_tag(Some(h));
+            }
+            match rnd(100) {
+                0..=2 => {
+                    let h = batch[rnd(batch.len() as u64) as usize];
+                    ix.remove(&name, &[h], None).unwrap();
+                    held.remove(&(*inst, h));
+                }
+                3 if rnd(20) == 0 => {
+                    ix.clear_instance(&name).unwrap();
+                    held.retain(|k, _| k.0 != *inst);
+                }
+                4..=8 => cursor[si] = cursor[si].saturating_sub(1),
+                _ => {}
+            }
+            cursor[si] += 1;
+            if cursor[si] == script.len() {
+                live.swap_remove(li);
+            }
+            step += 1;
+            if step % 400 == 0 {
+                check(&ix, &held);
+            }
+        }
+        check(&ix, &held);
+        assert!(ix.num_pairs() > 10_000);
     }
 
     #[test]

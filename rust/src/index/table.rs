@@ -14,9 +14,13 @@
 //! (the top 32 bits of the hash's mix, which also give its home slot, and the node's arena
 //! position), any capacity (multiply-shift home), grown at 80% load and shrunk below 25%,
 //! backward-shift deletion (no tombstones). A lookup walking a chain probes the index where
-//! a run starts and then reads the arena's next node ([`Table::follow`]): a hit when its key
-//! and tag are the query's next block and parent (a node is unique per (key, tag), so the
-//! answer is the one a probe gives), contiguous memory the hardware streams in.
+//! a run starts and then reads the arena's next nodes ([`Table::run_len`], [`Table::at`]): a
+//! hit when its key and tag are the query's next block and parent (a node is unique per
+//! (key, tag), so the answer is the one a probe gives), contiguous memory the hardware
+//! streams in. Chains stored in small batches interleaved with others' are laid out in
+//! chain order when the arena grows (`Table::relayout`) and, for the nodes stored since,
+//! every 32Ki nodes in place (`Table::settle`); a table records where its nodes moved
+//! ([`Table::take_moves`]) for another table's hints into it (a roots table's).
 
 use super::depth::Depths;
 use super::holders::Slab;
@@ -85,6 +89,20 @@ pub const EMPTY: u32 = u32::MAX;
 /// No continuation hint.
 const NO_NEXT: u32 = u32::MAX;
 
+/// How far ahead (nodes) [`Table::run_len`] requests the arena, the nodes hints name, and
+/// a differing holder bitset.
+const RUN_AHEAD: usize = 32;
+const HINT_RUN_AHEAD: usize = 64;
+const SET_AHEAD: usize = 16;
+
+/// The young nodes are laid out in chain order (`Table::settle`) once there are this
+/// many, if at least `SETTLE_LINKS` runs among them were stored apart from their chain.
+/// (Small under test, so that every test's tables settle.)
+const SETTLE_NODES: usize = if cfg!(test) { 256 } else { 32 << 10 };
+const SETTLE_LINKS: usize = if cfg!(test) { 4 } else { 256 };
+/// How far ahead [`Table::settle`] requests index slots.
+const SETTLE_AHEAD: usize = 16;
+
 /// A free index slot.
 const FREE_SLOT: u64 = u64::MAX;
 const MIN_CAP: usize = 16;
@@ -120,10 +138,40 @@ pub struct Table {
     /// The eviction clock's hand: the arena position a capped index's next eviction sweep
     /// starts at.
     hand: usize,
+    /// The arena position from which nodes were stored since the arena was last laid out
+    /// in chain order (by [`Self::relayout`] or [`Self::settle`]).
+    young: usize,
+    /// Hints set since then (runs stored apart from the block they continue).
+    links: usize,
+    /// Positions before `young` whose hint was set since then (to carry over when the young
+    /// nodes move).
+    into_young: Vec<u32>,
+    /// The hints name positions in another table (a roots table's: where a chain's second
+    /// block went in its medium's table): they move with their nodes unchanged, and
+    /// laying this arena out never follows them.
+    pub foreign_hints: bool,
+    /// Keep the moves of nodes (for another table's hints into this one) until
+    /// [`Self::take_moves`].
+    pub record_moves: bool,
+    moves: Moves,
+    /// Tests that look at the layout growth makes turn [`Self::settle`] off.
+    #[cfg(test)]
+    no_settle: bool,
     /// Chain depths, kept only while the index is capped (empty otherwise): `depth[p]` for
     /// arena position `p` (0: a dead node), and the (block, holder) pairs at each depth. See
     /// [`super::depth`].
     depth: Depths,
+}
+
+/// Nodes moved since [`Table::take_moves`] last asked.
+#[derive(Debug, Default)]
+pub enum Moves {
+    #[default]
+    None,
+    /// Position `p >= .0` went to `.1[p - .0]` ([`u32::MAX`]: dropped); those below stayed.
+    Map(usize, Vec<u32>),
+    /// Moved, not known where (more than one move since asked, or no memory for the map).
+    Lost,
 }
 
 /// What one eviction sweep of a table did.
@@ -186,21 +234,33 @@ impl Table {
     /// Rebuild the index with `cap` slots (at least `len / 0.8`) from the arena.
     fn reindex(&mut self, cap: usize) -> Result<()> {
         let cap = cap.max(MIN_CAP);
+        let oom = |_| Error::Memory("cannot grow the prefix index".into());
         if cap != self.index.len() {
             let mut index = Vec::new();
-            index.try_reserve_exact(cap).map_err(|_| Error::Memory("cannot grow the prefix index".into()))?;
+            index.try_reserve_exact(cap).map_err(oom)?;
             huge_pages(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
             index.resize(cap, FREE_SLOT);
             self.index = index;
         } else {
             self.index.fill(FREE_SLOT);
         }
-        for (p, n) in self.nodes.iter().enumerate() {
+        self.place_all();
+        Ok(())
+    }
+
+    /// Put every live node in the (empty) index.
+    fn place_all(&mut self) {
+        let cap = self.index.len();
+        // one random slot per node: each requested ahead
+        for p in 0..self.nodes.len() {
+            if let Some(a) = self.nodes.get(p + SETTLE_AHEAD) {
+                crate::prefetch::prefetch(&self.index[Self::home_of(fp(a.key), cap)]);
+            }
+            let n = self.nodes[p];
             if n.set != EMPTY {
                 Self::place(&mut self.index, n.key, p);
             }
         }
-        Ok(())
     }
 
     /// Slide the live nodes down over the dead ones (order kept), then rebuild the index in
@@ -211,7 +271,11 @@ impl Table {
         let mut moved: Vec<u32> = Vec::new();
         let remap = moved.try_reserve_exact(self.nodes.len()).is_ok();
         let mut w = 0;
+        let mut young = None;
         for r in 0..self.nodes.len() {
+            if r == self.young {
+                young = Some(w);
+            }
             let n = self.nodes[r];
             if n.set != EMPTY {
                 if remap {
@@ -232,11 +296,24 @@ impl Table {
         }
         self.nodes.truncate(w);
         self.next.truncate(w);
-        for x in &mut self.next {
-            if *x != NO_NEXT {
-                *x = if remap { moved.get(*x as usize).copied().unwrap_or(NO_NEXT) } else { NO_NEXT };
+        self.young = young.unwrap_or(w);
+        if !remap {
+            self.laid_out();
+        }
+        if !self.foreign_hints {
+            for x in &mut self.next {
+                if *x != NO_NEXT {
+                    *x = if remap { moved.get(*x as usize).copied().unwrap_or(NO_NEXT) } else { NO_NEXT };
+                }
             }
         }
+        if remap {
+            for q in &mut self.into_young {
+                *q = moved.get(*q as usize).copied().unwrap_or(NO_NEXT);
+            }
+            self.into_young.retain(|&q| q != NO_NEXT);
+        }
+        self.moved(0, remap.then_some(moved));
         self.dead = 0;
         self.hand = 0;
         let cap = self.index.len();
@@ -284,16 +361,18 @@ impl Table {
                 let child = |c: usize| c < n && old[c].set != EMPTY && old[c].tag == tag && moved[c] == NO_NEXT;
                 p = if child(p + 1) {
                     p + 1
-                } else if child(self.next[p] as usize) {
+                } else if !self.foreign_hints && child(self.next[p] as usize) {
                     self.next[p] as usize
                 } else {
                     break;
                 };
             }
         }
-        for x in &mut next {
-            if *x != NO_NEXT {
-                *x = moved.get(*x as usize).copied().unwrap_or(NO_NEXT);
+        if !self.foreign_hints {
+            for x in &mut next {
+                if *x != NO_NEXT {
+                    *x = moved.get(*x as usize).copied().unwrap_or(NO_NEXT);
+                }
             }
         }
         for (p, &m) in moved.iter().enumerate() {
@@ -305,15 +384,177 @@ impl Table {
         self.next = next;
         self.dead = 0;
         self.hand = 0;
+        self.laid_out();
+        self.moved(0, Some(moved));
         if icap != self.index.len() {
             // dropping the old index first: the new one is reserved
             self.index = Vec::new();
             index.resize(icap, FREE_SLOT);
             self.index = index;
+        } else {
+            self.index.fill(FREE_SLOT);
         }
-        // the same size now: an in-place rebuild that allocates nothing
-        let _ = self.reindex(icap);
+        self.place_all();
         Ok(())
+    }
+
+    /// Record a move (positions from `y` on went to `map`).
+    fn moved(&mut self, y: usize, map: Option<Vec<u32>>) {
+        if self.record_moves {
+            self.moves = match (std::mem::take(&mut self.moves), map) {
+                (Moves::None, Some(m)) => Moves::Map(y, m),
+                (Moves::Map(y1, m1), Some(m2)) => Self::compose(y1, &m1, y, &m2),
+                _ => Moves::Lost,
+            };
+        }
+    }
+
+    /// The moves `(y1, m1)` then `(y2, m2)` as one (positions past `m1`'s: nodes stored
+    /// between the two).
+    fn compose(y1: usize, m1: &[u32], y2: usize, m2: &[u32]) -> Moves {
+        let (base, end) = (y1.min(y2), (y1 + m1.len()).max(y2 + m2.len()));
+        let mut out: Vec<u32> = Vec::new();
+        if out.try_reserve_exact(end.saturating_sub(base)).is_err() {
+            return Moves::Lost;
+        }
+        for p in base..end {
+            let q = if p >= y1 { m1.get(p - y1).copied().unwrap_or(p as u32) } else { p as u32 };
+            out.push(match q {
+                NO_NEXT => NO_NEXT,
+                q if q as usize >= y2 => m2.get(q as usize - y2).copied().unwrap_or(NO_NEXT),
+                q => q,
+            });
+        }
+        Moves::Map(base, out)
+    }
+
+    /// The nodes moved since last asked (then forgotten).
+    pub fn take_moves(&mut self) -> Moves {
+        std::mem::take(&mut self.moves)
+    }
+
+    /// Set the (foreign) hint of position `q` to `a`.
+    #[inline(always)]
+    pub fn set_hint(&mut self, q: usize, a: usize) {
+        if let Some(x) = self.next.get_mut(q) {
+            *x = a as u32;
+        }
+    }
+
+    /// The table the (foreign) hints name moved its nodes: carry the hints over.
+    pub fn remap_hints(&mut self, moves: &Moves) {
+        match moves {
+            Moves::None => {}
+            Moves::Map(y, map) => {
+                for x in &mut self.next {
+                    if *x != NO_NEXT && *x as usize >= *y {
+                        *x = map.get(*x as usize - y).copied().unwrap_or(NO_NEXT);
+                    }
+                }
+            }
+            Moves::Lost => self.next.fill(NO_NEXT),
+        }
+    }
+
+    /// Every node is where the chain-order layout put it.
+    fn laid_out(&mut self) {
+        self.young = self.nodes.len();
+        self.links = 0;
+        self.into_young.clear();
+    }
+
+    /// Lay the young nodes (those stored since the last layout) out in chain order, in
+    /// place: each run followed by the run stored under its last block, as
+    /// [`Self::relayout`] does for the whole arena, so that chains stored in small batches
+    /// interleaved with other instances' read contiguously without waiting for the arena's
+    /// next growth. Dead young nodes go. Moves only young nodes (their index slots are
+    /// rewritten; hints into them carried over). Needs scratch memory for the young nodes:
+    /// without it nothing changes (the layout is only an optimization).
+    fn settle(&mut self) {
+        let (y, n) = (self.young, self.nodes.len());
+        let m = n - y;
+        let mut order: Vec<u32> = Vec::new();
+        let mut moved: Vec<u32> = Vec::new();
+        let mut slots: Vec<usize> = Vec::new();
+        let mut nodes: Vec<Node> = Vec::new();
+        let mut next: Vec<u32> = Vec::new();
+        let mut depth: Vec<u8> = Vec::new();
+        if order.try_reserve_exact(m).is_err()
+            || moved.try_reserve_exact(m).is_err()
+            || slots.try_reserve_exact(m).is_err()
+            || nodes.try_reserve_exact(m).is_err()
+            || next.try_reserve_exact(m).is_err()
+            || (self.depth.on() && depth.try_reserve_exact(m).is_err())
+        {
+            self.laid_out();
+            return;
+        }
+        moved.resize(m, NO_NEXT);
+        let old = &self.nodes;
+        for start in y..n {
+            if old[start].set == EMPTY || moved[start - y] != NO_NEXT {
+                continue;
+            }
+            let mut p = start;
+            loop {
+                moved[p - y] = (y + order.len()) as u32;
+                order.push(p as u32);
+                let tag = parent_tag(Some(old[p].key));
+                let child =
+                    |c: usize| c >= y && c < n && old[c].set != EMPTY && old[c].tag == tag && moved[c - y] == NO_NEXT;
+                p = if child(p + 1) {
+                    p + 1
+                } else if child(self.next[p] as usize) {
+                    self.next[p] as usize
+                } else {
+                    break;
+                };
+            }
+        }
+        // the index slot of every moved node, found while the index still names the old
+        // positions (a (fingerprint, position) pair is unique then), its home requested ahead
+        let cap = self.index.len();
+        for (j, &p) in order.iter().enumerate() {
+            if let Some(&a) = order.get(j + SETTLE_AHEAD) {
+                crate::prefetch::prefetch(&self.index[Self::home_of(fp(old[a as usize].key), cap)]);
+            }
+            slots.push(if p as usize == y + j { usize::MAX } else { self.slot_of(p as usize) });
+        }
+        for &p in &order {
+            let p = p as usize;
+            nodes.push(self.nodes[p]);
+            let h = self.next[p];
+            next.push(if h as usize >= y && (h as usize) < n { moved[h as usize - y] } else { h });
+            if self.depth.on() {
+                depth.push(self.depth.at(p));
+            }
+        }
+        let live = order.len();
+        self.dead -= m - live;
+        self.nodes.truncate(y);
+        self.nodes.extend_from_slice(&nodes);
+        self.next.truncate(y);
+        self.next.extend_from_slice(&next);
+        for j in 0..m {
+            self.depth.put(y + j, depth.get(j).copied().unwrap_or(0));
+        }
+        for (j, &s) in slots.iter().enumerate() {
+            if s != usize::MAX {
+                self.index[s] = (self.index[s] >> 32) << 32 | (y + j) as u64;
+            }
+        }
+        for &q in &self.into_young {
+            if let Some(x) = self.next.get_mut(q as usize) {
+                if *x as usize >= y && (*x as usize) < n {
+                    *x = moved[*x as usize - y];
+                }
+            }
+        }
+        if self.hand > y {
+            self.hand = y;
+        }
+        self.laid_out();
+        self.moved(y, Some(moved));
     }
 
     /// Make room for `n` more nodes.
@@ -321,6 +562,13 @@ impl Table {
         let need = self.len.saturating_add(n);
         if need > MAX_NODES {
             return Err(Error::Memory("the prefix index is full".into()));
+        }
+        #[cfg(test)]
+        let off = self.no_settle;
+        #[cfg(not(test))]
+        let off = false;
+        if !off && self.links >= SETTLE_LINKS && self.nodes.len() - self.young >= SETTLE_NODES {
+            self.settle();
         }
         if self.nodes.len() + n > self.nodes.capacity() {
             if self.dead > 0 && self.dead >= self.len / 4 && self.len + n <= self.nodes.capacity() {
@@ -400,6 +648,81 @@ impl Table {
         }
     }
 
+    /// The contiguous walk, several blocks at once: from arena position `p` (the node of
+    /// `hashes[i - 1]`), how many of `hashes[i..]` are the nodes right after it, each under
+    /// the block before it and with holder set word `set` (so a walk's live instances are
+    /// unchanged over them). Exact: a table has one node per (key, tag). Compares four nodes
+    /// per step without a branch between them, requests the arena `RUN_AHEAD` nodes ahead,
+    /// the nodes continuation hints name `HINT_RUN_AHEAD` nodes ahead, and the holder
+    /// bitset of a node ahead whose set differs (the walk will gather it).
+    #[inline]
+    pub fn run_len(&self, p: usize, set: u32, hashes: &[u64], i: usize, slab: &Slab) -> usize {
+        let start = p.wrapping_add(1);
+        if i == 0 || start >= self.nodes.len() || i >= hashes.len() {
+            return 0;
+        }
+        let avail = (self.nodes.len() - start).min(hashes.len() - i);
+        let (Some(nodes), Some(q), Some(next)) =
+            (self.nodes.get(start..start + avail), hashes.get(i - 1..i + avail), self.next.get(start..))
+        else {
+            return 0;
+        };
+        let base = self.nodes.as_ptr();
+        let mut k = 0;
+        while k + 4 <= avail {
+            // a prefetch never faults: past the arena's end it is only wasted
+            // four nodes a step: one line a step, RUN_AHEAD nodes ahead, covers every line
+            crate::prefetch::prefetch_line(base.wrapping_add(start + k + RUN_AHEAD) as *const u8);
+            let hints = next.get(k + HINT_RUN_AHEAD..k + HINT_RUN_AHEAD + 4);
+            if let Some(h) = hints {
+                if h[0] & h[1] & h[2] & h[3] != NO_NEXT {
+                    for &x in h {
+                        if let Some(n) = self.nodes.get(x as usize) {
+                            // the start of the run it names, a few lines of it
+                            crate::prefetch::prefetch_bytes(n as *const Node as *const u8, 4 * 64);
+                        }
+                    }
+                }
+            }
+            if let Some(n) = nodes.get(k + SET_AHEAD) {
+                if n.set != set {
+                    slab.prefetch(n.set);
+                }
+            }
+            let mut ok = true;
+            for d in 0..4 {
+                let n = nodes[k + d];
+                ok &= (n.key == q[k + d + 1]) & (n.tag == parent_tag(Some(q[k + d]))) & (n.set == set);
+            }
+            if !ok {
+                break;
+            }
+            k += 4;
+        }
+        while k < avail {
+            let n = nodes[k];
+            if n.key != q[k + 1] || n.tag != parent_tag(Some(q[k])) || n.set != set {
+                break;
+            }
+            k += 1;
+        }
+        k
+    }
+
+    /// The holder set word of the node at arena position `p` ([`EMPTY`] past the end).
+    #[inline(always)]
+    pub fn set_at(&self, p: usize) -> u32 {
+        self.nodes.get(p).map_or(EMPTY, |n| n.set)
+    }
+
+    /// Start loading the holder bitset of the node at arena position `p`, if any.
+    #[inline(always)]
+    pub fn prefetch_set(&self, p: usize, slab: &Slab) {
+        if let Some(n) = self.nodes.get(p) {
+            slab.prefetch(n.set);
+        }
+    }
+
     /// The continuation hint of arena position `p` (a position, or past the arena's end).
     #[inline(always)]
     pub fn hint(&self, p: usize) -> usize {
@@ -436,6 +759,12 @@ impl Table {
         if a != q + 1 {
             if let Some(x) = self.next.get_mut(q) {
                 *x = a as u32;
+                if a >= self.young {
+                    self.links += 1;
+                    if q < self.young {
+                        self.into_young.push(q as u32);
+                    }
+                }
             }
         }
     }
@@ -514,6 +843,7 @@ impl Table {
             self.next.pop();
             self.dead -= 1;
         }
+        self.young = self.young.min(self.nodes.len());
     }
 
     /// The index slot of arena position `p` (a live node).
@@ -915,6 +1245,7 @@ mod tests {
         let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
         let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
         let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        t.no_settle = true;
         // room for all: no growth until asked for below
         t.reserve(40 * 64).unwrap();
         for batch in 0..8 {
@@ -942,6 +1273,116 @@ mod tests {
             }
         }
         assert_eq!(t.len(), 40 * 64);
+    }
+
+    /// The young nodes settle in place: chains whose first batch was laid out before and
+    /// whose later batches came interleaved with other chains' read contiguously after their
+    /// first batch's hint, every index slot names its node's new position, and the dead
+    /// young nodes go.
+    #[test]
+    fn settling_lays_young_chains_out_in_place() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
+        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
+        t.no_settle = true;
+        t.reserve(40 * 64 + 40).unwrap();
+        let cap = t.nodes.capacity();
+        for batch in 0..8 {
+            if batch == 1 {
+                // the first batches were laid out
+                t.laid_out();
+            }
+            for (c, ch) in chains.iter().enumerate() {
+                if batch == 3 {
+                    // a dead young node: a block stored, then removed once others follow
+                    t.store(1 << 60 | c as u64, 9, 1, 2, &mut slab);
+                }
+                for i in batch * 8..batch * 8 + 8 {
+                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, &mut slab);
+                    if let Some(q) = prev[c] {
+                        t.link(q, at);
+                    }
+                    prev[c] = Some(at);
+                }
+                if batch == 3 {
+                    t.remove(1 << 60 | c as u64, 1, &mut slab);
+                }
+            }
+        }
+        assert!(t.dead > 0);
+        t.settle();
+        assert_eq!((t.dead, t.len(), t.nodes.len(), t.nodes.capacity()), (0, 40 * 64, 40 * 64, cap));
+        for (c, ch) in chains.iter().enumerate() {
+            let p0 = t.find(ch[0], 7).unwrap();
+            assert!(p0 < 40 * 8, "chain {c}'s first batch stays");
+            let q0 = t.hint(p0 + 7);
+            for i in 0..ch.len() {
+                let p = if i < 8 { p0 + i } else { q0 + i - 8 };
+                assert_eq!(t.at(p, ch[i], tag_of(ch, i)), c as u32 % 3, "chain {c}, block {i}");
+                assert_eq!(t.find(ch[i], tag_of(ch, i)), Some(p));
+            }
+        }
+    }
+
+    /// A table's moves, composed when two come before they are asked for, carry another
+    /// table's hints into it over: each still names its node.
+    #[test]
+    fn foreign_hints_follow_the_moves() {
+        let mut t = Table { record_moves: true, no_settle: true, ..Table::default() };
+        let mut roots = Table { foreign_hints: true, ..Table::default() };
+        let mut slab = Slab::new();
+        t.reserve(64).unwrap();
+        roots.reserve(8).unwrap();
+        // 8 chains of 8, stored a batch of 2 at a time, interleaved; each chain's first
+        // block a root whose hint names the chain's second block
+        let key = |c: u64, b: u64| (c + 1) << 32 | (b + 1);
+        let tag = |c: u64, b: u64| if b == 0 { ROOT_TAG } else { parent_tag(Some(key(c, b - 1))) };
+        let mut prev: Vec<Option<usize>> = vec![None; 8];
+        for batch in 0..4 {
+            for c in 0..8u64 {
+                for b in batch * 2..batch * 2 + 2 {
+                    if b == 0 {
+                        let (_, rp) = roots.store(key(c, 0), ROOT_TAG, c as u32, 1, &mut slab);
+                        assert_eq!(rp, c as usize);
+                        continue;
+                    }
+                    let (_, at) = t.store(key(c, b), tag(c, b), c as u32, 2, &mut slab);
+                    if b == 1 {
+                        roots.set_hint(c as usize, at);
+                    }
+                    if let Some(q) = prev[c as usize] {
+                        t.link(q, at);
+                    }
+                    prev[c as usize] = Some(at);
+                }
+            }
+        }
+        // chain 3 goes but its second block, chain 5 loses a block: dead nodes; then a
+        // compaction and a settle (every node young) before the moves are asked for
+        for b in 2..8 {
+            t.remove(key(3, b), 3, &mut slab);
+        }
+        t.remove(key(5, 4), 5, &mut slab);
+        t.compact();
+        t.settle();
+        let moves = t.take_moves();
+        assert!(matches!(moves, Moves::Map(0, _)));
+        assert!(matches!(t.take_moves(), Moves::None));
+        roots.remap_hints(&moves);
+        for c in 0..8u64 {
+            assert_eq!(t.at(roots.hint(c as usize), key(c, 1), tag(c, 1)), c as u32, "chain {c}");
+        }
+        // the chains now read contiguously from their second block
+        for c in (0..8u64).filter(|c| ![3, 5].contains(c)) {
+            let p = roots.hint(c as usize);
+            for b in 1..8 {
+                assert_eq!(t.at(p + b as usize - 1, key(c, b), tag(c, b)), c as u32, "chain {c}, block {b}");
+            }
+        }
+        roots.remap_hints(&Moves::Lost);
+        assert!((0..8).all(|c| roots.hint(c) == NO_NEXT as usize));
     }
 
     /// Compaction (an arena left more than half dead) keeps every chain followable without

@@ -71,6 +71,7 @@ pub struct PyPrefixIndex {
     inner: PrefixIndex,
     hashes: Vec<u64>,
     dense: Vec<u32>,
+    hits: Vec<(u32, u32)>,
     /// Instance names as Python strings, by id, made once (`match` answers with them);
     /// emptied when an instance goes (its id may come back under another name).
     names: Vec<Option<Py<PyString>>>,
@@ -96,6 +97,7 @@ impl PyPrefixIndex {
             inner: PrefixIndex::new(block_size, group_idx),
             hashes: Vec::new(),
             dense: Vec::new(),
+            hits: Vec::new(),
             names: Vec::new(),
         })
     }
@@ -209,23 +211,23 @@ impl PyPrefixIndex {
         medium: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
-        self.inner.match_dense(&self.hashes, medium_filter(&medium), &mut self.dense);
+        // the hits only, in id order (the dict's order, as before)
+        self.inner.match_sparse(&self.hashes, medium_filter(&medium), &mut self.hits);
+        self.hits.sort_unstable();
         let d = PyDict::new(py);
-        if self.names.len() < self.dense.len() {
-            self.names.resize_with(self.dense.len(), || None);
+        if self.names.len() < self.inner.id_bound() {
+            self.names.resize_with(self.inner.id_bound(), || None);
         }
-        for (id, n) in self.dense.iter().enumerate() {
-            if *n > 0 {
-                let cached = &mut self.names[id];
-                if cached.is_none() {
-                    match self.inner.instance_name(id as u32) {
-                        Some(name) => *cached = Some(PyString::new(py, name).unbind()),
-                        None => continue,
-                    }
+        for &(id, n) in &self.hits {
+            let Some(cached) = self.names.get_mut(id as usize) else { continue };
+            if cached.is_none() {
+                match self.inner.instance_name(id) {
+                    Some(name) => *cached = Some(PyString::new(py, name).unbind()),
+                    None => continue,
                 }
-                if let Some(name) = cached {
-                    d.set_item(name.bind(py), *n)?;
-                }
+            }
+            if let Some(name) = cached {
+                d.set_item(name.bind(py), n)?;
             }
         }
         Ok(d)
