@@ -351,8 +351,17 @@ impl Residency {
     /// from.
     pub fn drop_resident_page(&mut self, env: &impl Env, k: usize, request: &str, page: usize) -> Option<u32> {
         let b = self.get_resident_page(env, k, request, page)?;
-        self.changes[k].entry(request.to_string()).or_default().insert(page, NULL_BLOCK);
+        self.overlay_mut(k, request).insert(page, NULL_BLOCK);
         Some(b)
+    }
+
+    /// Resident group `k`'s overlay of `request`, made if it has none.
+    fn overlay_mut(&mut self, k: usize, request: &str) -> &mut BTreeMap<usize, u32> {
+        let changes = &mut self.changes[k];
+        if !changes.contains_key(request) {
+            changes.insert(request.to_string(), BTreeMap::new());
+        }
+        changes.entry_ref(request).or_default()
     }
 
     /// `adopt_resident_page`: read a host-only page of the table from `block` instead.
@@ -364,7 +373,7 @@ impl Residency {
         if self.get_resident_page(env, k, request, page).is_some() {
             return false;
         }
-        self.changes[k].entry(request.to_string()).or_default().insert(page, block);
+        self.overlay_mut(k, request).insert(page, block);
         true
     }
 

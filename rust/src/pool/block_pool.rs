@@ -721,6 +721,25 @@ impl BlockPool {
     /// their hash. `watcher` is recorded for every block: it fires when `get_new_blocks` hands
     /// the block out or the cache is reset ([`BlockPool::take_fired_watchers`]).
     pub fn unpin_blocks(&mut self, ids: &[u32], watcher: u64) -> Result<()> {
+        if let &[b] = ids {
+            // one block (the residency's every call): checked, then released
+            self.check_id(b)?;
+            if b == NULL_BLOCK {
+                return Err(Error::Assertion("unpin_blocks: the null block is never pinned".into()));
+            }
+            if self.meta[b as usize].ref_cnt < 1 {
+                return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
+            }
+        } else {
+            self.check_unpin(ids)?;
+        }
+        self.release_watched(ids, watcher);
+        Ok(())
+    }
+
+    /// [`BlockPool::unpin_blocks`]'s checks of several ids (a block listed twice releases two
+    /// references).
+    fn check_unpin(&self, ids: &[u32]) -> Result<()> {
         let mut need: HashMap<u32, u32> = HashMap::new();
         for &b in ids {
             self.check_id(b)?;
@@ -734,6 +753,12 @@ impl BlockPool {
                 return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
             }
         }
+        Ok(())
+    }
+
+    /// Drop one reference of each of `ids` (checked), watching each for reuse by `watcher`;
+    /// the blocks left unreferenced go to the free queue's tail, in order.
+    fn release_watched(&mut self, ids: &[u32], watcher: u64) {
         let mut released = Vec::new();
         for &b in ids {
             self.meta[b as usize].ref_cnt -= 1;
@@ -747,7 +772,6 @@ impl BlockPool {
             }
         }
         self.queue.append_n(&released);
-        Ok(())
     }
 
     /// Watchers fired since the last call: `(block, watcher id)`, in firing order.
