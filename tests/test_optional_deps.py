@@ -86,3 +86,19 @@ def test_demo_help_and_usage_errors_need_no_torch():
     assert r.stderr.strip().splitlines() == [
         "kvblock: error: kvblock.worker.demo needs torch: pip install torch (kvblock's 'torch' extra)"
     ], r.stderr
+
+
+def test_index_serve_names_every_missing_package_at_once():
+    """``kvblock index serve`` without two of the ``cluster`` extra's packages: one line naming
+    both and one ``pip install`` of both, exit status 2 (a fresh user was told of aiohttp
+    alone, then would have met the next)."""
+    script = (
+        "import sys\nsys.modules['aiohttp'] = None\nsys.modules['zmq'] = None\nfrom kvblock.cli import main\n"
+        "sys.exit(main(['index', 'serve', '--model', 'm', '--port', '0']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvblock: error: "), r.stderr
+    assert "kvblock index serve needs aiohttp and pyzmq, which are not installed" in lines[0], lines[0]
+    assert "pip install aiohttp pyzmq (kvblock's 'cluster' extra)" in lines[0], lines[0]

@@ -36,3 +36,14 @@ def test_the_fleet_examples_say_what_to_install():
     hint = "pip install pyzmq redis aiohttp prometheus-client"
     assert hint in README[:fleet]
     assert hint in README[README.rindex("```bash", 0, serve):serve]
+
+
+def test_the_library_example_runs_as_written(capsys):
+    """The library example runs as copied (a fresh user met undefined names in it, and stats
+    that stayed at zero because it never recorded them): its printed stats are the comment's."""
+    start = README.index("```python\n", README.index("**The library**")) + len("```python\n")
+    code = README[start:README.index("```", start)]
+    exec(compile(code, "README.md (the library example)", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "requests=2, queries=200, hits=96" in printed
+    assert "# requests=2, queries=200, hits=96" in code

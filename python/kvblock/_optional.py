@@ -71,3 +71,31 @@ def require(module: str, *, package: str, extra: str, what: str) -> ModuleType:
             f"{what} needs {package}, which is not installed: {install_hint(module, extra)}",
             name=module,
         ) from e
+
+
+def require_all(modules: list[str], *, extra: str, what: str) -> list[ModuleType]:
+    """Import every top-level module of ``modules`` (all of ``extra``'s that ``what`` needs),
+    or raise one ``ModuleNotFoundError`` naming every one that is missing and the one
+    ``pip install`` of them all (so a user does not meet them one at a time).
+
+    Raises:
+        MissingExtraError: some of ``modules`` are not installed (``name`` is the first).
+    """
+    out, missing = [], []
+    for module in modules:
+        try:
+            out.append(importlib.import_module(module))
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            missing.append(module)
+    if missing:
+        packages = [PIP_PACKAGES.get(m, m) for m in missing]
+        names = " and ".join([", ".join(packages[:-1]), packages[-1]]) if len(packages) > 1 else packages[0]
+        verb = "are" if len(packages) > 1 else "is"
+        raise MissingExtraError(
+            f"{what} needs {names}, which {verb} not installed: pip install {' '.join(packages)} "
+            f"(kvblock's '{extra}' extra)",
+            name=missing[0],
+        )
+    return out

@@ -94,7 +94,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Sequence, Union
 import msgspec
 
 from .. import hashing
-from .._optional import require
+from .._optional import require_all
 from .errors import IndexUnavailable
 from .index import PrefixIndex
 
@@ -421,9 +421,7 @@ class IndexService:
     """
 
     def __init__(self, config: ServiceConfig, engines: Iterable[EngineSpec] = ()) -> None:
-        require("aiohttp", package="aiohttp", extra="cluster", what="kvblock index serve")
-        prom = require("prometheus_client", package="prometheus-client", extra="cluster",
-                       what="kvblock index serve")
+        _, prom, _ = require_all(_SERVICE_NEEDS, extra="cluster", what="kvblock index serve")
         from .subscriber import KVEventSubscriber
 
         self.config = config.check()
@@ -1077,9 +1075,14 @@ class BindError(OSError):
     """The service's address cannot be bound (in use, not local, no permission)."""
 
 
+#: The ``cluster`` extra's packages the service needs (checked together: a missing one is
+#: named with every other missing one).
+_SERVICE_NEEDS = ["aiohttp", "prometheus_client", "zmq"]
+
+
 def _web() -> Any:
-    """aiohttp's ``web``, or ModuleNotFoundError with the install hint."""
-    require("aiohttp", package="aiohttp", extra="cluster", what="kvblock index serve")
+    """aiohttp's ``web``, or ModuleNotFoundError naming every missing package of the service."""
+    require_all(_SERVICE_NEEDS, extra="cluster", what="kvblock index serve")
     from aiohttp import web
 
     return web
