@@ -1228,16 +1228,20 @@ mod tests {
         assert_eq!(ix.instances(), vec!["b"]);
     }
 
+    /// A seeded linear congruential generator: `rnd(n)` in `0..n`.
+    fn lcg(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        }
+    }
+
     /// The pipelined walk against a plain reference, on chains longer than its look-ahead,
     /// 1 to 4 bitset words, two media, holes, re-stores under other parents and removals.
     #[test]
     fn walk_matches_a_reference() {
         use std::collections::HashMap as Map;
-        let mut x = 0x1234_5678u64;
-        let mut rnd = |n: u64| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (x >> 33) % n
-        };
+        let mut rnd = lcg(0x1234_5678u64);
         for &ninst in &[3usize, 70, 150, 250] {
             let mut ix = PrefixIndex::new(None, 0);
             let media = [Some("GPU"), Some("CPU")];
@@ -1317,11 +1321,7 @@ mod tests {
     #[test]
     fn interleaved_batches_match_a_reference_through_settles() {
         use std::collections::HashMap as Map;
-        let mut x = 0x9e37_79b9u64;
-        let mut rnd = |n: u64| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (x >> 33) % n
-        };
+        let mut rnd = lcg(0x9e37_79b9u64);
         let ninst = 24u64;
         let chains: Vec<Vec<u64>> =
             (0..120u64).map(|c| (0..8 + rnd(200)).map(|b| ((c + 1) << 32) + b * 7919 + 1).collect()).collect();
@@ -1535,11 +1535,7 @@ mod tests {
     #[test]
     fn cap_is_exact_and_counted() {
         use std::collections::HashMap as Map;
-        let mut x = 0x9e37_79b9u64;
-        let mut rnd = |n: u64| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (x >> 33) % n
-        };
+        let mut rnd = lcg(0x9e37_79b9u64);
         let media = [Some("GPU"), Some("CPU")];
         for cap in [0usize, 7, 60, 400] {
             let mut ix = PrefixIndex::new(None, 0);

@@ -1238,26 +1238,54 @@ mod tests {
     /// Chains stored in batches of 8, each under the previous batch's last block, the
     /// chains' batches interleaved (as engines' streams arrive): the runs are linked by
     /// their hints, and the arena's growth lays every chain out contiguously.
+    /// A table that does not settle, its slab, forty chains of 64 blocks (chain `c`'s blocks
+    /// `c << 32 | 1..=64`) none of them stored yet, and each chain's last stored node (none).
+    #[allow(clippy::type_complexity)]
+    fn forty_chains_unstored() -> (Table, Slab, Vec<Vec<u64>>, Vec<Option<usize>>) {
+        let t = Table { no_settle: true, ..Table::default() };
+        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
+        let prev = vec![None; chains.len()];
+        (t, Slab::new(), chains, prev)
+    }
+
+    /// Block `i`'s tag in chain `ch`: 7 for the first, its parent's tag after.
+    fn tag_of(ch: &[u64], i: usize) -> u32 {
+        if i == 0 {
+            7
+        } else {
+            parent_tag(Some(ch[i - 1]))
+        }
+    }
+
+    /// Store batch `batch` (blocks `8 * batch..8 * batch + 8`) of chain `c`, each block
+    /// linked after the chain's previous one (`prev[c]`), held by instance `c % 3`.
+    fn store_batch(
+        t: &mut Table,
+        slab: &mut Slab,
+        chains: &[Vec<u64>],
+        c: usize,
+        batch: usize,
+        prev: &mut [Option<usize>],
+    ) {
+        let ch = &chains[c];
+        for i in batch * 8..batch * 8 + 8 {
+            let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, slab);
+            if let Some(q) = prev[c] {
+                t.link(q, at);
+            }
+            prev[c] = Some(at);
+        }
+    }
+
     #[test]
     fn growth_lays_chains_out_contiguously() {
-        let mut t = Table::default();
-        let mut slab = Slab::new();
-        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
-        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
-        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
-        t.no_settle = true;
+        let (mut t, mut slab, chains, mut prev) = forty_chains_unstored();
         // room for all: no growth until asked for below
         t.reserve(40 * 64).unwrap();
         for batch in 0..8 {
-            for (c, ch) in chains.iter().enumerate() {
+            for c in 0..chains.len() {
                 t.reserve(8).unwrap();
-                for i in batch * 8..batch * 8 + 8 {
-                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, &mut slab);
-                    if let Some(q) = prev[c] {
-                        t.link(q, at);
-                    }
-                    prev[c] = Some(at);
-                }
+                store_batch(&mut t, &mut slab, &chains, c, batch, &mut prev);
             }
         }
         // before: a chain's next batch is where its last block's hint says
@@ -1281,12 +1309,7 @@ mod tests {
     /// young nodes go.
     #[test]
     fn settling_lays_young_chains_out_in_place() {
-        let mut t = Table::default();
-        let mut slab = Slab::new();
-        let chains: Vec<Vec<u64>> = (0..40u64).map(|c| (0..64).map(|b| (c << 32) | (b + 1)).collect()).collect();
-        let tag_of = |ch: &[u64], i: usize| if i == 0 { 7 } else { parent_tag(Some(ch[i - 1])) };
-        let mut prev: Vec<Option<usize>> = vec![None; chains.len()];
-        t.no_settle = true;
+        let (mut t, mut slab, chains, mut prev) = forty_chains_unstored();
         t.reserve(40 * 64 + 40).unwrap();
         let cap = t.nodes.capacity();
         for batch in 0..8 {
@@ -1294,18 +1317,12 @@ mod tests {
                 // the first batches were laid out
                 t.laid_out();
             }
-            for (c, ch) in chains.iter().enumerate() {
+            for c in 0..chains.len() {
                 if batch == 3 {
                     // a dead young node: a block stored, then removed once others follow
                     t.store(1 << 60 | c as u64, 9, 1, 2, &mut slab);
                 }
-                for i in batch * 8..batch * 8 + 8 {
-                    let (_, at) = t.store(ch[i], tag_of(ch, i), c as u32 % 3, 2, &mut slab);
-                    if let Some(q) = prev[c] {
-                        t.link(q, at);
-                    }
-                    prev[c] = Some(at);
-                }
+                store_batch(&mut t, &mut slab, &chains, c, batch, &mut prev);
                 if batch == 3 {
                     t.remove(1 << 60 | c as u64, 1, &mut slab);
                 }
