@@ -131,14 +131,7 @@ impl Roots {
     /// The holder set of `key` as a chain's first block ([`table::EMPTY`]: none).
     #[inline(always)]
     fn get(&self, key: u64) -> u32 {
-        if self.bits.is_empty() {
-            return table::EMPTY;
-        }
-        let b = self.bucket(key);
-        if self.bits[b / 64] >> (b % 64) & 1 == 0 {
-            return table::EMPTY;
-        }
-        self.table.get(key, ROOT_TAG).unwrap_or(table::EMPTY)
+        self.get_hinted(key).0
     }
 
     /// Follow a change of `delta` nodes of `key`.

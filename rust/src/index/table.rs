@@ -1235,9 +1235,6 @@ mod tests {
         assert!(t.is_empty() && t.get(1, 5).is_none());
     }
 
-    /// Chains stored in batches of 8, each under the previous batch's last block, the
-    /// chains' batches interleaved (as engines' streams arrive): the runs are linked by
-    /// their hints, and the arena's growth lays every chain out contiguously.
     /// A table that does not settle, its slab, forty chains of 64 blocks (chain `c`'s blocks
     /// `c << 32 | 1..=64`) none of them stored yet, and each chain's last stored node (none).
     #[allow(clippy::type_complexity)]
@@ -1277,6 +1274,9 @@ mod tests {
         }
     }
 
+    /// Chains stored in batches of 8, each under the previous batch's last block, the
+    /// chains' batches interleaved (as engines' streams arrive): the runs are linked by
+    /// their hints, and the arena's growth lays every chain out contiguously.
     #[test]
     fn growth_lays_chains_out_contiguously() {
         let (mut t, mut slab, chains, mut prev) = forty_chains_unstored();

@@ -796,10 +796,7 @@ impl Coordinator {
         let hi = (num_computed_tokens / h).min(num_hashes);
         let mut lo = hi;
         for m in &self.managers {
-            if matches!(
-                m.cfg.spec.kind,
-                Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } | Kind::CrossAttention
-            ) {
+            if m.cfg.spec.kind.caches_nothing() {
                 continue; // its cache_blocks reads no hash
             }
             let scale = (m.cfg.block_size / h).max(1);

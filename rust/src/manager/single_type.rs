@@ -613,8 +613,8 @@ impl TypeManager {
         let TypeManager { cfg, st, reqs } = self;
         let r = &mut reqs[slot];
         match cfg.spec.kind {
-            Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } => Ok(()),
             Kind::CrossAttention => Err(Error::Value("Should not be called as prefix caching is disabled.".into())),
+            k if k.caches_nothing() => Ok(()),
             // the source group's `publish_blocks` (its `cache_blocks` goes through the residency)
             Kind::FullAttention | Kind::Rswa { .. } | Kind::HiSparseSource => {
                 cfg.base_cache_blocks(pool, r, req, hashes, num_tokens, retention_interval, replay_boundaries)?;

@@ -66,6 +66,12 @@ impl Kind {
         matches!(self, Kind::HiSparseSource | Kind::HiSparseResident | Kind::HiSparseHot { .. })
     }
 
+    /// True for the kinds whose `cache_blocks` caches nothing and reads no hash (circular
+    /// buffer, HiSparse resident and hot; cross attention refuses caching).
+    pub fn caches_nothing(&self) -> bool {
+        matches!(self, Kind::CircularBuffer | Kind::HiSparseResident | Kind::HiSparseHot { .. } | Kind::CrossAttention)
+    }
+
     /// True for a Mamba group.
     pub fn is_mamba(&self) -> bool {
         matches!(self, Kind::Mamba { .. })

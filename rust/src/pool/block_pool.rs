@@ -721,38 +721,27 @@ impl BlockPool {
     /// their hash. `watcher` is recorded for every block: it fires when `get_new_blocks` hands
     /// the block out or the cache is reset ([`BlockPool::take_fired_watchers`]).
     pub fn unpin_blocks(&mut self, ids: &[u32], watcher: u64) -> Result<()> {
-        if let &[b] = ids {
-            // one block (the residency's every call): checked, then released
-            self.check_id(b)?;
-            if b == NULL_BLOCK {
-                return Err(Error::Assertion("unpin_blocks: the null block is never pinned".into()));
-            }
-            if self.meta[b as usize].ref_cnt < 1 {
-                return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
-            }
-        } else {
-            self.check_unpin(ids)?;
-        }
-        self.release_watched(ids, watcher);
-        Ok(())
-    }
-
-    /// [`BlockPool::unpin_blocks`]'s checks of several ids (a block listed twice releases two
-    /// references).
-    fn check_unpin(&self, ids: &[u32]) -> Result<()> {
-        let mut need: HashMap<u32, u32> = HashMap::new();
         for &b in ids {
             self.check_id(b)?;
             if b == NULL_BLOCK {
                 return Err(Error::Assertion("unpin_blocks: the null block is never pinned".into()));
             }
-            *need.entry(b).or_default() += 1;
         }
-        for (&b, &n) in &need {
-            if self.meta[b as usize].ref_cnt < n {
-                return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
+        // a block listed twice releases two references: counted in a map, except for the
+        // one block the residency's every call names
+        let short = if let &[b] = ids {
+            (self.meta[b as usize].ref_cnt < 1).then_some(b)
+        } else {
+            let mut need: HashMap<u32, u32> = HashMap::new();
+            for &b in ids {
+                *need.entry(b).or_default() += 1;
             }
+            need.iter().find(|(&b, &n)| self.meta[b as usize].ref_cnt < n).map(|(&b, _)| b)
+        };
+        if let Some(b) = short {
+            return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
         }
+        self.release_watched(ids, watcher);
         Ok(())
     }
 
