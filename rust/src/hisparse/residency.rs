@@ -1106,28 +1106,47 @@ impl Residency {
         } else {
             self.st(s).publication = None;
         }
-        // one owner key, its page set per use (no string copy per page)
+        // per resident group, tail first: an unpinned page stops naming the request as a
+        // reader of its block, a clean sealed page is released (unpinned, still readable);
+        // either way the page is dropped from the overlay. One pass over the row decides, then
+        // the releases go to the pool in one call (the same order) and the overlay is written
+        // once.
         let mut owner = (request.to_string(), 0);
+        let (mut unpin, mut dropped, mut disowned) = (Vec::new(), Vec::new(), Vec::new());
         for k in 0..self.layout.resident_groups.len() {
             let row = self.get_residency_row(env, k, request, 0);
-            for page in (0..row.len()).rev() {
-                let b = row[page];
+            let st = &self.states[&s];
+            for (page, &b) in row.iter().enumerate().rev() {
                 if b == NULL_BLOCK {
                     continue;
                 }
-                let st = &self.states[&s];
                 if st.unpinned_pages.contains(&page) {
-                    if let Some(o) = self.owners.get_mut(&b) {
-                        owner.1 = page;
-                        o.remove(&owner);
-                    }
+                    disowned.push((b, page));
                 } else if st.valid_pages.contains(&page) && !st.pending_pages.contains_key(&page) {
-                    env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
+                    unpin.push(b);
                 } else {
                     continue;
                 }
-                self.drop_resident_page(env, k, request, page);
+                dropped.push(page);
             }
+            for &(b, page) in &disowned {
+                if let Some(o) = self.owners.get_mut(&b) {
+                    owner.1 = page;
+                    o.remove(&owner);
+                }
+            }
+            if !unpin.is_empty() {
+                env.device().unpin_blocks(&unpin, RESIDENCY_WATCHER)?;
+            }
+            if !dropped.is_empty() {
+                let overlay = self.overlay_mut(k, request);
+                for &page in &dropped {
+                    overlay.insert(page, NULL_BLOCK);
+                }
+            }
+            unpin.clear();
+            dropped.clear();
+            disowned.clear();
         }
         self.collect_state(s);
         Ok(())
