@@ -74,8 +74,10 @@ def _vllm_token_buffer_requests(block_size: int):
     from vllm.v1.core import kv_cache_utils as vku
     from vllm.v1.request import Request
 
-    stock_factory = getattr(vku, "_kvblock_original_get_request_block_hasher", vku.get_request_block_hasher)
-    init = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_hash)
+    from kvblock.vllm.plugin import original
+
+    stock_factory = original(vku, "get_request_block_hasher")
+    init = original(vku, "init_none_hash")
     init(vhash.sha256)
     hashers = {
         "vllm": stock_factory(block_size, vhash.sha256),

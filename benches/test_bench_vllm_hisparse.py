@@ -66,11 +66,12 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 
 # stock vLLM's, also where kvblock.vllm.patch() replaced them
-VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
-get_request_block_hasher = getattr(_vku, "_kvblock_original_get_request_block_hasher", _vku.get_request_block_hasher)
-init_none_hash = getattr(_vku, "_kvblock_original_init_none_hash", _vku.init_none_hash)
+VllmManager = original(_vkm, "KVCacheManager")
+get_request_block_hasher = original(_vku, "get_request_block_hasher")
+init_none_hash = original(_vku, "init_none_hash")
 
 REPS = int(os.environ.get("KVBLOCK_BENCH_HISPARSE_REPS", "3"))
 TARGET = 10.0

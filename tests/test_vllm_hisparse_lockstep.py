@@ -43,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvblock import _core  # noqa: E402
 from kvblock.vllm.block_pool import BlockPool  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 from kvblock.vllm.releases import current  # noqa: E402
 
 hisparse = pytest.importorskip("vllm.v1.hisparse.coordinator")
@@ -61,9 +62,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
 )
 
-KVCacheManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
-get_request_block_hasher = getattr(_vku, "_kvblock_original_get_request_block_hasher", _vku.get_request_block_hasher)
-init_none_hash = getattr(_vku, "_kvblock_original_init_none_hash", _vku.init_none_hash)
+KVCacheManager = original(_vkm, "KVCacheManager")
+get_request_block_hasher = original(_vku, "get_request_block_hasher")
+init_none_hash = original(_vku, "init_none_hash")
 PROMPT = list(range(6 * 16))
 EXAMPLES = int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES", "120"))
 BS = 16

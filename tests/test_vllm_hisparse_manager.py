@@ -57,10 +57,11 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from kvblock.vllm.config import translate  # noqa: E402
 from kvblock.vllm.hisparse import HiSparseCoordinatorView  # noqa: E402
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 
-VllmManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
-get_request_block_hasher = getattr(_vku, "_kvblock_original_get_request_block_hasher", _vku.get_request_block_hasher)
-init_none_hash = getattr(_vku, "_kvblock_original_init_none_hash", _vku.init_none_hash)
+VllmManager = original(_vkm, "KVCacheManager")
+get_request_block_hasher = original(_vku, "get_request_block_hasher")
+init_none_hash = original(_vku, "init_none_hash")
 EXAMPLES = int(os.environ.get("KVBLOCK_LOCKSTEP_EXAMPLES", "60"))
 BS = 16
 REQUESTS = ["r0", "r1", "r2", "r3"]

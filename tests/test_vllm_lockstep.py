@@ -96,6 +96,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvblock.vllm as kv  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 from kvblock.vllm.releases import current as _current_release  # noqa: E402
 
 #: vLLM 0.34 bounds a request's cache hits by ``prefix_cache_hit_limit`` (prompt scoring).
@@ -111,8 +112,8 @@ NULL_BLOCKS_COUNTED = _current_release().null_blocks_counted
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 #: vLLM's own hashing (the test process never patches kvblock in; checked in setup).
-get_request_block_hasher = getattr(vku, "_kvblock_original_get_request_block_hasher", vku.get_request_block_hasher)
-init_none_hash = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_hash)
+get_request_block_hasher = original(vku, "get_request_block_hasher")
+init_none_hash = original(vku, "init_none_hash")
 
 #: Why examples stopped early: vLLM changed its own state, then raised (so the two managers
 #: can no longer be compared), keyed by the exception's type and first words.

@@ -38,11 +38,12 @@ from vllm.v1.metrics.stats import KVCacheEvictionEvent  # noqa: E402
 import kvblock.vllm as kv  # noqa: E402
 from kvblock.vllm import metrics as km  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 from vllm_oracle import init_none_hash, request  # noqa: E402
 
 from vllm.v1.core import block_pool as _vbp  # noqa: E402
 
-VllmBlockPool = getattr(_vbp, "_kvblock_original_BlockPool", _vbp.BlockPool)
+VllmBlockPool = original(_vbp, "BlockPool")
 
 BS = 4
 

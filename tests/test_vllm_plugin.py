@@ -38,6 +38,7 @@ from kvblock.vllm import block_pool as kvbp  # noqa: E402
 from kvblock.vllm import blocks as kb  # noqa: E402
 from kvblock.vllm import coordinator as kc  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
+from kvblock.vllm.plugin import original  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -509,7 +510,7 @@ def test_free_blocks_forwards_blocks_of_vllms_own_pool(evict_first):
     """Deferred frees may mix pools (vLLM forwards another pool's blocks to it): a block of
     vLLM's own pool (0.34: it holds that pool through a weakref) goes back to that pool, with
     0.34's evict_first passed on."""
-    theirs = getattr(vbp, "_kvblock_original_BlockPool", vbp.BlockPool)(4, True, 16)
+    theirs = original(vbp, "BlockPool")(4, True, 16)
     ours = kvbp.BlockPool(4, True, 16)
     (block,) = theirs.get_new_blocks(1)
     free_before = theirs.get_num_free_blocks()

@@ -14,10 +14,11 @@ from vllm.v1.request import Request
 
 import kvblock.vllm as kv
 from kvblock.vllm.manager import VllmKVCacheManager
+from kvblock.vllm.plugin import original
 
 # vLLM's own hashing, also when kvblock.vllm.patch() has swapped kvblock's in
-get_request_block_hasher = getattr(vku, "_kvblock_original_get_request_block_hasher", vku.get_request_block_hasher)
-init_none_hash = getattr(vku, "_kvblock_original_init_none_hash", vku.init_none_hash)
+get_request_block_hasher = original(vku, "get_request_block_hasher")
+init_none_hash = original(vku, "init_none_hash")
 
 A = dict(num_kv_heads=1, head_size=1, dtype=torch.float32)
 

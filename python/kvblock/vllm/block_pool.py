@@ -17,6 +17,7 @@ from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
 from ..block_pool import KVCacheBlock, PoolKeysView
 from .metrics import bind, pool_finalized, unsupported_reason
+from .plugin import original
 from .releases import current as _current_release
 
 __all__ = ["BlockHashToBlockMap", "BlockPool", "IdsBlockHashToBlockMap"]
@@ -24,7 +25,7 @@ __all__ = ["BlockHashToBlockMap", "BlockPool", "IdsBlockHashToBlockMap"]
 RELEASE = _current_release()
 
 #: vLLM's own pool class (read before any patching: kvblock's stands in for it).
-_VllmBlockPool = getattr(_vbp, "_kvblock_original_BlockPool", _vbp.BlockPool)
+_VllmBlockPool = original(_vbp, "BlockPool")
 _POOL_SIGNATURE = inspect.signature(_VllmBlockPool.__init__)
 
 

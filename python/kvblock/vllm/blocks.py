@@ -12,11 +12,12 @@ from typing import Any, Sequence
 from vllm.v1.core import kv_cache_manager as _vkm
 
 from ..manager import IdsBackedBlocks
+from .plugin import original
 
 __all__ = ["KVCacheBlocks"]
 
 #: vLLM's class (read before any patching: kvblock's subclass stands in for it).
-_VllmKVCacheBlocks = getattr(_vkm, "_kvblock_original_KVCacheBlocks", _vkm.KVCacheBlocks)
+_VllmKVCacheBlocks = original(_vkm, "KVCacheBlocks")
 
 
 class KVCacheBlocks(IdsBackedBlocks, _VllmKVCacheBlocks):  # type: ignore[misc, valid-type]

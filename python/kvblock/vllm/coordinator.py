@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, Sequence
 
 from vllm.v1.core import kv_cache_coordinator as _vkc
 
+from .plugin import original
+
 __all__ = ["make_coordinator", "SingleTypeManagerView"]
 
 
@@ -608,7 +610,7 @@ class _CoordinatorView:
 
 
 def _original(name: str) -> type:
-    return getattr(_vkc, f"_kvblock_original_{name}", getattr(_vkc, name))
+    return original(_vkc, name)  # type: ignore[no-any-return]
 
 
 class HybridCoordinatorView(_CoordinatorView, _original("HybridKVCacheCoordinator")):  # type: ignore[misc]

@@ -22,6 +22,7 @@ from typing import Any
 from vllm.v1.hisparse import coordinator as _vhc
 from vllm.v1.hisparse import types as _vht
 
+from .plugin import keep_original, original
 from .releases import current as _current_release
 
 __all__ = [
@@ -709,9 +710,7 @@ def get_hisparse_coordinator(kv_cache_manager: Any, *, import_step_tokens: int |
     return _vllm_get_hisparse_coordinator(kv_cache_manager, import_step_tokens=import_step_tokens)
 
 
-_vllm_get_hisparse_coordinator = getattr(
-    _vhc, "_kvblock_original_get_hisparse_coordinator", _vhc.get_hisparse_coordinator
-)
+_vllm_get_hisparse_coordinator = original(_vhc, "get_hisparse_coordinator")
 
 
 def _install_coordinator_lookup() -> None:
@@ -726,8 +725,7 @@ def _install_coordinator_lookup() -> None:
     for module in modules:
         if module is None or getattr(module, "get_hisparse_coordinator", None) is get_hisparse_coordinator:
             continue
-        if not hasattr(module, "_kvblock_original_get_hisparse_coordinator"):
-            module._kvblock_original_get_hisparse_coordinator = module.get_hisparse_coordinator
+        keep_original(module, "get_hisparse_coordinator")
         module.get_hisparse_coordinator = get_hisparse_coordinator
 
 

@@ -36,6 +36,7 @@ from .block_pool import BlockPool
 from .blocks import KVCacheBlocks
 from .config import env_flag, translate
 from .coordinator import HybridCoordinatorView, make_coordinator
+from .plugin import original
 from .releases import current as _current_release
 
 #: The installed vLLM release (kvblock.vllm.releases): what differs between releases.
@@ -49,7 +50,7 @@ __all__ = ["KVCacheManager", "UnsupportedConfiguration"]
 logger = logging.getLogger("vllm.kvblock")
 
 #: vLLM's own manager class (read before any patching), for the fallback.
-VllmKVCacheManager = getattr(_vkm, "_kvblock_original_KVCacheManager", _vkm.KVCacheManager)
+VllmKVCacheManager = original(_vkm, "KVCacheManager")
 
 _warned: set[str] = set()
 

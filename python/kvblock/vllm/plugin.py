@@ -26,16 +26,37 @@ from typing import Any
 from . import releases
 from .config import env_flag
 
-__all__ = ["is_patched", "patch", "register", "unpatch"]
+__all__ = ["is_patched", "original", "patch", "register", "unpatch"]
 
 _PATCHED: list[tuple[Any, str, Any]] = []
 
 
-def _set(module: Any, name: str, value: Any) -> None:
-    original = getattr(module, name)
-    key = f"_kvblock_original_{name}"
+def _original_key(name: str) -> str:
+    return f"_kvblock_original_{name}"
+
+
+def original(module: Any, name: str) -> Any:
+    """Stock vLLM's ``module.<name>``: the value :func:`patch` (or kvblock's HiSparse
+    coordinator lookup) replaced, kept on the module, else the module's current one. For the
+    oracles, lockstep tests and benchmarks that run stock vLLM beside kvblock in a process
+    where kvblock may be patched in. Raises AttributeError if the module has no ``name``."""
+    try:
+        return getattr(module, _original_key(name))
+    except AttributeError:
+        return getattr(module, name)
+
+
+def keep_original(module: Any, name: str) -> None:
+    """Keep ``module.<name>`` as stock vLLM's (see :func:`original`) before kvblock replaces
+    it; a no-op when it is kept already."""
+    key = _original_key(name)
     if not hasattr(module, key):
-        setattr(module, key, original)
+        setattr(module, key, getattr(module, name))
+
+
+def _set(module: Any, name: str, value: Any) -> None:
+    keep_original(module, name)
+    key = _original_key(name)
     _PATCHED.append((module, name, getattr(module, key)))
     setattr(module, name, value)
 
@@ -112,7 +133,7 @@ def patch() -> None:
             _set(vhash, name, fns[name])
     _set(vhash, "get_hash_fn_by_name", hashing.get_hash_fn_by_name)
 
-    original_init = vku.__dict__.get("_kvblock_original_init_none_hash", vku.init_none_hash)
+    original_init = original(vku, "init_none_hash")
     # vLLM picks a random root seed for its non-cryptographic functions by identity
     if hasattr(vku, "_NON_CRYPTO_HASH_FUNCTIONS"):
         kv = {fns[n] for n in ("xxhash", "xxhash_cbor") if n in fns}
