@@ -98,4 +98,5 @@ def test_a_bad_setting_is_one_plain_line(args, msg):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvblock: error: ") and msg in lines[0], r.stderr
+    assert lines[0].endswith(" (see kvblock index serve --help)"), r.stderr
     assert "ValueError" not in r.stderr

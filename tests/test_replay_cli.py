@@ -133,6 +133,8 @@ def test_mooncake_trace_slice(capsys):
 def test_user_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and message in err and err.startswith("kvblock: error: ")
+    # every refused command line, argparse's or a setting's, ends by naming its help
+    assert err.endswith(f" (see kvblock {argv[0]} --help)\n"), err
     assert "num_gpu_blocks" not in err and "ValueError" not in err and out == ""
 
 

@@ -633,7 +633,27 @@ class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error message (``kvblock: error: ...``, exit status 2)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"kvblock: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, _usage_message(message, self.prog))
+
+
+def _usage_message(message: str, prog: str) -> str:
+    """The line every refused command line prints (exit status 2): the message, then where
+    the options are described."""
+    return f"kvblock: error: {message} (see {prog} --help)\n"
+
+
+_SUBCOMMANDS = ("info", "demo", "replay", "sweep", "index", "serve")
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """``kvblock`` and the subcommand words that lead ``argv`` (the prog of the parser whose
+    options a refused setting belongs to)."""
+    words = ["kvblock"]
+    for a in argv:
+        if a not in _SUBCOMMANDS:
+            break
+        words.append(a)
+    return " ".join(words)
 
 
 def _cmd_index_serve(args: argparse.Namespace) -> int:
@@ -646,7 +666,7 @@ def _cmd_index_serve(args: argparse.Namespace) -> int:
                                speculative_ttl_ms=args.speculative_ttl_ms, max_pairs=args.max_pairs,
                                tier_weights=tuple(args.tier_weight) or None).check()
     except ValueError as e:
-        print(f"kvblock: error: {e}", file=sys.stderr)
+        print(_usage_message(str(e), "kvblock index serve"), end="", file=sys.stderr)
         return 2
     import logging
 
@@ -874,13 +894,16 @@ def _main(argv: Sequence[str] | None) -> int:
             try:
                 return demo_main(argv[1:])
             except RuntimeError as e:  # torch's errors, e.g. an unknown or absent device
-                print(f"kvblock: error: {e}", file=sys.stderr)
+                print(_usage_message(str(e), "kvblock demo"), end="", file=sys.stderr)
                 return 2
         parser = build_parser()
         args = parser.parse_args(argv)
         return int(args.func(args))
-    except ReplayError as e:
-        print(f"kvblock: error: {e}", file=sys.stderr)
+    except ReplayError as e:  # exit status 2: the command's input or settings, 3: the run's
+        if e.exit_code == 2:
+            print(_usage_message(str(e), _command_of(argv)), end="", file=sys.stderr)
+        else:
+            print(f"kvblock: error: {e}", file=sys.stderr)
         return e.exit_code
     except ModuleNotFoundError as e:
         # an option whose optional dependency is not installed (--transport zmq without pyzmq,
@@ -889,8 +912,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
         print(f"kvblock: error: {missing_message(e)}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, OverflowError, MemoryError, RecursionError, OSError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         # settings the core refuses (e.g. a pool beyond the int32 block-id range)
+        print(_usage_message(f"{type(e).__name__}: {e}", _command_of(argv)), end="", file=sys.stderr)
+        return 2
+    except (MemoryError, RecursionError, OSError) as e:  # the machine's, not the command line's
         print(f"kvblock: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
