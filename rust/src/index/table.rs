@@ -953,6 +953,29 @@ impl Table {
         i
     }
 
+    /// [`Self::store`] of the live node at arena position `p` if it is `key` under `tag`
+    /// (a chain's next block where the arena holds the chain: right after the block before
+    /// it, or where that one's hint says), without probing the index: the change in
+    /// (block, holder) pairs. None when it is not, or when some hash has nodes under two
+    /// tags (a store must visit them all then).
+    #[inline(always)]
+    pub fn store_at(&mut self, p: usize, key: u64, tag: u32, inst: u32, depth: u8, slab: &mut Slab) -> Option<isize> {
+        if self.dups {
+            return None;
+        }
+        let n = self.nodes.get_mut(p)?;
+        if n.key != key || n.tag != tag || n.set == EMPTY {
+            return None;
+        }
+        let (set, added) = slab.insert(n.set, inst);
+        n.set = set;
+        if self.depth.on() {
+            let pairs = slab.count(set);
+            self.depth.restore(p, depth, pairs, added as usize);
+        }
+        Some(added as isize)
+    }
+
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
     /// number of (block, holder) pairs: +1 if new, 0 if it already held it, and one less per
     /// other tag it is dropped from. `depth` is the block's chain depth (kept only while the
