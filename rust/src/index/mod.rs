@@ -522,19 +522,29 @@ impl PrefixIndex {
                         _ => None,
                     };
                     let run = &hashes[start..end];
+                    // a chain the arena holds already (another holder stored it) is followed
+                    // from the block before without the index: its index slots are requested
+                    // only where that fails
+                    let follows = |q: usize| {
+                        run.first().is_some_and(|&h0| {
+                            table.key_at(q + 1) == Some(h0) || table.key_at(table.hint(q)) == Some(h0)
+                        })
+                    };
+                    let mut probing = !prev.is_some_and(follows);
                     for &ahead in run.iter().take(SLOT_AHEAD) {
-                        table.prefetch(ahead);
+                        if probing {
+                            table.prefetch(ahead);
+                        }
                         roots.prefetch(ahead);
-                    }
-                    for &ahead in run.iter().take(NODE_AHEAD) {
-                        table.prefetch_node(ahead);
                     }
                     for (j, &h) in run.iter().enumerate() {
                         if let Some(&ahead) = run.get(j + SLOT_AHEAD) {
-                            table.prefetch(ahead);
+                            if probing {
+                                table.prefetch(ahead);
+                            }
                             roots.prefetch(ahead);
                         }
-                        if let Some(&ahead) = run.get(j + NODE_AHEAD) {
+                        if let Some(&ahead) = run.get(j + NODE_AHEAD).filter(|_| probing) {
                             table.prefetch_node(ahead);
                         }
                         depth = depth.saturating_add(1);
@@ -560,6 +570,12 @@ impl PrefixIndex {
                             let (d, at) = match found {
                                 Some(x) => x,
                                 None => {
+                                    if !probing {
+                                        probing = true;
+                                        for &ahead in run.iter().skip(j + 1).take(SLOT_AHEAD - 1) {
+                                            table.prefetch(ahead);
+                                        }
+                                    }
                                     let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
                                     if let Some(q) = prev {
                                         table.link(q, at);
