@@ -105,7 +105,8 @@ const MAX_MEDIA: usize = 4;
 /// words) are requested, and the nodes those slots name: a batch's first `SLOT_AHEAD`
 /// slots are all requested before any is read, so their misses overlap (an engine's batch
 /// is a handful of blocks: requesting each only a few blocks ahead left the first reads
-/// waiting one after another).
+/// waiting one after another). A batch that continues a chain the arena already holds
+/// requests no index slot until it stops finding its blocks there.
 const SLOT_AHEAD: usize = 16;
 const NODE_AHEAD: usize = 8;
 /// How far ahead along a run the walk requests the node a continuation hint names.
@@ -572,7 +573,7 @@ impl PrefixIndex {
                                 None => {
                                     if !probing {
                                         probing = true;
-                                        for &ahead in run.iter().skip(j + 1).take(SLOT_AHEAD - 1) {
+                                        for &ahead in run.iter().skip(j + 1).take(SLOT_AHEAD) {
                                             table.prefetch(ahead);
                                         }
                                     }

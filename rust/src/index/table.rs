@@ -1358,6 +1358,36 @@ mod tests {
         assert!(t.is_empty() && t.get(1, 5).is_none());
     }
 
+    /// `store_at` adds a holder to the node at a position only when that node is live and
+    /// is the key under the tag (the pairs added as `store` counts them); otherwise, or once
+    /// a hash has nodes under two tags, it is None and changes nothing.
+    #[test]
+    fn store_at_takes_only_the_live_node_it_names() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        t.reserve(8).unwrap();
+        let tag = parent_tag(Some(10));
+        let (_, a) = t.store(10, 7, 0, 2, &mut slab);
+        let (_, b) = t.store(11, tag, 0, 3, &mut slab);
+        assert_eq!(b, a + 1);
+        assert_eq!(t.store_at(b, 11, tag, 1, 3, &mut slab), Some(1));
+        assert_eq!(t.store_at(b, 11, tag, 1, 3, &mut slab), Some(0));
+        let set = t.get(11, tag).unwrap();
+        assert!(slab.contains(set, 0) && slab.contains(set, 1));
+        for (p, key, tg) in [(b, 12, tag), (b, 11, 5), (b + 1, 11, tag), (usize::MAX, 11, tag)] {
+            assert_eq!(t.store_at(p, key, tg, 2, 3, &mut slab), None);
+        }
+        assert_eq!(t.get(11, tag), Some(set));
+        // a dead node is not taken
+        t.remove(10, 0, &mut slab);
+        assert_eq!(t.store_at(a, 10, 7, 2, 2, &mut slab), None);
+        assert_eq!(t.get(10, 7), None);
+        // a hash under two tags: a store must visit every node of it
+        t.store(11, 9, 2, 3, &mut slab);
+        assert_eq!(t.store_at(b, 11, tag, 3, 3, &mut slab), None);
+        assert_eq!(t.len(), 2);
+    }
+
     /// A table that does not settle, its slab, forty chains of 64 blocks (chain `c`'s blocks
     /// `c << 32 | 1..=64`) none of them stored yet, and each chain's last stored node (none).
     #[allow(clippy::type_complexity)]
