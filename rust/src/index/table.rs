@@ -19,8 +19,12 @@
 //! (key, tag), so the answer is the one a probe gives), contiguous memory the hardware
 //! streams in. Chains stored in small batches interleaved with others' are laid out in
 //! chain order when the arena grows (`Table::relayout`) and, for the nodes stored since,
-//! every 32Ki nodes in place (`Table::settle`); a table records where its nodes moved
-//! ([`Table::take_moves`]) for another table's hints into it (a roots table's).
+//! every 32Ki nodes in place (`Table::settle`, which knows each young node's index slot
+//! and rewrites it without a probe; growth builds the bigger index from the old one in slot
+//! order); a table records where its nodes moved ([`Table::take_moves`]) for another
+//! table's hints into it (a roots table's). Storing follows the arena the same way: a block
+//! already held under the block before it (another holder's copy of the chain) is right
+//! after that block's node or at its hint ([`Table::store_at`]), and needs no probe.
 
 use super::depth::Depths;
 use super::holders::Slab;
