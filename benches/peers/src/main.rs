@@ -38,6 +38,7 @@ trait Side {
     fn prepare(&mut self, _cell: &Cell) {}
     fn query(&mut self, cell: &Cell, i: usize);
     fn answer(&self) -> Vec<(u32, u32)>;
+    fn debug(&self) {}
 }
 
 // -- kvblock -------------------------------------------------------------------------------
@@ -77,6 +78,9 @@ impl Side for Kv {
         // the hits only, as SMG's `overlap` and Dynamo's `find_matches` give them
         self.ix.match_sparse(&self.prepared[i], None, &mut self.hits);
         black_box(&self.hits);
+    }
+    fn debug(&self) {
+        eprintln!("DEBUG nodes {} pairs {} memory {}", self.ix.num_nodes(), self.ix.num_pairs(), self.ix.memory_bytes());
     }
     fn answer(&self) -> Vec<(u32, u32)> {
         let mut v = self.hits.clone();
@@ -238,6 +242,11 @@ fn run_side(side: &str, shape_name: &str) {
         }
     }
     let fill = t.elapsed().as_secs_f64();
+    if std::env::var_os("PEERS_DEBUG").is_some() {
+        s.debug();
+        let n: usize = w.ops.iter().filter(|o| matches!(o, Op::Store { .. })).count();
+        eprintln!("DEBUG ops {} stores {n} stream_blocks {}", w.ops.len(), w.stream_blocks);
+    }
     let rss1 = rss_bytes();
     println!("RESULT resident {}", w.resident);
     println!("RESULT ingest {:.3}", w.stream_blocks as f64 / fill / 1e6);

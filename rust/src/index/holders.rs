@@ -16,6 +16,9 @@ pub const MULTI: u32 = 1 << 31;
 /// Largest instance id (the high bit of a set word tells slab slots from ids).
 pub const MAX_INSTANCE: u32 = MULTI - 1;
 
+/// No memo (no set word is `u32::MAX`: that is a table's dead node).
+const NO_MEMO: (u32, u32, u32) = (u32::MAX, u32::MAX, u32::MAX);
+
 fn hash_words(words: &[u64]) -> u64 {
     let mut h = 0x9E37_79B9_7F4A_7C15u64;
     for w in words {
@@ -25,7 +28,7 @@ fn hash_words(words: &[u64]) -> u64 {
 }
 
 /// Interned bitsets of the blocks held by more than one instance, all `words` long.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Slab {
     words: usize,
     bits: Vec<u64>,
@@ -35,11 +38,31 @@ pub struct Slab {
     /// The live slots, by their bitsets.
     index: HashTable<u32>,
     tmp: Vec<u64>,
+    /// The last set [`Self::insert`] made: (the set word it grew, the instance added, the
+    /// set word made). The blocks of one stored run mostly go through the same change (a
+    /// holder joining a shared prefix), so the next insert of that instance into that set
+    /// takes the same set without hashing or comparing a bitset. Forgotten whenever a slot
+    /// is freed (its number may then name another set).
+    memo: (u32, u32, u32),
+}
+
+impl Default for Slab {
+    fn default() -> Self {
+        Slab {
+            words: 1,
+            bits: Vec::new(),
+            refs: Vec::new(),
+            free: Vec::new(),
+            index: HashTable::new(),
+            tmp: Vec::new(),
+            memo: NO_MEMO,
+        }
+    }
 }
 
 impl Slab {
     pub fn new() -> Self {
-        Slab { words: 1, ..Slab::default() }
+        Slab::default()
     }
 
     /// Words per set.
@@ -77,6 +100,7 @@ impl Slab {
         }
         self.bits = bits;
         self.words = need;
+        self.memo = NO_MEMO;
         // every hash changes with the stride
         self.index.clear();
         for s in 0..slots as u32 {
@@ -142,6 +166,7 @@ impl Slab {
         if *r > 0 {
             return;
         }
+        self.memo = NO_MEMO;
         let w = self.words;
         let h = hash_words(self.slot(slot));
         if let Ok(e) = self.index.find_entry(h, |&x| x == slot) {
@@ -180,6 +205,15 @@ impl Slab {
 
     /// Add `inst` to `set`: the new set word and whether it was added.
     pub fn insert(&mut self, set: u32, inst: u32) -> (u32, bool) {
+        if (set, inst) == (self.memo.0, self.memo.1) {
+            // the change the last insert made: its set is live (a freed slot clears the memo)
+            let new = self.memo.2;
+            self.refs[(new & !MULTI) as usize] += 1;
+            if set & MULTI != 0 {
+                self.unref(set & !MULTI);
+            }
+            return (new, true);
+        }
         let (w, b) = (inst as usize / 64, inst % 64);
         self.tmp.clear();
         if set & MULTI == 0 {
@@ -189,7 +223,9 @@ impl Slab {
             self.tmp.resize(self.words, 0);
             self.tmp[set as usize / 64] |= 1 << (set % 64);
             self.tmp[w] |= 1 << b;
-            return (self.intern() | MULTI, true);
+            let new = self.intern() | MULTI;
+            self.memo = (set, inst, new);
+            return (new, true);
         }
         let old = set & !MULTI;
         if self.slot(old)[w] >> b & 1 == 1 {
@@ -200,6 +236,10 @@ impl Slab {
         self.tmp[w] |= 1 << b;
         let new = self.intern();
         self.unref(old);
+        if self.refs[old as usize] > 0 {
+            // (a freed `old` may come back as another set: no memo of it)
+            self.memo = (set, inst, new | MULTI);
+        }
         (new | MULTI, true)
     }
 
@@ -315,6 +355,30 @@ mod tests {
         assert_eq!(s.live(), 1);
         assert_eq!(s.remove(7, 7), (None, true));
         assert_eq!(s.remove(7, 8), (Some(7), false));
+    }
+
+    /// Blocks of one set joined by the same instance share the joined set (the last change
+    /// remembered), and a slot freed and handed out again for another set is never taken
+    /// for the set it held.
+    #[test]
+    fn a_remembered_change_is_exact() {
+        let mut s = Slab::new();
+        let words: Vec<u32> = (0..3).map(|_| s.insert(1, 2).0).collect();
+        assert!(words.iter().all(|&x| x == words[0]));
+        let joined: Vec<u32> = words.iter().map(|&x| s.insert(x, 5).0).collect();
+        assert!(joined.iter().all(|&x| x == joined[0]));
+        assert_eq!((s.live(), s.count(joined[0])), (1, 3));
+        assert!(s.contains(joined[0], 1) && s.contains(joined[0], 2) && s.contains(joined[0], 5));
+        // {1, 2} held by one block: joined by 5, its slot is freed...
+        let (x, _) = s.insert(1, 2);
+        let (y, added) = s.insert(x, 6);
+        assert!(added && s.contains(y, 6));
+        // ...and handed out again for {7, 8}: 6 joining it makes {6, 7, 8}
+        let (z, _) = s.insert(7, 8);
+        assert_eq!(z, x);
+        let (w, added) = s.insert(z, 6);
+        assert!(added && s.contains(w, 7) && s.contains(w, 8) && s.contains(w, 6) && !s.contains(w, 1));
+        assert_eq!(s.count(w), 3);
     }
 
     #[test]

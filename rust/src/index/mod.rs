@@ -101,9 +101,14 @@ pub struct Evicted {
 
 /// Media the arena walk handles (more fall back to the plain walk).
 const MAX_MEDIA: usize = 4;
-/// How far ahead of a `BlockStored`'s store its blocks' nodes are requested (their index
-/// slots twice as far).
-const STORE_AHEAD: usize = 3;
+/// How far ahead of a `BlockStored`'s store its blocks' home index slots (and roots filter
+/// words) are requested, and the nodes those slots name: a batch's first `SLOT_AHEAD`
+/// slots are all requested before any is read, so their misses overlap (an engine's batch
+/// is a handful of blocks: requesting each only a few blocks ahead left the first reads
+/// waiting one after another). A batch that continues a chain the arena already holds
+/// requests no index slot until it stops finding its blocks there.
+const SLOT_AHEAD: usize = 16;
+const NODE_AHEAD: usize = 8;
 /// How far ahead along a run the walk requests the node a continuation hint names.
 const HINT_AHEAD: usize = 6;
 /// How far ahead along a run the walk requests a node's holder bitset.
@@ -132,6 +137,17 @@ impl Roots {
     #[inline(always)]
     fn get(&self, key: u64) -> u32 {
         self.get_hinted(key).0
+    }
+
+    /// Start loading the filter word of `key` (a hint).
+    #[inline(always)]
+    fn prefetch(&self, key: u64) {
+        if !self.bits.is_empty() {
+            let b = self.bucket(key);
+            if let Some(w) = self.bits.get(b / 64) {
+                crate::prefetch::prefetch(w);
+            }
+        }
     }
 
     /// Follow a change of `delta` nodes of `key`.
@@ -506,16 +522,30 @@ impl PrefixIndex {
                         (Some(p), _) if tag != ROOT_TAG => table.find_key(p),
                         _ => None,
                     };
-                    for (j, &h) in hashes[start..end].iter().enumerate() {
-                        let run = &hashes[start..end];
-                        if j == 0 {
-                            for &ahead in run.iter().take(2 * STORE_AHEAD) {
-                                table.prefetch(ahead);
-                            }
-                        } else if let Some(&ahead) = run.get(j + 2 * STORE_AHEAD - 1) {
+                    let run = &hashes[start..end];
+                    // a chain the arena holds already (another holder stored it) is followed
+                    // from the block before without the index: its index slots are requested
+                    // only where that fails
+                    let follows = |q: usize| {
+                        run.first().is_some_and(|&h0| {
+                            table.key_at(q + 1) == Some(h0) || table.key_at(table.hint(q)) == Some(h0)
+                        })
+                    };
+                    let mut probing = !prev.is_some_and(follows);
+                    for &ahead in run.iter().take(SLOT_AHEAD) {
+                        if probing {
                             table.prefetch(ahead);
                         }
-                        if let Some(&ahead) = run.get(j + STORE_AHEAD) {
+                        roots.prefetch(ahead);
+                    }
+                    for (j, &h) in run.iter().enumerate() {
+                        if let Some(&ahead) = run.get(j + SLOT_AHEAD) {
+                            if probing {
+                                table.prefetch(ahead);
+                            }
+                            roots.prefetch(ahead);
+                        }
+                        if let Some(&ahead) = run.get(j + NODE_AHEAD).filter(|_| probing) {
                             table.prefetch_node(ahead);
                         }
                         depth = depth.saturating_add(1);
@@ -526,10 +556,34 @@ impl PrefixIndex {
                             root_at = Some(rp);
                             d - table.remove(h, id, &mut self.slab) as isize
                         } else {
-                            let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
+                            // where the arena holds the chain already (another holder stored
+                            // it), its next block is right after this one's or where its hint
+                            // says: no index probe
+                            let mut found = None;
                             if let Some(q) = prev {
-                                table.link(q, at);
+                                for r in [q + 1, table.hint(q)] {
+                                    if let Some(d) = table.store_at(r, h, tag, id, depth, &mut self.slab) {
+                                        found = Some((d, r));
+                                        break;
+                                    }
+                                }
                             }
+                            let (d, at) = match found {
+                                Some(x) => x,
+                                None => {
+                                    if !probing {
+                                        probing = true;
+                                        for &ahead in run.iter().skip(j + 1).take(SLOT_AHEAD) {
+                                            table.prefetch(ahead);
+                                        }
+                                    }
+                                    let (d, at) = table.store(h, tag, id, depth, &mut self.slab);
+                                    if let Some(q) = prev {
+                                        table.link(q, at);
+                                    }
+                                    (d, at)
+                                }
+                            };
                             if let Some(rp) = root_at.take() {
                                 roots.table.set_hint(rp, at);
                             }

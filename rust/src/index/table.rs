@@ -19,8 +19,12 @@
 //! (key, tag), so the answer is the one a probe gives), contiguous memory the hardware
 //! streams in. Chains stored in small batches interleaved with others' are laid out in
 //! chain order when the arena grows (`Table::relayout`) and, for the nodes stored since,
-//! every 32Ki nodes in place (`Table::settle`); a table records where its nodes moved
-//! ([`Table::take_moves`]) for another table's hints into it (a roots table's).
+//! every 32Ki nodes in place (`Table::settle`, which knows each young node's index slot
+//! and rewrites it without a probe; growth builds the bigger index from the old one in slot
+//! order); a table records where its nodes moved ([`Table::take_moves`]) for another
+//! table's hints into it (a roots table's). Storing follows the arena the same way: a block
+//! already held under the block before it (another holder's copy of the chain) is right
+//! after that block's node or at its hint ([`Table::store_at`]), and needs no probe.
 
 use super::depth::Depths;
 use super::holders::Slab;
@@ -105,6 +109,8 @@ const SETTLE_AHEAD: usize = 16;
 
 /// A free index slot.
 const FREE_SLOT: u64 = u64::MAX;
+/// A young node's index slot, not known.
+const NO_SLOT: u32 = u32::MAX;
 const MIN_CAP: usize = 16;
 /// Below this many index slots an index doubles when it grows.
 const SMALL: usize = 1 << 16;
@@ -146,6 +152,11 @@ pub struct Table {
     /// Positions before `young` whose hint was set since then (to carry over when the young
     /// nodes move).
     into_young: Vec<u32>,
+    /// Per young node (arena position `young + k`), the index slot that names it (kept as
+    /// slots move; [`NO_SLOT`]: not known), so that [`Self::settle`] rewrites each moved
+    /// node's slot without probing the index for it. Shorter than the young nodes when its
+    /// memory could not be had (settling probes for the rest then).
+    young_slot: Vec<u32>,
     /// The hints name positions in another table (a roots table's: where a chain's second
     /// block went in its medium's table): they move with their nodes unchanged, and
     /// laying this arena out never follows them.
@@ -199,6 +210,7 @@ impl Table {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.next.capacity() * std::mem::size_of::<u32>()
             + self.index.capacity() * std::mem::size_of::<u64>()
+            + self.young_slot.capacity() * std::mem::size_of::<u32>()
             + self.depth.allocation_size()
     }
 
@@ -220,15 +232,29 @@ impl Table {
         cap / 5 * 4 + (cap % 5) * 4 / 5
     }
 
-    /// Put arena position `p` (key `key`) in the first free index slot from its home.
-    fn place(index: &mut [u64], key: u64, p: usize) {
-        let f = fp(key);
+    /// Put arena position `p` (fingerprint `f`) in the first free index slot from its home;
+    /// returns that slot.
+    #[inline(always)]
+    fn place(index: &mut [u64], f: u32, p: usize) -> usize {
         let cap = index.len();
         let mut i = Self::home_of(f, cap);
         while index[i] != FREE_SLOT {
             i = if i + 1 == cap { 0 } else { i + 1 };
         }
         index[i] = (f as u64) << 32 | p as u64;
+        i
+    }
+
+    /// Start keeping the young nodes' index slots afresh (all unknown); false without the
+    /// memory for it (they stay unknown).
+    fn young_slots_unknown(&mut self) -> bool {
+        let m = self.nodes.len().saturating_sub(self.young);
+        self.young_slot.clear();
+        if self.young_slot.try_reserve(m).is_err() {
+            return false;
+        }
+        self.young_slot.resize(m, NO_SLOT);
+        true
     }
 
     /// Rebuild the index with `cap` slots (at least `len / 0.8`) from the arena.
@@ -240,7 +266,11 @@ impl Table {
             index.try_reserve_exact(cap).map_err(oom)?;
             huge_pages(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
             index.resize(cap, FREE_SLOT);
-            self.index = index;
+            let old = std::mem::replace(&mut self.index, index);
+            if !old.is_empty() {
+                self.place_from(&old, None);
+                return Ok(());
+            }
         } else {
             self.index.fill(FREE_SLOT);
         }
@@ -251,6 +281,7 @@ impl Table {
     /// Put every live node in the (empty) index.
     fn place_all(&mut self) {
         let cap = self.index.len();
+        let (y, track) = (self.young, self.young_slots_unknown());
         // one random slot per node: each requested ahead
         for p in 0..self.nodes.len() {
             if let Some(a) = self.nodes.get(p + SETTLE_AHEAD) {
@@ -258,7 +289,45 @@ impl Table {
             }
             let n = self.nodes[p];
             if n.set != EMPTY {
-                Self::place(&mut self.index, n.key, p);
+                let i = Self::place(&mut self.index, fp(n.key), p);
+                if track && p >= y {
+                    self.young_slot[p - y] = u32::try_from(i).unwrap_or(NO_SLOT);
+                }
+            }
+        }
+    }
+
+    /// Fill the (empty) index from `old`, an index of the same live nodes (of another size),
+    /// each position mapped through `map` (None: unchanged). `old` is read in slot order,
+    /// which is the order of the homes in either size (a home is the fingerprint scaled to
+    /// the size), so the writes go forward through the new index, where placing node by
+    /// node writes one random slot each; only `map` is read at random (4 bytes a node,
+    /// requested ahead).
+    fn place_from(&mut self, old: &[u64], map: Option<&[u32]>) {
+        let (y, track) = (self.young, self.young_slots_unknown());
+        for k in 0..old.len() {
+            if let (Some(m), Some(&a)) = (map, old.get(k + SETTLE_AHEAD)) {
+                if let Some(x) = m.get(a as u32 as usize) {
+                    crate::prefetch::prefetch(x);
+                }
+            }
+            let v = old[k];
+            if v == FREE_SLOT {
+                continue;
+            }
+            let p = match map {
+                None => v as u32 as usize,
+                Some(m) => match m.get(v as u32 as usize) {
+                    Some(&q) if q != NO_NEXT => q as usize,
+                    // (every live node has a new position)
+                    _ => continue,
+                },
+            };
+            let i = Self::place(&mut self.index, (v >> 32) as u32, p);
+            if track && p >= y {
+                if let Some(x) = self.young_slot.get_mut(p - y) {
+                    *x = u32::try_from(i).unwrap_or(NO_SLOT);
+                }
             }
         }
     }
@@ -385,16 +454,16 @@ impl Table {
         self.dead = 0;
         self.hand = 0;
         self.laid_out();
-        self.moved(0, Some(moved));
         if icap != self.index.len() {
-            // dropping the old index first: the new one is reserved
-            self.index = Vec::new();
+            // built from the old index (both held for a while: one index more at the peak)
             index.resize(icap, FREE_SLOT);
-            self.index = index;
+            let old = std::mem::replace(&mut self.index, index);
+            self.place_from(&old, Some(&moved));
         } else {
             self.index.fill(FREE_SLOT);
+            self.place_all();
         }
-        self.place_all();
+        self.moved(0, Some(moved));
         Ok(())
     }
 
@@ -461,6 +530,18 @@ impl Table {
         self.young = self.nodes.len();
         self.links = 0;
         self.into_young.clear();
+        self.young_slot.clear();
+        if self.young_slot.capacity() > 4 * SETTLE_NODES {
+            self.young_slot = Vec::new();
+        }
+    }
+
+    /// Note that index slot `i` now names arena position `p`.
+    #[inline(always)]
+    fn slot_moved(&mut self, p: usize, i: usize) {
+        if let Some(x) = p.checked_sub(self.young).and_then(|k| self.young_slot.get_mut(k)) {
+            *x = u32::try_from(i).unwrap_or(NO_SLOT);
+        }
     }
 
     /// Lay the young nodes (those stored since the last layout) out in chain order, in
@@ -511,14 +592,30 @@ impl Table {
                 };
             }
         }
-        // the index slot of every moved node, found while the index still names the old
-        // positions (a (fingerprint, position) pair is unique then), its home requested ahead
+        // the index slot of every moved node: kept as nodes were stored, or found while the
+        // index still names the old positions (a (fingerprint, position) pair is unique
+        // then), requested ahead
         let cap = self.index.len();
+        let ys = &self.young_slot;
+        let known = ys.len() == m && order.iter().all(|&p| ys[p as usize - y] != NO_SLOT);
         for (j, &p) in order.iter().enumerate() {
             if let Some(&a) = order.get(j + SETTLE_AHEAD) {
-                crate::prefetch::prefetch(&self.index[Self::home_of(fp(old[a as usize].key), cap)]);
+                let home =
+                    if known { ys[a as usize - y] as usize } else { Self::home_of(fp(old[a as usize].key), cap) };
+                if let Some(x) = self.index.get(home) {
+                    crate::prefetch::prefetch(x);
+                }
             }
-            slots.push(if p as usize == y + j { usize::MAX } else { self.slot_of(p as usize) });
+            let p = p as usize;
+            slots.push(if p == y + j {
+                usize::MAX
+            } else if known {
+                let s = ys[p - y] as usize;
+                debug_assert_eq!(self.index[s], (fp(old[p].key) as u64) << 32 | p as u64);
+                s
+            } else {
+                self.slot_of(p)
+            });
         }
         for &p in &order {
             let p = p as usize;
@@ -567,6 +664,8 @@ impl Table {
         let off = self.no_settle;
         #[cfg(not(test))]
         let off = false;
+        // (without room, young nodes' slots go unknown: settling probes for them)
+        let _ = self.young_slot.try_reserve(n);
         if !off && self.links >= SETTLE_LINKS && self.nodes.len() - self.young >= SETTLE_NODES {
             self.settle();
         }
@@ -822,6 +921,7 @@ impl Table {
             let dist_hole = (j + cap - i) % cap;
             if dist_home >= dist_hole {
                 self.index[i] = self.index[j];
+                self.slot_moved(self.index[j] as u32 as usize, i);
                 i = j;
             }
             j = self.next(j);
@@ -844,6 +944,7 @@ impl Table {
             self.dead -= 1;
         }
         self.young = self.young.min(self.nodes.len());
+        self.young_slot.truncate(self.nodes.len() - self.young);
     }
 
     /// The index slot of arena position `p` (a live node).
@@ -854,6 +955,29 @@ impl Table {
             i = self.next(i);
         }
         i
+    }
+
+    /// [`Self::store`] of the live node at arena position `p` if it is `key` under `tag`
+    /// (a chain's next block where the arena holds the chain: right after the block before
+    /// it, or where that one's hint says), without probing the index: the change in
+    /// (block, holder) pairs. None when it is not, or when some hash has nodes under two
+    /// tags (a store must visit them all then).
+    #[inline(always)]
+    pub fn store_at(&mut self, p: usize, key: u64, tag: u32, inst: u32, depth: u8, slab: &mut Slab) -> Option<isize> {
+        if self.dups {
+            return None;
+        }
+        let n = self.nodes.get_mut(p)?;
+        if n.key != key || n.tag != tag || n.set == EMPTY {
+            return None;
+        }
+        let (set, added) = slab.insert(n.set, inst);
+        n.set = set;
+        if self.depth.on() {
+            let pairs = slab.count(set);
+            self.depth.restore(p, depth, pairs, added as usize);
+        }
+        Some(added as isize)
     }
 
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
@@ -917,6 +1041,9 @@ impl Table {
             self.nodes.push(Node { key, tag, set: inst });
             self.next.push(NO_NEXT);
             self.index[i] = (f as u64) << 32 | p as u64;
+            if self.young_slot.len() == p - self.young && self.young_slot.len() < self.young_slot.capacity() {
+                self.young_slot.push(u32::try_from(i).unwrap_or(NO_SLOT));
+            }
             self.depth.put(p, depth);
             self.depth.gain(p, 1);
             self.len += 1;
@@ -1233,6 +1360,36 @@ mod tests {
         assert!(load <= 0.8 + 1e-9, "load {load}");
         assert_eq!(t.clear_instance(0, &mut slab), live.len());
         assert!(t.is_empty() && t.get(1, 5).is_none());
+    }
+
+    /// `store_at` adds a holder to the node at a position only when that node is live and
+    /// is the key under the tag (the pairs added as `store` counts them); otherwise, or once
+    /// a hash has nodes under two tags, it is None and changes nothing.
+    #[test]
+    fn store_at_takes_only_the_live_node_it_names() {
+        let mut t = Table::default();
+        let mut slab = Slab::new();
+        t.reserve(8).unwrap();
+        let tag = parent_tag(Some(10));
+        let (_, a) = t.store(10, 7, 0, 2, &mut slab);
+        let (_, b) = t.store(11, tag, 0, 3, &mut slab);
+        assert_eq!(b, a + 1);
+        assert_eq!(t.store_at(b, 11, tag, 1, 3, &mut slab), Some(1));
+        assert_eq!(t.store_at(b, 11, tag, 1, 3, &mut slab), Some(0));
+        let set = t.get(11, tag).unwrap();
+        assert!(slab.contains(set, 0) && slab.contains(set, 1));
+        for (p, key, tg) in [(b, 12, tag), (b, 11, 5), (b + 1, 11, tag), (usize::MAX, 11, tag)] {
+            assert_eq!(t.store_at(p, key, tg, 2, 3, &mut slab), None);
+        }
+        assert_eq!(t.get(11, tag), Some(set));
+        // a dead node is not taken
+        t.remove(10, 0, &mut slab);
+        assert_eq!(t.store_at(a, 10, 7, 2, 2, &mut slab), None);
+        assert_eq!(t.get(10, 7), None);
+        // a hash under two tags: a store must visit every node of it
+        t.store(11, 9, 2, 3, &mut slab);
+        assert_eq!(t.store_at(b, 11, tag, 3, 3, &mut slab), None);
+        assert_eq!(t.len(), 2);
     }
 
     /// A table that does not settle, its slab, forty chains of 64 blocks (chain `c`'s blocks
