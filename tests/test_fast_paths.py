@@ -92,3 +92,47 @@ def test_the_fast_paths_live_in_one_room():
     found = [f"{p.relative_to(REPO)}: {name}" for p in sorted((REPO / "rust" / "src" / "py").rglob("*.rs"))
              if fast not in p.parents for name in internals if name in p.read_text()]
     assert not found, found
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as e:  # the same exception type and message from both
+        return "raised", type(e), str(e)
+
+
+def test_get_block_ids_entry_answers_as_the_python_method():
+    """``KVCacheBlocks.get_block_ids`` is a fastcall method of the Rust core
+    (``rust/src/py/fast/block_ids_method.rs``) for the scheduler's calls; on every call shape
+    and every kind of group it gives what the Python method gives (or raises what it
+    raises), with new lists on every call."""
+    from kvblock import _core
+    from kvblock.manager import IdsBackedBlocks, KVCacheBlocks, _get_block_ids_py
+
+    assert type(IdsBackedBlocks.get_block_ids).__name__ == "method_descriptor"
+    Ids = _core.BlockIds
+    results = [
+        ((),), ([],), (Ids([]),), (Ids([]), [], ()), (Ids([3, 1, 2]),), (Ids([]), [4, 5], (6,)), (Ids([7]), Ids([])),
+    ]
+    calls = [((), {}), ((True,), {}), ((False,), {}), ((), {"allow_none": True}), ((), {"allow_none": False}),
+             ((1,), {}), ((0,), {}), ((None,), {}), ((), {"group_ids": [0]}), ((True,), {"group_ids": []}),
+             ((True, True), {}), ((), {"allow_none": True, "group_ids": [0]}), ((), {"nope": 1}),
+             ((), {"allow_none": True, "nope": 1})]
+    for ids in results:
+        b = KVCacheBlocks._from_ids(None, ids)
+        for args, kwargs in calls:
+            fast, slow = _outcome(b.get_block_ids, *args, **kwargs), _outcome(_get_block_ids_py, b, *args, **kwargs)
+            assert fast == slow, (ids, args, kwargs, fast, slow)
+        first, second = b.get_block_ids(), b.get_block_ids()
+        assert all(x is not y for x, y in zip(first, second)), "every call gives new lists"
+    # _ids that are not a tuple of BlockIds / list / tuple, or missing: the Python method's answer
+    odd = KVCacheBlocks._from_ids(None, ())
+    odd._ids = [Ids([1])]
+    assert _outcome(odd.get_block_ids) == _outcome(_get_block_ids_py, odd)
+    odd._ids = (range(3),)
+    assert odd.get_block_ids() == ([0, 1, 2],) == _get_block_ids_py(odd)
+    bare = object.__new__(KVCacheBlocks)
+    assert _outcome(bare.get_block_ids)[:2] == ("raised", AttributeError)
+    assert _outcome(bare.get_block_ids) == _outcome(_get_block_ids_py, bare)
+    with pytest.raises(ValueError):
+        _core._fast_get_block_ids(KVCacheBlocks, _get_block_ids_py)  # made once, for IdsBackedBlocks

@@ -37,6 +37,7 @@ __all__ = [
     "parent_tag",
     "event_ints",
     "_fast_entry",
+    "_fast_get_block_ids",
     "CapacityRequests",
     "LruCurve",
     "capacity_trie_ids",
@@ -623,6 +624,13 @@ def _fast_entry(name: str) -> Any:
     """The method descriptor of ``KVCacheManagerCore.<name>`` (``"allocate_slots"`` or
     ``"cache_blocks"``) behind a fastcall entry that answers vLLM's no-op decode-step calls
     itself and passes every other call to the method; ``ValueError`` for another name."""
+
+def _fast_get_block_ids(cls: type, full: Callable[..., Any]) -> Any:
+    """The method descriptor of ``cls`` (``kvblock.manager.IdsBackedBlocks``) behind a
+    fastcall entry that answers ``get_block_ids()``, ``(b)`` and ``(allow_none=b)`` with a
+    bool ``b`` on ids held as ``BlockIds`` / lists / tuples (None, or a tuple with a new
+    list per group) and calls ``full(self, *args, **kwargs)`` for anything else. Made once
+    per process: ``ValueError`` for another class or function later."""
 
 # -- capacity planning (kvblock.replay.capacity) ---------------------------------------------
 

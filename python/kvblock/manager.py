@@ -119,6 +119,17 @@ class IdsBackedBlocks:
         return tuple([g.tolist() if type(g) is _BlockIds else list(g) for g in ids])
 
 
+# vLLM's scheduler calls get_block_ids(allow_none=True) on every scheduled request's new blocks
+# every step, in its own code outside the manager's calls: a METH_FASTCALL method of the Rust
+# core answers get_block_ids(), (b) and (allow_none=b) with a bool b on ids held as BlockIds /
+# lists / tuples, as the method above does, and calls the method above for anything else
+# (rust/src/py/fast/block_ids_method.rs)
+_get_block_ids_py = IdsBackedBlocks.get_block_ids
+IdsBackedBlocks.get_block_ids = _core._fast_get_block_ids(  # type: ignore[method-assign]
+    IdsBackedBlocks, _get_block_ids_py
+)
+
+
 class KVCacheBlocks(IdsBackedBlocks):
     """vLLM's allocation result: ``blocks[g][j]`` is the ``j``-th block of group ``g``.
 

@@ -60,6 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("IntOutOfRangeError", errors::int_out_of_range_type(m.py())?)?;
     m.add_class::<index::PyPrefixIndex>()?;
     m.add_function(wrap_pyfunction!(fast::entry::_fast_entry, m)?)?;
+    m.add_function(wrap_pyfunction!(fast::block_ids_method::_fast_get_block_ids, m)?)?;
     // the benches' call timers, only in a build with the bench-timers cargo feature
     m.add("BENCH_TIMERS", cfg!(feature = "bench-timers"))?;
     #[cfg(feature = "bench-timers")]

@@ -4,6 +4,8 @@
 //!
 //! - [`entry`]: `METH_FASTCALL` entries for vLLM's no-op `allocate_slots` / `cache_blocks`
 //!   decode-step calls, past PyO3's keyword matching;
+//! - [`block_ids_method`]: a `METH_FASTCALL` `KVCacheBlocks.get_block_ids` for the scheduler's
+//!   per-request `get_block_ids(allow_none=True)`;
 //! - [`slots`]: `__slots__` fields read and written by byte offset (`kvblock.Request`), and
 //!   `KVCacheBlocks` built with `tp_alloc`;
 //! - [`instance_dict`]: plain request attributes read from the instance `__dict__`
@@ -22,6 +24,7 @@
 //! The public C-API macros the bindings use elsewhere (`PyList_GET_ITEM`, `PyBytes_AS_STRING`,
 //! `PyLong_CheckExact`) are the interpreter's documented API, not fast paths.
 
+pub mod block_ids_method;
 pub mod entry;
 pub mod instance_dict;
 pub mod ints;
