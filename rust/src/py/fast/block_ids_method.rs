@@ -15,12 +15,11 @@
 //! its results and errors are the method's own.
 
 use crate::py::block_ids::PyBlockIds;
-use pyo3::exceptions::{PySystemError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyString, PyType};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// What the entry needs, made once per process.
 struct Entry {
@@ -139,11 +138,7 @@ unsafe fn full(
 ) -> *mut ffi::PyObject {
     // SAFETY: as the caller guarantees; the arguments are borrowed for the call only.
     unsafe {
-        let nkw = if kwnames.is_null() { 0 } else { ffi::PyTuple_GET_SIZE(kwnames) };
-        let total = (nargs + nkw) as usize;
-        let mut stack: Vec<*mut ffi::PyObject> = Vec::with_capacity(total + 1);
-        stack.push(slf);
-        stack.extend((0..total).map(|i| *args.add(i)));
+        let stack = super::self_stack(slf, args, nargs, kwnames);
         ffi::PyObject_Vectorcall(e.full.as_ptr(), stack.as_ptr(), nargs as usize + 1, kwnames)
     }
 }
@@ -154,31 +149,15 @@ unsafe extern "C" fn get_block_ids_entry(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // SAFETY: CPython calls a method with the GIL held, so the thread is attached (see
-    // `entry.rs` on PyO3's attach count).
-    let py = unsafe { Python::assume_attached() };
-    let res = catch_unwind(AssertUnwindSafe(|| {
-        let Some(e) = ENTRY.get(py) else {
-            PySystemError::new_err("kvblock: get_block_ids was called before it was made").restore(py);
-            return std::ptr::null_mut();
-        };
-        // SAFETY: CPython's fastcall arguments, passed through.
-        unsafe {
-            let answer = if super::enabled() { fast(py, e, slf, args, nargs, kwnames) } else { None };
-            match answer {
-                Some(Ok(r)) => r.into_ptr(),
-                Some(Err(err)) => {
-                    err.restore(py);
-                    std::ptr::null_mut()
-                }
-                None => full(e, slf, args, nargs, kwnames),
-            }
-        }
-    }));
-    res.unwrap_or_else(|_| {
-        pyo3::panic::PanicException::new_err("kvblock: panic in KVCacheBlocks.get_block_ids").restore(py);
-        std::ptr::null_mut()
-    })
+    // SAFETY: CPython's fastcall arguments, passed through to the paths.
+    unsafe {
+        super::dispatch(
+            &ENTRY,
+            "KVCacheBlocks.get_block_ids",
+            |py, e| fast(py, e, slf, args, nargs, kwnames),
+            |_, e| full(e, slf, args, nargs, kwnames),
+        )
+    }
 }
 
 /// `_fast_get_block_ids(cls, full)`: the method descriptor of `cls` (kvblock's
@@ -190,21 +169,13 @@ unsafe extern "C" fn get_block_ids_entry(
 pub fn _fast_get_block_ids(py: Python<'_>, cls: Bound<'_, PyType>, full: Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
     let e = ENTRY.get_or_try_init(py, || -> PyResult<Entry> {
         let doc: String = full.getattr("__doc__")?.extract::<Option<String>>()?.unwrap_or_default();
-        let ml_doc = std::ffi::CString::new(format!(
-            "get_block_ids($self, /, allow_none=False, *, group_ids=None)\n--\n\n{doc}"
-        ))
-        .map_err(|_| PySystemError::new_err("a NUL in a docstring"))?;
-        // the method table and its strings live as long as the process, as a module's do
-        let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
-            ml_name: c"get_block_ids".as_ptr(),
-            ml_meth: ffi::PyMethodDefPointer { PyCFunctionFastWithKeywords: get_block_ids_entry },
-            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-            ml_doc: Box::leak(ml_doc.into_boxed_c_str()).as_ptr(),
-        }));
-        // SAFETY: a type object and a method table that outlives it; a new reference or NULL.
-        let descr = unsafe {
-            Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(cls.as_ptr().cast::<ffi::PyTypeObject>(), def))?
-        };
+        let descr = super::method_descriptor(
+            &cls,
+            c"get_block_ids",
+            "get_block_ids($self, /, allow_none=False, *, group_ids=None)",
+            &doc,
+            get_block_ids_entry,
+        )?;
         Ok(Entry {
             full: full.clone().unbind(),
             cls: cls.clone().unbind(),

@@ -18,13 +18,11 @@
 //! the method's own either way.
 
 use crate::py::manager::PyManager;
-use pyo3::exceptions::{PySystemError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyString;
-use std::ffi::CString;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// What an entry needs, made once per process.
 struct Entry {
@@ -200,11 +198,8 @@ unsafe fn full(
     // SAFETY: as the caller guarantees; the objects are borrowed for the call only, and the
     // replacements live in `held` until it returns.
     unsafe {
-        let nkw = if kwnames.is_null() { 0 } else { ffi::PyTuple_GET_SIZE(kwnames) };
-        let total = (nargs + nkw) as usize;
-        let mut stack: Vec<*mut ffi::PyObject> = Vec::with_capacity(total + 1);
-        stack.push(slf);
-        stack.extend((0..total).map(|i| *args.add(i)));
+        let mut stack = super::self_stack(slf, args, nargs, kwnames);
+        let total = stack.len() - 1;
         let mut held: Vec<Bound<'_, PyAny>> = Vec::new();
         for i in 0..total {
             let kind = if i < nargs as usize {
@@ -260,33 +255,14 @@ unsafe fn run(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // SAFETY: CPython calls a method with the GIL held, so the thread is attached. The entry
-    // does not count itself in PyO3's attach count (PyO3's own entries do): a `Py` released
-    // during the call is released at the next PyO3 entry instead of at once.
-    let py = unsafe { Python::assume_attached() };
-    {
-        let res = catch_unwind(AssertUnwindSafe(|| {
-            let Some(e) = cell.get(py) else {
-                PySystemError::new_err("kvblock: a fast entry was called before it was made").restore(py);
-                return std::ptr::null_mut();
-            };
-            // SAFETY: CPython's fastcall arguments, passed through.
-            unsafe {
-                let answer = if super::enabled() { fast(py, e, slf, args, nargs, kwnames) } else { None };
-                match answer {
-                    Some(Ok(r)) => r.into_ptr(),
-                    Some(Err(err)) => {
-                        err.restore(py);
-                        std::ptr::null_mut()
-                    }
-                    None => full(py, e, slf, args, nargs, kwnames),
-                }
-            }
-        }));
-        res.unwrap_or_else(|_| {
-            pyo3::panic::PanicException::new_err("kvblock: panic in a KV cache manager call").restore(py);
-            std::ptr::null_mut()
-        })
+    // SAFETY: CPython's fastcall arguments, passed through to the paths.
+    unsafe {
+        super::dispatch(
+            cell,
+            "a KV cache manager call",
+            |py, e| fast(py, e, slf, args, nargs, kwnames),
+            |py, e| full(py, e, slf, args, nargs, kwnames),
+        )
     }
 }
 
@@ -332,19 +308,7 @@ pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
         let full = ty.getattr(name)?;
         let sig: String = full.getattr("__text_signature__")?.extract()?;
         let doc: String = full.getattr("__doc__")?.extract::<Option<String>>()?.unwrap_or_default();
-        let ml_doc = CString::new(format!("{name}{sig}\n--\n\n{doc}"))
-            .map_err(|_| PySystemError::new_err("a NUL in a docstring"))?;
-        // the method table and its strings live as long as the process, as a module's do
-        let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
-            ml_name: c_name.as_ptr(),
-            ml_meth: ffi::PyMethodDefPointer { PyCFunctionFastWithKeywords: meth },
-            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-            ml_doc: Box::leak(ml_doc.into_boxed_c_str()).as_ptr(),
-        }));
-        // SAFETY: a type object and a method table that outlives it; a new reference or NULL.
-        let descr = unsafe {
-            Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(ty.as_ptr().cast::<ffi::PyTypeObject>(), def))?
-        };
+        let descr = super::method_descriptor(&ty, c_name, &format!("{name}{sig}"), &doc, meth)?;
         Ok(Entry {
             full: full.unbind(),
             lookahead_kw: PyString::intern(py, "num_lookahead_tokens").unbind(),

@@ -42,3 +42,96 @@ pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var_os(SWITCH).is_none_or(|v| v.is_empty() || v == "0"))
 }
+
+/// The body of a C fastcall entry made once per process in `cell`: `fast` (unless the fast
+/// paths are off), else, or where `fast` declines (None), `full`; NULL with the exception set
+/// on an error, a panic raised as a `PanicException` saying `what` panicked.
+///
+/// # Safety
+/// Called from a C entry that CPython calls with the GIL held; `fast` and `full` get the
+/// entry's own arguments.
+pub(crate) unsafe fn dispatch<E: Send + Sync>(
+    cell: &pyo3::sync::PyOnceLock<E>,
+    what: &str,
+    fast: impl for<'py> FnOnce(pyo3::Python<'py>, &E) -> Option<pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>>>,
+    full: impl FnOnce(pyo3::Python<'_>, &E) -> *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject {
+    use pyo3::exceptions::PySystemError;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    // SAFETY: CPython calls a method with the GIL held, so the thread is attached. The entry
+    // does not count itself in PyO3's attach count (PyO3's own entries do): a `Py` released
+    // during the call is released at the next PyO3 entry instead of at once.
+    let py = unsafe { pyo3::Python::assume_attached() };
+    let res = catch_unwind(AssertUnwindSafe(|| {
+        let Some(e) = cell.get(py) else {
+            PySystemError::new_err(format!("kvblock: {what} was called before it was made")).restore(py);
+            return std::ptr::null_mut();
+        };
+        let answer = if enabled() { fast(py, e) } else { None };
+        match answer {
+            Some(Ok(r)) => r.into_ptr(),
+            Some(Err(err)) => {
+                err.restore(py);
+                std::ptr::null_mut()
+            }
+            None => full(py, e),
+        }
+    }));
+    res.unwrap_or_else(|_| {
+        pyo3::panic::PanicException::new_err(format!("kvblock: panic in {what}")).restore(py);
+        std::ptr::null_mut()
+    })
+}
+
+/// A fastcall's `self` and arguments (positional, then the keyword values `kwnames` names) as
+/// one vectorcall stack, `self` first, for calling the full path as `full(self, *args,
+/// **kwargs)`.
+///
+/// # Safety
+/// `args` holds `nargs` positional arguments then one value per `kwnames` entry (NULL for
+/// none), as CPython passes them to a fastcall method.
+pub(crate) unsafe fn self_stack(
+    slf: *mut pyo3::ffi::PyObject,
+    args: *const *mut pyo3::ffi::PyObject,
+    nargs: pyo3::ffi::Py_ssize_t,
+    kwnames: *mut pyo3::ffi::PyObject,
+) -> Vec<*mut pyo3::ffi::PyObject> {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        let nkw = if kwnames.is_null() { 0 } else { pyo3::ffi::PyTuple_GET_SIZE(kwnames) };
+        let total = (nargs + nkw) as usize;
+        let mut stack = Vec::with_capacity(total + 1);
+        stack.push(slf);
+        stack.extend((0..total).map(|i| *args.add(i)));
+        stack
+    }
+}
+
+/// A method descriptor of `cls` named `name` that CPython calls as a fastcall method with
+/// keywords (`meth`); its docstring is `text_signature` (`name(...)`, CPython's
+/// `__text_signature__` line) then `doc`. The method table lives as long as the process, as
+/// a module's does.
+pub(crate) fn method_descriptor<'py>(
+    cls: &pyo3::Bound<'py, pyo3::types::PyType>,
+    name: &'static std::ffi::CStr,
+    text_signature: &str,
+    doc: &str,
+    meth: pyo3::ffi::PyCFunctionFastWithKeywords,
+) -> pyo3::PyResult<pyo3::Bound<'py, pyo3::PyAny>> {
+    use pyo3::ffi;
+    let ml_doc = std::ffi::CString::new(format!("{text_signature}\n--\n\n{doc}"))
+        .map_err(|_| pyo3::exceptions::PySystemError::new_err("a NUL in a docstring"))?;
+    let def: &'static mut ffi::PyMethodDef = Box::leak(Box::new(ffi::PyMethodDef {
+        ml_name: name.as_ptr(),
+        ml_meth: ffi::PyMethodDefPointer { PyCFunctionFastWithKeywords: meth },
+        ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+        ml_doc: Box::leak(ml_doc.into_boxed_c_str()).as_ptr(),
+    }));
+    // SAFETY: a type object and a method table that outlives it; a new reference or NULL.
+    unsafe {
+        pyo3::Bound::from_owned_ptr_or_err(
+            cls.py(),
+            ffi::PyDescr_NewMethod(cls.as_ptr().cast::<ffi::PyTypeObject>(), def),
+        )
+    }
+}
