@@ -15,7 +15,7 @@ CASES = {
             "KVEventSubscriber needs pyzmq", "pip install pyzmq (kvblock's 'cluster' extra)"),
     "redis": ("redis", "from kvblock.cluster import RedisPrefixIndex\nRedisPrefixIndex('redis://127.0.0.1:1')",
               "RedisPrefixIndex needs redis", "pip install redis (kvblock's 'cluster' extra)"),
-    "torch": ("torch", "import kvblock.worker.demo", "kvblock.worker.demo needs torch", "pip install torch (kvblock's 'torch' extra)"),
+    "torch": ("torch", "import kvblock.worker.demo", "kvblock demo (kvblock.worker.demo) needs torch", "pip install torch (kvblock's 'torch' extra)"),
     "matplotlib": ("matplotlib", "from kvblock.replay.plot import plot_sweep\nplot_sweep({}, 'x.png')",
                    "--plot needs matplotlib", "pip install matplotlib (kvblock's 'plot' extra)"),
     "matplotlib-fleet": ("matplotlib", "from kvblock.replay.fleet import plot_fleet_sweep\nplot_fleet_sweep({}, 'x.png')",
@@ -84,7 +84,7 @@ def test_demo_help_and_usage_errors_need_no_torch():
     r = run("demo")
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "kvblock: error: kvblock.worker.demo needs torch: pip install torch (kvblock's 'torch' extra)"
+        "kvblock: error: kvblock demo (kvblock.worker.demo) needs torch: pip install torch (kvblock's 'torch' extra)"
     ], r.stderr
 
 

@@ -194,7 +194,7 @@ def test_unservable_requests_exit_3_after_the_report(tmp_path, capsys):
     assert d["served"] == 2 and [u["request_id"] for u in d["unservable_requests"]] == ["req-1"]
     assert d["unservable"] == 1 and d["unservable_requests"][0]["line"] == 2
     assert "1 request(s) can never fit" in err and "req-1 (line 2)" in err
-    assert "needs 313 blocks for 5004 tokens" in err and "raise --num-blocks to at least 314" in err
+    assert "needs 313 blocks for 5,004 tokens" in err and "raise --num-blocks to at least 314" in err
     code, out, err = run_cli(capsys, "replay", path, "--num-blocks", "100")
     assert code == 3 and "1 unservable" in out
     code, _, err = run_cli(capsys, "replay", path, "--token-budget", "1000", "--no-chunked-prefill")

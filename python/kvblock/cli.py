@@ -833,9 +833,11 @@ def build_parser() -> argparse.ArgumentParser:
         "answer POST /score (block hashes or token ids -> each engine's cached-prefix length), GET /health, "
         "GET /metrics (Prometheus), GET/POST/DELETE /engines. API: docs/index_service.md.",
     )
-    sv.add_argument("--engine", action="append", default=[], metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT]",
+    sv.add_argument("--engine", action="append", default=[],
+                    metavar="NAME=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=TOPIC][,dp=N]",
                     help="an engine's PUB endpoint (and replay ROUTER endpoint); repeat per engine (more can be "
-                    "added with POST /engines); ',dp=N': N data-parallel ranks NAME@dp0.. on vLLM's offset ports")
+                    "added with POST /engines); ',topic=TOPIC': subscribe to that ZMQ topic only (default: "
+                    "every topic); ',dp=N': N data-parallel ranks NAME@dp0.. on vLLM's offset ports")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=_port, default=8000, metavar="N",
                     help="port to listen on, 0-65535 (0: any free port; default 8000)")

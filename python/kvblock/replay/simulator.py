@@ -162,12 +162,12 @@ def _unservable(tr: TraceRequest, cfg: SimConfig, usable: int) -> Unservable | N
     if need > usable:
         return Unservable(
             tr.request_id, tr.line, need,
-            f"needs {need} blocks for {max_len} tokens but the cache has {usable} usable blocks",
+            f"needs {need:,} blocks for {max_len:,} tokens but the cache has {usable:,} usable blocks",
         )
     if not cfg.ideal and not cfg.chunked_prefill and cfg.token_budget is not None and max_len > cfg.token_budget:
         return Unservable(
             tr.request_id, tr.line, need,
-            f"its {max_len} tokens exceed the token budget {cfg.token_budget} without chunked prefill",
+            f"its {max_len:,} tokens exceed the token budget {cfg.token_budget:,} without chunked prefill",
         )
     return None
 

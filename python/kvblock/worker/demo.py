@@ -43,7 +43,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the torch extra
     from .._optional import install_hint
 
-    raise ImportError(f"kvblock.worker.demo needs torch: {install_hint('torch', 'torch')}") from e
+    raise ImportError(f"kvblock demo (kvblock.worker.demo) needs torch: {install_hint('torch', 'torch')}") from e
 
 from .block_table import BlockTable, reshape_and_cache
 from .demo_args import DemoConfig, ModelConfig, build_parser
