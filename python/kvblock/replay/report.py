@@ -101,7 +101,7 @@ def render_result(result: ReplayResult, console: Console) -> None:
     table.add_row("block hit rate", _ratio_pct(r.blocks_hit, r.blocks_queried), f"{r.blocks_hit:,} / {r.blocks_queried:,} blocks")
     table.add_row("evictions", f"{r.evictions:,}", "cached blocks dropped")
     table.add_row("preemptions", f"{r.preemptions:,}", "")
-    table.add_row("blocks in use", f"peak {r.peak_blocks_in_use:,}", f"mean {r.mean_blocks_in_use:,.0f} of {r.usable_blocks:,}")
+    table.add_row("blocks in use", f"peak {r.peak_blocks_in_use:,}", f"mean {r.mean_blocks_in_use:,.0f} of {r.usable_blocks:,} usable")
     if r.usage.size > 1:
         table.add_row("  over time", "", sparkline(r.usage, r.usable_blocks, 30))
     steps_detail = f"{r.sim_time_s:,.1f} s simulated" if r.mode == "scheduled" else "one per request"
