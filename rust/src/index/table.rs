@@ -971,13 +971,21 @@ impl Table {
         if n.key != key || n.tag != tag || n.set == EMPTY {
             return None;
         }
+        Some(self.join(p, inst, depth, slab) as isize)
+    }
+
+    /// `inst` joins the holders of the live node at `p` (its depth kept with the pair count):
+    /// true if it did not hold it.
+    #[inline(always)]
+    fn join(&mut self, p: usize, inst: u32, depth: u8, slab: &mut Slab) -> bool {
+        let n = &mut self.nodes[p];
         let (set, added) = slab.insert(n.set, inst);
         n.set = set;
         if self.depth.on() {
             let pairs = slab.count(set);
             self.depth.restore(p, depth, pairs, added as usize);
         }
-        Some(added as isize)
+        added
     }
 
     /// `inst` holds `key` under `tag` (and under no other tag). Returns the change in the
@@ -1007,13 +1015,7 @@ impl Table {
                     if n.tag == tag {
                         found = true;
                         at = p;
-                        let (set, added) = slab.insert(n.set, inst);
-                        n.set = set;
-                        delta += added as isize;
-                        if self.depth.on() {
-                            let pairs = slab.count(set);
-                            self.depth.restore(p, depth, pairs, added as usize);
-                        }
+                        delta += self.join(p, inst, depth, slab) as isize;
                         if !self.dups {
                             // the only node of this hash
                             return (delta, p);
