@@ -74,7 +74,7 @@ def _vllm_token_buffer_requests(block_size: int):
     from vllm.v1.core import kv_cache_utils as vku
     from vllm.v1.request import Request
 
-    from kvblock.vllm.plugin import original
+    from kvblock.vllm.originals import original
 
     stock_factory = original(vku, "get_request_block_hasher")
     init = original(vku, "init_none_hash")

@@ -66,7 +66,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 
 # stock vLLM's, also where kvblock.vllm.patch() replaced them
 VllmManager = original(_vkm, "KVCacheManager")

@@ -43,7 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvblock import _core  # noqa: E402
 from kvblock.vllm.block_pool import BlockPool  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 from kvblock.vllm.releases import current  # noqa: E402
 
 hisparse = pytest.importorskip("vllm.v1.hisparse.coordinator")

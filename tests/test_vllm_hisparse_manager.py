@@ -57,7 +57,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from kvblock.vllm.config import translate  # noqa: E402
 from kvblock.vllm.hisparse import HiSparseCoordinatorView  # noqa: E402
 from kvblock.vllm.manager import KVCacheManager as KvblockManager  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 
 VllmManager = original(_vkm, "KVCacheManager")
 get_request_block_hasher = original(_vku, "get_request_block_hasher")

@@ -96,7 +96,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 import kvblock.vllm as kv  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 from kvblock.vllm.releases import current as _current_release  # noqa: E402
 
 #: vLLM 0.34 bounds a request's cache hits by ``prefix_cache_hit_limit`` (prompt scoring).

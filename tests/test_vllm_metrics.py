@@ -38,7 +38,7 @@ from vllm.v1.metrics.stats import KVCacheEvictionEvent  # noqa: E402
 import kvblock.vllm as kv  # noqa: E402
 from kvblock.vllm import metrics as km  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 from vllm_oracle import init_none_hash, request  # noqa: E402
 
 from vllm.v1.core import block_pool as _vbp  # noqa: E402

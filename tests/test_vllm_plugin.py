@@ -38,7 +38,7 @@ from kvblock.vllm import block_pool as kvbp  # noqa: E402
 from kvblock.vllm import blocks as kb  # noqa: E402
 from kvblock.vllm import coordinator as kc  # noqa: E402
 from kvblock.vllm.manager import VllmKVCacheManager  # noqa: E402
-from kvblock.vllm.plugin import original  # noqa: E402
+from kvblock.vllm.originals import original  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

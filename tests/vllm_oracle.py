@@ -14,7 +14,7 @@ from vllm.v1.request import Request
 
 import kvblock.vllm as kv
 from kvblock.vllm.manager import VllmKVCacheManager
-from kvblock.vllm.plugin import original
+from kvblock.vllm.originals import original
 
 # vLLM's own hashing, also when kvblock.vllm.patch() has swapped kvblock's in
 get_request_block_hasher = original(vku, "get_request_block_hasher")

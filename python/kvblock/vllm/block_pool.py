@@ -17,7 +17,7 @@ from ..block_pool import BlockHashToBlockMap as _BlockHashToBlockMap
 from ..block_pool import BlockPool as _BlockPool
 from ..block_pool import KVCacheBlock, PoolKeysView
 from .metrics import bind, pool_finalized, unsupported_reason
-from .plugin import original
+from .originals import original
 from .releases import current as _current_release
 
 __all__ = ["BlockHashToBlockMap", "BlockPool", "IdsBlockHashToBlockMap"]

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 from vllm.v1.core import kv_cache_manager as _vkm
 
 from ..manager import IdsBackedBlocks
-from .plugin import original
+from .originals import original
 
 __all__ = ["KVCacheBlocks"]
 

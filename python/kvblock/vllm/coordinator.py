@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 
 from vllm.v1.core import kv_cache_coordinator as _vkc
 
-from .plugin import original
+from .originals import original
 
 __all__ = ["make_coordinator", "SingleTypeManagerView"]
 

@@ -22,7 +22,7 @@ from typing import Any
 from vllm.v1.hisparse import coordinator as _vhc
 from vllm.v1.hisparse import types as _vht
 
-from .plugin import keep_original, original
+from .originals import keep_original, original
 from .releases import current as _current_release
 
 __all__ = [

@@ -36,7 +36,7 @@ from .block_pool import BlockPool
 from .blocks import KVCacheBlocks
 from .config import env_flag, translate
 from .coordinator import HybridCoordinatorView, make_coordinator
-from .plugin import original
+from .originals import original
 from .releases import current as _current_release
 
 #: The installed vLLM release (kvblock.vllm.releases): what differs between releases.

@@ -25,38 +25,16 @@ from typing import Any
 
 from . import releases
 from .config import env_flag
+from .originals import keep_original, original, original_key
 
-__all__ = ["is_patched", "original", "patch", "register", "unpatch"]
+__all__ = ["is_patched", "patch", "register", "unpatch"]
 
 _PATCHED: list[tuple[Any, str, Any]] = []
 
 
-def _original_key(name: str) -> str:
-    return f"_kvblock_original_{name}"
-
-
-def original(module: Any, name: str) -> Any:
-    """Stock vLLM's ``module.<name>``: the value :func:`patch` (or kvblock's HiSparse
-    coordinator lookup) replaced, kept on the module, else the module's current one. For the
-    oracles, lockstep tests and benchmarks that run stock vLLM beside kvblock in a process
-    where kvblock may be patched in. Raises AttributeError if the module has no ``name``."""
-    try:
-        return getattr(module, _original_key(name))
-    except AttributeError:
-        return getattr(module, name)
-
-
-def keep_original(module: Any, name: str) -> None:
-    """Keep ``module.<name>`` as stock vLLM's (see :func:`original`) before kvblock replaces
-    it; a no-op when it is kept already."""
-    key = _original_key(name)
-    if not hasattr(module, key):
-        setattr(module, key, getattr(module, name))
-
-
 def _set(module: Any, name: str, value: Any) -> None:
     keep_original(module, name)
-    key = _original_key(name)
+    key = original_key(name)
     _PATCHED.append((module, name, getattr(module, key)))
     setattr(module, name, value)
 
