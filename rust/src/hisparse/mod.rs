@@ -6,9 +6,8 @@
 //!
 //! * [`residency`]: the coordinator's state and transitions ([`residency::Residency`]),
 //!   driven through an [`residency::Env`] that gives the groups' block tables, the device
-//!   and host pools and the host group's publication.
-//! * [`layout`]: the [`residency::Layout`] of a manager configuration (which groups are the
-//!   host, resident and hot groups), with vLLM's configuration errors.
+//!   and host pools and the host group's publication. Which groups of a manager
+//!   configuration are the host, resident and hot groups ([`residency::Layout`]) is read in
+//!   [`crate::manager::hisparse_layout`]: this module knows pools, not managers.
 
-pub mod layout;
 pub mod residency;

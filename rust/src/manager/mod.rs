@@ -11,6 +11,8 @@
 //!   only allocates (in [`single_type`]).
 //! * [`hisparse`]: the rules of HiSparse's source, resident and hot groups (the books are in
 //!   [`crate::hisparse`]).
+//! * [`hisparse_layout`]: which groups of a configuration are HiSparse's host, resident and
+//!   hot groups, with vLLM's configuration errors.
 //! * [`hisparse_tier`]: the host pool and the residency a manager with HiSparse groups
 //!   holds, and the residency's view of the manager.
 //! * [`coordinator`]: vLLM's `KVCacheCoordinator` (no prefix cache, unitary, hybrid);
@@ -27,6 +29,7 @@ pub mod coordinator_hisparse;
 pub mod full_attention;
 pub mod group_state;
 pub mod hisparse;
+pub mod hisparse_layout;
 pub mod hisparse_tier;
 pub mod hit_verify;
 pub mod kv_cache_manager;

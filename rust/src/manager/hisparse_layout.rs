@@ -81,5 +81,5 @@ impl Layout {
 }
 
 #[cfg(test)]
-#[path = "layout/tests.rs"]
+#[path = "hisparse_layout/tests.rs"]
 mod tests;
