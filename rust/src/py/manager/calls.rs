@@ -439,14 +439,9 @@ impl PyManager {
                 has_scheduled_reqs,
                 ..Default::default()
             };
-            let inner = &mut me.inner;
-            let res = p.tagged(r, events.as_ref(), |pool, tag| {
-                let mut view = v.as_view(tag)?;
-                view.content = content.as_ref();
-                inner.allocate_slots(pool, &view, hashes, &args).py_err()
-            });
-            sync_kept_tags(&inner.coord, &mut p);
-            let res = res?;
+            let res = tagged_call(&mut me.inner, &mut p, r, events.as_ref(), v, content.as_ref(), |m, pool, view| {
+                m.allocate_slots(pool, view, hashes, &args)
+            })?;
             match res {
                 None => break,
                 Some(new) => {
@@ -567,14 +562,9 @@ impl PyManager {
         crate::py::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
         for (i, (r, v, hashes, events, content)) in checked.iter().enumerate() {
             let args = args_of(i);
-            let inner = &mut me.inner;
-            let res = p.tagged(r, events.as_ref(), |pool, tag| {
-                let mut view = v.as_view(tag)?;
-                view.content = content.as_ref();
-                inner.allocate_slots(pool, &view, hashes, &args).py_err()
-            });
-            sync_kept_tags(&inner.coord, &mut p);
-            let res = res?;
+            let res = tagged_call(&mut me.inner, &mut p, r, events.as_ref(), v, content.as_ref(), |m, pool, view| {
+                m.allocate_slots(pool, view, hashes, &args)
+            })?;
             match res {
                 None => counts.extend(std::iter::repeat_n(-1, groups)),
                 Some(new) => {

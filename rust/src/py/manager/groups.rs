@@ -467,15 +467,9 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
-        let inner = &mut me.inner;
-        let out = p.tagged(request, events.as_ref(), |pool, tag| {
-            let view = v.as_view(tag)?;
-            inner
-                .group_cache_blocks(pool, group, &view, &hashes, num_tokens, retention_interval, &replay_boundaries)
-                .py_err()
-        });
-        sync_kept_tags(&inner.coord, &mut p);
-        out
+        tagged_call(&mut me.inner, &mut p, request, events.as_ref(), &v, None, |m, pool, view| {
+            m.group_cache_blocks(pool, group, view, &hashes, num_tokens, retention_interval, &replay_boundaries)
+        })
     }
 
     /// The ids of the blocks allocated since the last call, every group, drained (vLLM's

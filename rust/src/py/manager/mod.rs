@@ -184,6 +184,31 @@ fn sync_kept_tags(coord: &crate::manager::coordinator::Coordinator, pool: &mut c
     }
 }
 
+/// Run `call` (a manager call that may cache blocks) on the pool with the request's event
+/// tag, `v` as its view with `content` (verify on hit's records, if any), then keep the
+/// HiSparse publications' tags ([`sync_kept_tags`]), whether or not the call succeeded.
+fn tagged_call<'py, R>(
+    inner: &mut KVCacheManager,
+    p: &mut crate::py::block_pool::PoolState,
+    request: &Bound<'py, PyAny>,
+    events: Option<&EventInputs<'py>>,
+    v: &ReqView<'py>,
+    content: Option<&BlockContent>,
+    call: impl FnOnce(
+        &mut KVCacheManager,
+        &mut crate::pool::block_pool::BlockPool,
+        &RequestView<'_>,
+    ) -> crate::error::Result<R>,
+) -> PyResult<R> {
+    let res = p.tagged(request, events, |pool, tag| {
+        let mut view = v.as_view(tag)?;
+        view.content = content;
+        call(inner, pool, &view).py_err()
+    });
+    sync_kept_tags(&inner.coord, p);
+    res
+}
+
 /// The mutable state behind a `KVCacheManagerCore`.
 struct ManagerState {
     pool: Py<PyBlockPool>,

@@ -203,13 +203,10 @@ impl ManagerState {
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
         crate::py::retention::tick(py, me.clock.as_ref(), &mut p.inner, &mut me.inner.retention)?;
-        let inner = &mut me.inner;
-        let res = p.tagged(request, events.as_ref(), |pool, tag| {
-            let mut view = v.as_view(tag)?;
-            view.content = content.as_ref();
-            inner.allocate_slots_in(pool, known, &view, &hashes, args).py_err()
-        });
-        sync_kept_tags(&inner.coord, &mut p);
+        let res =
+            tagged_call(&mut me.inner, &mut p, request, events.as_ref(), &v, content.as_ref(), |m, pool, view| {
+                m.allocate_slots_in(pool, known, view, &hashes, args)
+            });
         drop(p);
         match res? {
             None => Ok(py.None().into_bound(py)),
@@ -249,14 +246,9 @@ impl ManagerState {
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
         let events = me.event_inputs(request, p.inner.events_enabled())?;
-        let inner = &mut me.inner;
-        let out = p.tagged(request, events.as_ref(), |pool, tag| {
-            let mut view = v.as_view(tag)?;
-            view.content = content.as_ref();
-            inner.cache_blocks(pool, &view, &hashes, n).py_err()
-        });
-        sync_kept_tags(&inner.coord, &mut p);
-        out
+        tagged_call(&mut me.inner, &mut p, request, events.as_ref(), &v, content.as_ref(), |m, pool, view| {
+            m.cache_blocks(pool, view, &hashes, n)
+        })
     }
 
     /// True if `allocate_slots(request, ...)` with `args` (no hit blocks) changes nothing for
