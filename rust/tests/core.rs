@@ -166,27 +166,8 @@ mod pool_and_manager {
     fn config(groups: Vec<GroupSpec>, num_blocks: usize, h: usize) -> ManagerConfig {
         let sched = _core::manager::spec::lcm_of(groups.iter().map(|g| g.block_size));
         ManagerConfig {
-            groups,
-            num_blocks,
-            max_model_len: 4096,
-            max_in_flight_tokens: 4096,
             scheduler_block_size: sched,
-            hash_block_size: h,
-            enable_caching: true,
-            use_eagle: false,
-            num_hash_lookahead_tokens: 0,
-            num_prefill_lookahead: 0,
-            dcp_world_size: 1,
-            pcp_world_size: 1,
-            watermark_blocks: 0,
-            enable_kv_cache_events: false,
-            needs_kv_cache_zeroing: false,
-            retention_interval: None,
-            enable_mamba_shared_prefix_checkpoint: false,
-            hisparse_host_num_blocks: None,
-            hisparse_import_step_tokens: None,
-            caller: _core::manager::spec::Caller::Kvblock,
-            rules: Default::default(),
+            ..ManagerConfig::new(groups, num_blocks, 4096, h, _core::manager::spec::Caller::Kvblock)
         }
     }
 

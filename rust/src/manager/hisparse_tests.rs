@@ -29,27 +29,8 @@ fn cfg(kind: Kind) -> TypeConfig {
 
 fn manager_config(groups: Vec<GroupSpec>) -> ManagerConfig {
     ManagerConfig {
-        groups,
-        num_blocks: 16,
-        max_model_len: 64,
         max_in_flight_tokens: 8,
-        scheduler_block_size: BS,
-        hash_block_size: BS,
-        enable_caching: true,
-        use_eagle: false,
-        num_hash_lookahead_tokens: 0,
-        num_prefill_lookahead: 0,
-        dcp_world_size: 1,
-        pcp_world_size: 1,
-        watermark_blocks: 0,
-        enable_kv_cache_events: false,
-        rules: crate::manager::release::ReleaseRules::default(),
-        needs_kv_cache_zeroing: false,
-        retention_interval: None,
-        enable_mamba_shared_prefix_checkpoint: false,
-        hisparse_host_num_blocks: None,
-        hisparse_import_step_tokens: None,
-        caller: crate::manager::spec::Caller::Vllm,
+        ..ManagerConfig::new(groups, 16, 64, BS, crate::manager::spec::Caller::Vllm)
     }
 }
 

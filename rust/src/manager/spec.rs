@@ -208,6 +208,43 @@ impl Caller {
 }
 
 impl ManagerConfig {
+    /// A configuration of `groups` over `num_blocks` blocks with prefix caching on, one block
+    /// size (`block_size`, the scheduler's and the hash's), at most `max_model_len` tokens a
+    /// request (and in flight a step), and every other option off: no EAGLE, lookahead,
+    /// context parallelism, watermark, events, zeroing, retention, Mamba checkpoint or
+    /// HiSparse host pool; 0.33's rules. Set the rest with struct update syntax.
+    pub fn new(
+        groups: Vec<GroupSpec>,
+        num_blocks: usize,
+        max_model_len: usize,
+        block_size: usize,
+        caller: Caller,
+    ) -> Self {
+        ManagerConfig {
+            groups,
+            num_blocks,
+            max_model_len,
+            max_in_flight_tokens: max_model_len,
+            scheduler_block_size: block_size,
+            hash_block_size: block_size,
+            enable_caching: true,
+            use_eagle: false,
+            num_hash_lookahead_tokens: 0,
+            num_prefill_lookahead: 0,
+            dcp_world_size: 1,
+            pcp_world_size: 1,
+            watermark_blocks: 0,
+            enable_kv_cache_events: false,
+            needs_kv_cache_zeroing: false,
+            retention_interval: None,
+            enable_mamba_shared_prefix_checkpoint: false,
+            caller,
+            rules: ReleaseRules::default(),
+            hisparse_host_num_blocks: None,
+            hisparse_import_step_tokens: None,
+        }
+    }
+
     /// An error for a configuration vLLM's constructors refuse with an `assert`: an
     /// `AssertionError` as vLLM's for [`Caller::Vllm`], a `ValueError`
     /// naming the argument for [`Caller::Kvblock`].

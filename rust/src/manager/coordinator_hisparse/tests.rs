@@ -30,33 +30,17 @@ fn group(kind: Kind, class: u32, prefix_cacheable: bool) -> GroupSpec {
 }
 
 fn config(num_blocks: usize, host: Option<usize>, caching: bool) -> ManagerConfig {
+    let groups = vec![
+        group(Kind::HiSparseSource, 0, true),
+        group(Kind::FullAttention, 1, true),
+        group(Kind::HiSparseResident, 2, false),
+        group(Kind::HiSparseHot { blocks_per_request: 2 }, 3, false),
+    ];
     ManagerConfig {
-        groups: vec![
-            group(Kind::HiSparseSource, 0, true),
-            group(Kind::FullAttention, 1, true),
-            group(Kind::HiSparseResident, 2, false),
-            group(Kind::HiSparseHot { blocks_per_request: 2 }, 3, false),
-        ],
-        num_blocks,
-        max_model_len: 256,
         max_in_flight_tokens: 32,
-        scheduler_block_size: BS,
-        hash_block_size: BS,
         enable_caching: caching,
-        use_eagle: false,
-        num_hash_lookahead_tokens: 0,
-        num_prefill_lookahead: 0,
-        dcp_world_size: 1,
-        pcp_world_size: 1,
-        watermark_blocks: 0,
-        enable_kv_cache_events: false,
-        needs_kv_cache_zeroing: false,
-        retention_interval: None,
-        enable_mamba_shared_prefix_checkpoint: false,
-        caller: Caller::Vllm,
-        rules: Default::default(),
         hisparse_host_num_blocks: host,
-        hisparse_import_step_tokens: None,
+        ..ManagerConfig::new(groups, num_blocks, 256, BS, Caller::Vllm)
     }
 }
 

@@ -19,27 +19,9 @@ fn spec(kind: Kind, block_size: usize) -> GroupSpec {
 
 fn config(groups: Vec<GroupSpec>) -> ManagerConfig {
     ManagerConfig {
-        groups,
-        num_blocks: 120,
-        max_model_len: 256,
         max_in_flight_tokens: 40,
-        scheduler_block_size: 16,
-        hash_block_size: 16,
-        enable_caching: true,
-        use_eagle: false,
-        num_hash_lookahead_tokens: 0,
         num_prefill_lookahead: 3,
-        dcp_world_size: 1,
-        pcp_world_size: 1,
-        watermark_blocks: 0,
-        enable_kv_cache_events: false,
-        rules: crate::manager::release::ReleaseRules::default(),
-        needs_kv_cache_zeroing: false,
-        retention_interval: None,
-        enable_mamba_shared_prefix_checkpoint: false,
-        hisparse_host_num_blocks: None,
-        hisparse_import_step_tokens: None,
-        caller: crate::manager::spec::Caller::Vllm,
+        ..ManagerConfig::new(groups, 120, 256, 16, crate::manager::spec::Caller::Vllm)
     }
 }
 
