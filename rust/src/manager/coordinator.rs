@@ -365,6 +365,16 @@ impl Coordinator {
         }
     }
 
+    /// Run `f` on `request_id`'s slot (made for it if it has none), then forget the slot if
+    /// no group keeps anything for the request ([`Coordinator::release_if_vacant`]): a
+    /// per-group call leaves no entry behind that vLLM's `defaultdict`s would not hold.
+    pub fn in_request_slot<R>(&mut self, request_id: &str, f: impl FnOnce(&mut Self, usize) -> R) -> R {
+        let slot = self.slot_or_insert(request_id);
+        let out = f(self, slot);
+        self.release_if_vacant(request_id);
+        out
+    }
+
     /// [`Coordinator::release_if_vacant`] for the request in `slot` (`request_id`'s slot):
     /// the id is looked up only to forget it.
     pub fn release_slot_if_vacant(&mut self, slot: usize, request_id: &str) {

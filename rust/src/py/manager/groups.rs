@@ -27,23 +27,25 @@ impl PyManager {
         let pool = me.pool.bind(py).clone();
         let p = pool.get().state.borrow(py)?;
         p.inner.check_ids(&new_computed_blocks.concat()).py_err()?;
-        let slot = me.inner.coord.slot_or_insert(request_id);
         let nc: Vec<&[u32]> = new_computed_blocks.iter().map(|g| g.as_slice()).collect();
-        let res = me.inner.coord.get_num_blocks_to_allocate(
-            &p.inner,
-            slot,
-            request_id,
-            num_tokens,
-            &nc,
-            num_encoder_tokens,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-            prefill_end,
-        );
-        me.inner.coord.release_if_vacant(request_id);
-        res.py_err()
+        me.inner
+            .coord
+            .in_request_slot(request_id, |coord, slot| {
+                coord.get_num_blocks_to_allocate(
+                    &p.inner,
+                    slot,
+                    request_id,
+                    num_tokens,
+                    &nc,
+                    num_encoder_tokens,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                    prefill_end,
+                )
+            })
+            .py_err()
     }
 
     /// Group `group`'s `get_num_blocks_to_allocate`.
@@ -64,48 +66,48 @@ impl PyManager {
     ) -> PyResult<i64> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
-        }
+        me.check_group(group)?;
         let pool = me.pool.bind(py).clone();
         let p = pool.get().state.borrow(py)?;
-        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
-            // HiSparse's kinds: their rules (the source group's on the host pool: 0, or the
-            // admission sentinel when the host pool cannot back the request)
-            me.inner.coord.pool_of(group, &p.inner).check_ids(&new_computed_blocks).py_err()?;
-            let slot = me.inner.coord.slot_or_insert(request_id);
-            let res = me.inner.coord.hisparse_num_blocks(
-                &p.inner,
-                group,
-                slot,
-                request_id,
-                num_tokens,
-                &new_computed_blocks,
-                total_computed_tokens,
-                num_local_computed_tokens,
-                apply_admission_cap,
-            );
-            me.inner.coord.release_if_vacant(request_id);
-            return res.map(|n| n as i64).py_err();
-        }
-        p.inner.check_ids(&new_computed_blocks).py_err()?;
-        let slot = me.inner.coord.slot_or_insert(request_id);
-        let res = me.inner.coord.managers[group].get_num_blocks_to_allocate(
-            &p.inner,
-            slot,
-            num_tokens,
-            &new_computed_blocks,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-            prefill_end,
-        );
-        me.inner.coord.release_if_vacant(request_id);
-        res.py_err()
+        me.inner.coord.pool_of(group, &p.inner).check_ids(&new_computed_blocks).py_err()?;
+        me.inner
+            .coord
+            .in_request_slot(request_id, |coord, slot| {
+                if coord.managers[group].cfg.spec.kind.is_hisparse() {
+                    // HiSparse's kinds: their rules (the source group's on the host pool: 0,
+                    // or the admission sentinel when the host pool cannot back the request)
+                    return coord
+                        .hisparse_num_blocks(
+                            &p.inner,
+                            group,
+                            slot,
+                            request_id,
+                            num_tokens,
+                            &new_computed_blocks,
+                            total_computed_tokens,
+                            num_local_computed_tokens,
+                            apply_admission_cap,
+                        )
+                        .map(|n| n as i64);
+                }
+                coord.managers[group].get_num_blocks_to_allocate(
+                    &p.inner,
+                    slot,
+                    num_tokens,
+                    &new_computed_blocks,
+                    total_computed_tokens,
+                    num_local_computed_tokens,
+                    num_tokens_main_model,
+                    apply_admission_cap,
+                    prefill_end,
+                )
+            })
+            .py_err()
     }
 
     /// Group `group`'s `allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)`.
+    /// `ValueError` when the group's pool (the host pool for HiSparse's source group) has
+    /// fewer free blocks than the call takes, changing nothing.
     fn _group_allocate_new_blocks(
         &self,
         py: Python<'_>,
@@ -116,47 +118,45 @@ impl PyManager {
     ) -> PyResult<Vec<u32>> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
-        }
+        me.check_group(group)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        let slot = me.inner.coord.slot_or_insert(request_id);
-        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
-            // HiSparse's kinds (the source group's blocks and copy-on-write from the host
-            // pool): checked against the group's pool first, so nothing changes on error
-            let m = &me.inner.coord.managers[group];
-            let need = if m.cfg.spec.kind == Kind::HiSparseSource {
-                m.new_blocks_needed(slot, num_tokens, num_tokens_main_model)
-            } else {
-                0 // the resident and hot rules take their blocks before changing anything
-            };
-            let free = me.inner.coord.pool_of(group, &p.inner).num_free_blocks();
-            if need > free {
-                me.inner.coord.release_if_vacant(request_id);
-                return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free }).py_err();
-            }
-            let res = me.inner.coord.hisparse_allocate_new(
-                &mut p.inner,
-                group,
-                slot,
-                request_id,
-                num_tokens,
-                num_tokens_main_model,
-            );
-            me.inner.coord.release_if_vacant(request_id);
-            return res.py_err();
-        }
-        let m = &mut me.inner.coord.managers[group];
-        let need = m.new_blocks_needed(slot, num_tokens, num_tokens_main_model);
-        if need > p.inner.num_free_blocks() {
-            me.inner.coord.release_if_vacant(request_id);
-            return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free: p.inner.num_free_blocks() })
-                .py_err();
-        }
-        let res = m.allocate_new_blocks(&mut p.inner, slot, request_id, num_tokens, num_tokens_main_model);
-        me.inner.coord.release_if_vacant(request_id);
-        res.py_err()
+        me.inner
+            .coord
+            .in_request_slot(request_id, |coord, slot| {
+                let kind = coord.managers[group].cfg.spec.kind;
+                // checked against the group's pool first, so nothing changes on error; the
+                // HiSparse resident and hot rules take their blocks before changing anything
+                let need = if kind.is_hisparse() && kind != Kind::HiSparseSource {
+                    0
+                } else {
+                    coord.managers[group].new_blocks_needed(slot, num_tokens, num_tokens_main_model)
+                };
+                let free = coord.pool_of(group, &p.inner).num_free_blocks();
+                if need > free {
+                    return Err(crate::error::Error::NotEnoughFreeBlocks { requested: need, free });
+                }
+                if kind.is_hisparse() {
+                    // HiSparse's kinds: the source group's blocks and copy-on-write from the
+                    // host pool
+                    return coord.hisparse_allocate_new(
+                        &mut p.inner,
+                        group,
+                        slot,
+                        request_id,
+                        num_tokens,
+                        num_tokens_main_model,
+                    );
+                }
+                coord.managers[group].allocate_new_blocks(
+                    &mut p.inner,
+                    slot,
+                    request_id,
+                    num_tokens,
+                    num_tokens_main_model,
+                )
+            })
+            .py_err()
     }
 
     /// Group `group`'s `remove_skipped_blocks`.
@@ -171,42 +171,44 @@ impl PyManager {
     ) -> PyResult<()> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
-        }
+        me.check_group(group)?;
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        let slot = me.inner.coord.slot_or_insert(request_id);
-        let res = me.inner.coord.managers[group].remove_skipped_blocks(
-            &mut p.inner,
-            slot,
-            processed_computed_tokens,
-            num_prompt_tokens,
-        );
-        me.inner.coord.release_if_vacant(request_id);
-        res.py_err()
+        me.inner
+            .coord
+            .in_request_slot(request_id, |coord, slot| {
+                coord.managers[group].remove_skipped_blocks(
+                    &mut p.inner,
+                    slot,
+                    processed_computed_tokens,
+                    num_prompt_tokens,
+                )
+            })
+            .py_err()
     }
 
     /// Group `group`'s `free(request_id)`.
     fn _group_free(&self, py: Python<'_>, group: usize, request_id: &Bound<'_, PyString>) -> PyResult<()> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
+        me.check_group(group)?;
+        if me.inner.coord.slot(request_id).is_none() {
+            return Ok(());
         }
-        let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(()) };
         let pool = me.pool.bind(py).clone();
         let mut p = pool.get().state.borrow_mut(py)?;
-        if me.inner.coord.managers[group].cfg.spec.kind.is_hisparse() {
-            // HiSparse's kinds: the coordinator's `free(request_id)` (source and resident
-            // groups; vLLM's stored request is not at hand: finished), then the group's pool
-            let res = me.inner.coord.hisparse_free(&mut p.inner, group, slot, request_id, true);
-            me.inner.coord.release_if_vacant(request_id);
-            return res.py_err();
-        }
-        let res = me.inner.coord.managers[group].free(&mut p.inner, slot, request_id);
-        me.inner.coord.release_if_vacant(request_id);
-        res.py_err()
+        me.inner
+            .coord
+            .in_request_slot(request_id, |coord, slot| {
+                if coord.managers[group].cfg.spec.kind.is_hisparse() {
+                    // HiSparse's kinds: the coordinator's `free(request_id)` (source and
+                    // resident groups; vLLM's stored request is not at hand: finished), then
+                    // the group's pool
+                    return coord.hisparse_free(&mut p.inner, group, slot, request_id, true);
+                }
+                coord.managers[group].free(&mut p.inner, slot, request_id)
+            })
+            .py_err()
     }
 
     /// The request's block ids per group, in table order (empty lists if unknown).
@@ -250,9 +252,7 @@ impl PyManager {
     ) -> PyResult<()> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
-        }
+        me.check_group(group)?;
         me.pool.get().state.borrow(py)?.inner.check_ids(&block_ids).py_err()?;
         let slot = me.inner.coord.slot_or_insert(request_id);
         let r = &mut me.inner.coord.managers[group].reqs[slot];
@@ -377,9 +377,7 @@ impl PyManager {
     ) -> PyResult<()> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
-        }
+        me.check_group(group)?;
         if let Some((_, b)) = value {
             let pool = me.pool.bind(py).clone();
             pool.get().state.borrow(py)?.inner.check_ids(&[b]).py_err()?;
@@ -387,11 +385,11 @@ impl PyManager {
         if value.is_none() && me.inner.coord.slot(request_id).is_none() {
             return Ok(());
         }
-        let slot = me.inner.coord.slot_or_insert(request_id);
-        let m = &mut me.inner.coord.managers[group];
-        m.ensure_slot(slot);
-        m.reqs[slot].partial_hit = value;
-        me.inner.coord.release_if_vacant(request_id);
+        me.inner.coord.in_request_slot(request_id, |coord, slot| {
+            let m = &mut coord.managers[group];
+            m.ensure_slot(slot);
+            m.reqs[slot].partial_hit = value;
+        });
         Ok(())
     }
 
@@ -435,17 +433,13 @@ impl PyManager {
     ) -> PyResult<Option<(u32, u32, usize)>> {
         let request_id = request_id_str(request_id)?;
         let mut me = self.state.borrow_mut(py)?;
-        if group >= me.inner.coord.num_groups() {
-            return Err(value_err("group", "out of range"));
+        me.check_group(group)?;
+        if me.inner.coord.slot(request_id).is_none() {
+            return Ok(None);
         }
-        let Some(slot) = me.inner.coord.slot(request_id) else { return Ok(None) };
-        let out = me.inner.coord.managers[group].finalize_partial_tail_offload(
-            slot,
-            num_computed_tokens,
-            num_in_flight_tokens,
-        );
-        me.inner.coord.release_if_vacant(request_id);
-        Ok(out)
+        Ok(me.inner.coord.in_request_slot(request_id, |coord, slot| {
+            coord.managers[group].finalize_partial_tail_offload(slot, num_computed_tokens, num_in_flight_tokens)
+        }))
     }
 
     /// Group `group`'s `cache_blocks(request, num_tokens, retention_interval,

@@ -310,6 +310,14 @@ impl ManagerState {
         Ok((Some(slot), Some(id)))
     }
 
+    /// `ValueError("group: out of range")` unless the manager has a group `group`.
+    pub(super) fn check_group(&self, group: usize) -> PyResult<()> {
+        if group >= self.inner.coord.num_groups() {
+            return Err(value_err("group", "out of range"));
+        }
+        Ok(())
+    }
+
     /// `request.request_id` (a `str`).
     pub(super) fn id_of<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
         self.fields
