@@ -106,11 +106,13 @@ test:
 wheels:
 	PY=$(PY) scripts/build_wheels.sh
 
-# Formatting and clippy, warnings as errors (CI's lint job).
+# Formatting, clippy and the Rust API docs (no broken or private links), warnings as errors
+# (CI's lint job).
 lint:
 	cargo fmt --check
 	cargo clippy --features python --all-targets -- -D warnings
 	cargo clippy --features bench-timers --lib -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --lib --features python
 
 # The pytest benchmarks, on a core built with the bench-timers cargo feature (the call timers of
 # the vLLM scheduler benches; tests/test_call_timer.py checks them first) (vLLM 0.33.0's scheduler and managers among them, where vLLM is installed),

@@ -1,7 +1,7 @@
 //! kvblock core: vLLM-identical prefix-caching KV block management.
 //!
 //! This crate has no Python dependency unless the `python` feature is on; the bindings live in
-//! [`py`] only.
+//! `py` only.
 //!
 //! * [`hashing`]: chained block hashing (serializers, digests, the digest memo).
 //! * [`pool`]: the block pool (free queue, cache map, arena, events).

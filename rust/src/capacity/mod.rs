@@ -42,7 +42,7 @@
 //!
 //! [`simulate`] replays one capacity exactly (the oracle of the tests, and the points the curve
 //! cannot give), and also runs the `fifo` and `optimal` (Belady) policies, block by block;
-//! [`simulate_many`] replays `optimal` over runs of blocks instead ([`optimal`]).
+//! [`simulate_many`] replays `optimal` over runs of blocks instead (`optimal`).
 //!
 //! Stack depths come from a Fenwick tree over requests: the blocks a request stamped and no
 //! later request took over always form a suffix of its depths, so a block's depth is the count
@@ -809,7 +809,7 @@ pub fn simulate(reqs: &Requests, num_blocks: u64, policy: Policy, warm_from: usi
 }
 
 /// [`simulate`] at several capacities, on up to `threads` threads (results in input order);
-/// `optimal` through [`optimal::replay`] (runs of blocks), falling back to [`simulate`] where
+/// `optimal` through `optimal::replay` (runs of blocks), falling back to [`simulate`] where
 /// the ids are not chained.
 pub fn simulate_many(
     reqs: &Requests,

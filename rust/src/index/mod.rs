@@ -648,7 +648,7 @@ impl PrefixIndex {
     // -- the memory cap ----------------------------------------------------------------------
 
     /// Keep at most `max_pairs` (block, holder) pairs (None: no cap), evicting at once if the
-    /// index holds more. See [`Self::enforce_cap`] for the policy. A cap makes the index
+    /// index holds more. See `enforce_cap` for the policy. A cap makes the index
     /// keep each block's chain depth (one byte a table slot, computed for the blocks it
     /// already holds); removing the cap frees them. Fails only for memory (the cap is set
     /// then, and evicts in the fallback order).

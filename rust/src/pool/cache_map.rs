@@ -393,7 +393,7 @@ impl CacheMap {
         self.slots[slot as usize].key
     }
 
-    /// True if `slot`'s key has held two blocks at once (see [`Entry`]).
+    /// True if `slot`'s key has held two blocks at once (see `Entry`).
     pub fn is_multi(&self, slot: u32) -> bool {
         self.slots[slot as usize].multi
     }

@@ -6,7 +6,7 @@
 //! A priority may carry a duration: it decays to the default that long after the block was
 //! released. Decay is lazy, by time buckets of `granularity_s` seconds: a released block with a
 //! finite duration is linked into the list of the bucket holding its expiry (rounded up), and
-//! [`Retention::expired`] hands out, at the next clock reading, every block of every bucket
+//! [`Retention::advance`] hands out, at the next clock reading, every block of every bucket
 //! that has begun, bucket by bucket, each in release order. A decayed block joins the tail of
 //! the default level (its recency is the moment it decayed).
 

@@ -73,7 +73,7 @@ impl Tokens {
     }
 }
 
-/// Apply a generic function to the typed token slice of a [`Tokens`].
+/// Apply a generic function to the typed token slice of a `Tokens`.
 #[macro_export]
 macro_rules! with_token_slice {
     ($tokens:expr, |$s:ident| $body:expr) => {
