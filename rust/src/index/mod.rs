@@ -1130,11 +1130,14 @@ impl PrefixIndex {
                 set = s;
                 let cur = self.slab.bits_of::<W>(s);
                 let mut gone = [0u64; W];
-                let mut any_gone = 0;
+                let (mut any_gone, mut live) = (0, 0);
                 for k in 0..W {
                     gone[k] = alive[k] & !cur[k];
                     alive[k] &= cur[k];
                     any_gone |= gone[k];
+                    // (tested here, word by word: comparing the array after reads the words
+                    // just stored as wider loads, a store-forwarding stall every block)
+                    live |= alive[k];
                 }
                 log[logged] = (i as u32, gone);
                 logged += usize::from(any_gone != 0);
@@ -1142,7 +1145,7 @@ impl PrefixIndex {
                     flush(&log[..LOG], out);
                     logged = 0;
                 }
-                if alive == [0; W] {
+                if live == 0 {
                     i += 1;
                     break;
                 }
