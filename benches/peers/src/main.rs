@@ -7,7 +7,9 @@
 //! query (a digest per cell) and prints the table: ingest (M stream blocks/s, one thread),
 //! RSS bytes per resident holder-block, p50 / p99 per query cell (median over passes).
 //! `kvblock-peers <kvblock|smg|dynamo> <pinned|fragmented>` runs one side and prints
-//! `RESULT` lines. `PEERS_SCALE=k` multiplies the shape's blocks by k.
+//! `RESULT` lines. `PEERS_SCALE=k` multiplies the shape's blocks by k; with one side,
+//! `PEERS_DEBUG=1` adds ns per block of deep queries and `PEERS_LOOP=n` ns per query of
+//! the shared cells looped `n` times (`LOOP` lines: the walk with its data in cache).
 
 mod workload;
 
@@ -80,7 +82,12 @@ impl Side for Kv {
         black_box(&self.hits);
     }
     fn debug(&self) {
-        eprintln!("DEBUG nodes {} pairs {} memory {}", self.ix.num_nodes(), self.ix.num_pairs(), self.ix.memory_bytes());
+        eprintln!(
+            "DEBUG nodes {} pairs {} memory {}",
+            self.ix.num_nodes(),
+            self.ix.num_pairs(),
+            self.ix.memory_bytes()
+        );
     }
     fn answer(&self) -> Vec<(u32, u32)> {
         let mut v = self.hits.clone();
@@ -285,6 +292,24 @@ fn run_side(side: &str, shape_name: &str) {
             p99s[ci].push(pct(&lat, 0.99));
         }
     }
+    if let Some(n) = std::env::var("PEERS_LOOP").ok().and_then(|x| x.parse::<usize>().ok()) {
+        // the 8- and 64-holder and depth-78 cells, each cell's queries n times over: the
+        // walk's cost with its data in cache (and a steady loop for `perf record`)
+        for cell in &cells[1..4] {
+            s.prepare(cell);
+            let t = Instant::now();
+            for _ in 0..n {
+                for i in 0..cell.keys.len() {
+                    s.query(cell, i);
+                }
+            }
+            eprintln!(
+                "LOOP {}: {:.0} ns/query",
+                cell.name,
+                t.elapsed().as_nanos() as f64 / (n * cell.keys.len()) as f64
+            );
+        }
+    }
     if std::env::var_os("PEERS_DEBUG").is_some() {
         // ns per block of the deep queries (>= 300 blocks), per cell
         for cell in &cells {
@@ -304,8 +329,17 @@ fn run_side(side: &str, shape_name: &str) {
             for i in 0..cell.keys.len() {
                 s.query(cell, i);
             }
-            println!("DEBUG {}: {:.0} ns/query back to back", cell.name, t.elapsed().as_nanos() as f64 / cell.keys.len() as f64);
-            println!("DEBUG {}: {} deep blocks, {:.1} ns/block, {hits} holder hits", cell.name, blocks, ns as f64 / blocks.max(1) as f64);
+            println!(
+                "DEBUG {}: {:.0} ns/query back to back",
+                cell.name,
+                t.elapsed().as_nanos() as f64 / cell.keys.len() as f64
+            );
+            println!(
+                "DEBUG {}: {} deep blocks, {:.1} ns/block, {hits} holder hits",
+                cell.name,
+                blocks,
+                ns as f64 / blocks.max(1) as f64
+            );
         }
     }
     for ci in 0..cells.len() {

@@ -155,7 +155,8 @@ pub fn generate(shape: &Shape) -> Workload {
             for _ in 0..tail_len {
                 let content = rng.next_u64() | 1;
                 let key =
-                    (prev ^ content.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(holder as u64) | 1;
+                    (prev ^ content.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(holder as u64)
+                        | 1;
                 tail.push((key, content));
                 prev = key;
             }

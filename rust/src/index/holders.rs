@@ -298,6 +298,25 @@ impl Slab {
         }
     }
 
+    /// The set word `set` as a bitset of `W` words, where the slab's sets are `W` words
+    /// long (the walk's fixed width); empty for [`table::EMPTY`](super::table::EMPTY).
+    #[inline(always)]
+    pub fn bits_of<const W: usize>(&self, set: u32) -> [u64; W] {
+        debug_assert_eq!(W, self.words);
+        let mut a = [0u64; W];
+        if set & MULTI == 0 {
+            if let Some(x) = a.get_mut(set as usize / 64) {
+                *x = 1 << (set % 64);
+            }
+        } else {
+            let i = (set & !MULTI) as usize * W;
+            if let Some(b) = self.bits.get(i..i + W) {
+                a.copy_from_slice(b);
+            }
+        }
+        a
+    }
+
     /// Release the set (when its block is dropped).
     pub fn drop_set(&mut self, set: u32) {
         if set & MULTI != 0 {

@@ -887,6 +887,15 @@ impl PrefixIndex {
             k += 1;
         }
         let (tables, roots) = (&tables[..k], &roots[..k]);
+        if k == 1 {
+            match w {
+                1 => return self.walk_one::<1, S>(hashes, roots[0], tables[0], out),
+                2 => return self.walk_one::<2, S>(hashes, roots[0], tables[0], out),
+                4 => return self.walk_one::<4, S>(hashes, roots[0], tables[0], out),
+                8 => return self.walk_one::<8, S>(hashes, roots[0], tables[0], out),
+                _ => {}
+            }
+        }
         match w {
             1 => self.walk::<1, S>(hashes, roots, tables, out),
             2 => self.walk::<2, S>(hashes, roots, tables, out),
@@ -1060,6 +1069,97 @@ impl PrefixIndex {
             }
         }
         mark(&alive, out, i as u32);
+    }
+
+    /// [`Self::walk`] over one medium whose holder sets are `W` words long (a fleet's usual
+    /// query): no loop over tables, a block's holders read as `W` words at once, and the
+    /// instances that stop matching looked for only when some did (a fragmented prefix
+    /// changes holder sets nearly every block, mostly in instances no longer matching).
+    fn walk_one<const W: usize, S: Sink + ?Sized>(&self, hashes: &[u64], roots: &Roots, t: &Table, out: &mut S) {
+        const NONE: usize = usize::MAX - 1;
+        let n = hashes.len();
+        let (mut set, mut seed) = roots.get_hinted(hashes[0]);
+        t.prefetch_at(seed);
+        let mut alive = self.slab.bits_of::<W>(set);
+        if alive == [0; W] {
+            return;
+        }
+        const LOG: usize = 16;
+        let mut log = [(0u32, [0u64; W]); LOG];
+        let mut logged = 0;
+        let mut pos = NONE;
+        let mut i = 1;
+        while i < n {
+            if pos != NONE && t.set_at(pos + 1) == set {
+                // inside a stored run: the blocks whose nodes follow in the arena with the
+                // same holders change nothing
+                let r = t.run_len(pos, set, hashes, i, &self.slab);
+                pos += r;
+                i += r;
+                if i >= n {
+                    break;
+                }
+            }
+            let h = hashes[i];
+            let tag = parent_tag(Some(hashes[i - 1]));
+            let p = pos.wrapping_add(1);
+            t.prefetch_hint(p.wrapping_add(HINT_AHEAD));
+            t.prefetch_set(p.wrapping_add(SET_AHEAD), &self.slab);
+            let mut s = t.at(p, h, tag);
+            if s != table::EMPTY {
+                pos = p;
+            } else {
+                let q = if pos == NONE { std::mem::replace(&mut seed, NONE) } else { t.hint(pos) };
+                s = t.at(q, h, tag);
+                if s != table::EMPTY {
+                    pos = q;
+                } else {
+                    match t.find(h, tag) {
+                        Some(p) => {
+                            s = t.at(p, h, tag);
+                            pos = p;
+                        }
+                        None => pos = NONE,
+                    }
+                }
+            }
+            // no branch on the holders read (an unpredictable branch on a load that missed
+            // the cache waits for it, and throws away the work done past it): the instances
+            // that stop matching here go to a log, flushed when full and at the end
+            if s != set {
+                set = s;
+                let cur = self.slab.bits_of::<W>(s);
+                let mut gone = [0u64; W];
+                let (mut any_gone, mut live) = (0, 0);
+                for k in 0..W {
+                    gone[k] = alive[k] & !cur[k];
+                    alive[k] &= cur[k];
+                    any_gone |= gone[k];
+                    // (tested here, word by word: comparing the array after reads the words
+                    // just stored as wider loads, a store-forwarding stall every block)
+                    live |= alive[k];
+                }
+                log[logged] = (i as u32, gone);
+                logged += usize::from(any_gone != 0);
+                if logged == LOG {
+                    flush(&log[..LOG], out);
+                    logged = 0;
+                }
+                if live == 0 {
+                    i += 1;
+                    break;
+                }
+            }
+            i += 1;
+        }
+        flush(&log[..logged], out);
+        mark(&alive, out, i as u32);
+
+        fn flush<const W: usize, S: Sink + ?Sized>(log: &[(u32, [u64; W])], out: &mut S) {
+            for (at, gone) in log {
+                mark(gone, out, *at);
+            }
+        }
     }
 
     fn walk_words<S: Sink + ?Sized>(&self, hashes: &[u64], roots: &[&Roots], tables: &[&Table], w: usize, out: &mut S) {
@@ -1285,6 +1385,46 @@ mod tests {
 
     /// The pipelined walk against a plain reference, on chains longer than its look-ahead,
     /// 1 to 4 bitset words, two media, holes, re-stores under other parents and removals.
+    /// A prefix shared by many instances, each missing blocks of its own (the fragmented
+    /// shape): every instance's answer is its first hole, many more instances stopping at
+    /// distinct blocks than the walk's log of them holds at once, at each set width.
+    #[test]
+    fn fragmented_prefix_reports_every_first_hole() {
+        for &ninst in &[40usize, 100, 200, 300, 500] {
+            let mut ix = PrefixIndex::new(None, 0);
+            let chain: Vec<u64> = (0..700u64).map(|b| b * 104_729 + 3).collect();
+            let mut want = Vec::new();
+            for inst in 0..ninst {
+                let name = format!("i{inst}");
+                let id = ix.add_instance(&name).unwrap();
+                for part in chain.chunks(8) {
+                    let parent =
+                        chain.iter().position(|h| *h == part[0]).and_then(|p| p.checked_sub(1)).map(|p| chain[p]);
+                    ix.store(&name, part, parent, None).unwrap();
+                }
+                // two holes: the first decides; a fifth of the instances keep the whole chain
+                if inst % 5 != 4 {
+                    let first = 1 + (inst * 37) % 600;
+                    ix.remove(&name, &[chain[first], chain[first + 1 + inst % 50]], None).unwrap();
+                    want.push((id, first));
+                } else {
+                    want.push((id, chain.len()));
+                }
+            }
+            want.sort_unstable();
+            assert_eq!(ix.match_prefix(&chain, None), want, "instances {ninst}");
+            let mut sparse = Vec::new();
+            ix.match_sparse(&chain, Some(None), &mut sparse);
+            sparse.sort_unstable();
+            let sparse: Vec<(u32, usize)> = sparse.into_iter().map(|(i, k)| (i, k as usize)).collect();
+            assert_eq!(sparse, want, "sparse: instances {ninst}");
+            // a shorter query ends every instance still matching at its end
+            let short = &chain[..300];
+            let cut: Vec<(u32, usize)> = want.iter().map(|&(i, k)| (i, k.min(300))).collect();
+            assert_eq!(ix.match_prefix(short, None), cut, "short: instances {ninst}");
+        }
+    }
+
     #[test]
     fn walk_matches_a_reference() {
         use std::collections::HashMap as Map;

@@ -772,7 +772,10 @@ impl Table {
             // a prefetch never faults: past the arena's end it is only wasted
             // four nodes a step: one line a step, RUN_AHEAD nodes ahead, covers every line
             crate::prefetch::prefetch_line(base.wrapping_add(start + k + RUN_AHEAD) as *const u8);
-            let hints = next.get(k + HINT_RUN_AHEAD..k + HINT_RUN_AHEAD + 4);
+            // the hints are read two steps after their line was requested (read at once, a
+            // short run, most of a fragmented prefix's, waited for the line)
+            crate::prefetch::prefetch_line(next.as_ptr().wrapping_add(k + HINT_RUN_AHEAD + 8) as *const u8);
+            let hints = if k >= 8 { next.get(k + HINT_RUN_AHEAD..k + HINT_RUN_AHEAD + 4) } else { None };
             if let Some(h) = hints {
                 if h[0] & h[1] & h[2] & h[3] != NO_NEXT {
                     for &x in h {
