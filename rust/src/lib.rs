@@ -8,11 +8,14 @@
 //! * [`manager`]: the KV cache manager (per-request block tables, allocation, caching).
 //! * [`hisparse`]: vLLM's HiSparse residency (host tier, spills, released GPU pages).
 //! * [`index`]: the fleet prefix index (block hash -> holding instances, from KV events).
+//! * [`capacity`]: capacity planning (hit-rate curves in one pass, the Belady bound).
+//! * [`prefetch`], [`huge_pages`]: hints to the CPU and the kernel about memory reads.
 
 pub mod capacity;
 pub mod error;
 pub mod hashing;
 pub mod hisparse;
+pub mod huge_pages;
 pub mod index;
 pub mod manager;
 pub mod pool;

@@ -16,6 +16,9 @@ pub const MULTI: u32 = 1 << 31;
 /// Largest instance id (the high bit of a set word tells slab slots from ids).
 pub const MAX_INSTANCE: u32 = MULTI - 1;
 
+/// The set word of a dead node (a slab slot the slab never hands out).
+pub const EMPTY: u32 = u32::MAX;
+
 /// No memo (no set word is `u32::MAX`: that is a table's dead node).
 const NO_MEMO: (u32, u32, u32) = (u32::MAX, u32::MAX, u32::MAX);
 
@@ -125,7 +128,7 @@ impl Slab {
         self.bits.try_reserve(extra * self.words).map_err(|_| err())?;
         if self.bits.capacity() != cap {
             // a lookup reads one random bitset per change of holders: huge pages once big
-            super::table::huge_pages(self.bits.as_ptr() as usize, self.bits.capacity() * 8);
+            crate::huge_pages::advise(self.bits.as_ptr() as usize, self.bits.capacity() * 8);
         }
         self.refs.try_reserve(extra).map_err(|_| err())?;
         self.tmp.try_reserve(self.words).map_err(|_| err())?;
@@ -299,7 +302,7 @@ impl Slab {
     }
 
     /// The set word `set` as a bitset of `W` words, where the slab's sets are `W` words
-    /// long (the walk's fixed width); empty for [`table::EMPTY`](super::table::EMPTY).
+    /// long (the walk's fixed width); empty for [`EMPTY`].
     #[inline(always)]
     pub fn bits_of<const W: usize>(&self, set: u32) -> [u64; W] {
         debug_assert_eq!(W, self.words);
@@ -325,7 +328,7 @@ impl Slab {
     }
 }
 
-/// Call `f` with every instance id of the set word `set` ([`table::EMPTY`](super::table::EMPTY): none).
+/// Call `f` with every instance id of the set word `set` ([`EMPTY`]: none).
 pub fn for_each(set: u32, slab: &Slab, mut f: impl FnMut(u32)) {
     if set == u32::MAX {
         return;

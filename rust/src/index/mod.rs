@@ -133,7 +133,7 @@ impl Roots {
         (table::mix(key) as usize) & (self.filter.len() - 1)
     }
 
-    /// The holder set of `key` as a chain's first block ([`table::EMPTY`]: none).
+    /// The holder set of `key` as a chain's first block ([`holders::EMPTY`]: none).
     #[inline(always)]
     fn get(&self, key: u64) -> u32 {
         self.get_hinted(key).0
@@ -182,15 +182,15 @@ impl Roots {
     #[inline(always)]
     fn get_hinted(&self, key: u64) -> (u32, usize) {
         if self.bits.is_empty() {
-            return (table::EMPTY, usize::MAX - 1);
+            return (holders::EMPTY, usize::MAX - 1);
         }
         let b = self.bucket(key);
         if self.bits[b / 64] >> (b % 64) & 1 == 0 {
-            return (table::EMPTY, usize::MAX - 1);
+            return (holders::EMPTY, usize::MAX - 1);
         }
         match self.table.find(key, ROOT_TAG) {
             Some(p) => (self.table.set_at(p), self.table.hint(p)),
-            None => (table::EMPTY, usize::MAX - 1),
+            None => (holders::EMPTY, usize::MAX - 1),
         }
     }
 
@@ -662,7 +662,7 @@ impl PrefixIndex {
     /// The chain depth of `parent` (a block's parent hash) in one medium: 1 for a chain's
     /// first block, [`depth::DEEP`] when the index does not hold it.
     fn depth_in(roots: &Roots, table: &Table, parent: u64) -> u8 {
-        if roots.get(parent) != table::EMPTY {
+        if roots.get(parent) != holders::EMPTY {
             1
         } else {
             table.depth_of(parent).unwrap_or(depth::DEEP)
@@ -958,13 +958,13 @@ impl PrefixIndex {
         Ok(())
     }
 
-    /// The holders of one block (its set words in each table, [`table::EMPTY`] for none) as a
+    /// The holders of one block (its set words in each table, [`holders::EMPTY`] for none) as a
     /// bitset.
     #[inline(always)]
     fn gather<const W: usize>(&self, sets: &[u32], acc: &mut [u64; W]) {
         *acc = [0; W];
         for &s in sets {
-            if s == table::EMPTY {
+            if s == holders::EMPTY {
                 continue;
             }
             if s & holders::MULTI == 0 {
@@ -989,7 +989,7 @@ impl PrefixIndex {
         const NONE: usize = usize::MAX - 1;
         let n = hashes.len();
         let nt = tables.len();
-        let mut sets = [table::EMPTY; MAX_MEDIA];
+        let mut sets = [holders::EMPTY; MAX_MEDIA];
         // per table, where the roots say the chain's second block went (checked like a
         // continuation hint, so the walk's first step needs no probe of the index)
         let mut seed = [NONE; MAX_MEDIA];
@@ -1026,12 +1026,12 @@ impl PrefixIndex {
                 t.prefetch_hint(p.wrapping_add(HINT_AHEAD));
                 t.prefetch_set(p.wrapping_add(SET_AHEAD), &self.slab);
                 let mut s = t.at(p, h, tag);
-                if s != table::EMPTY {
+                if s != holders::EMPTY {
                     pos[k] = p;
                 } else {
                     let q = if pos[k] == NONE { std::mem::replace(&mut seed[k], NONE) } else { t.hint(pos[k]) };
                     s = t.at(q, h, tag);
-                    if s != table::EMPTY {
+                    if s != holders::EMPTY {
                         pos[k] = q;
                     } else {
                         match t.find(h, tag) {
@@ -1106,12 +1106,12 @@ impl PrefixIndex {
             t.prefetch_hint(p.wrapping_add(HINT_AHEAD));
             t.prefetch_set(p.wrapping_add(SET_AHEAD), &self.slab);
             let mut s = t.at(p, h, tag);
-            if s != table::EMPTY {
+            if s != holders::EMPTY {
                 pos = p;
             } else {
                 let q = if pos == NONE { std::mem::replace(&mut seed, NONE) } else { t.hint(pos) };
                 s = t.at(q, h, tag);
-                if s != table::EMPTY {
+                if s != holders::EMPTY {
                     pos = q;
                 } else {
                     match t.find(h, tag) {
@@ -1168,7 +1168,7 @@ impl PrefixIndex {
             if tag == ROOT_TAG {
                 for r in roots {
                     let set = r.get(key);
-                    if set != table::EMPTY {
+                    if set != holders::EMPTY {
                         self.slab.or_into(set, acc);
                     }
                 }

@@ -27,7 +27,7 @@
 //! after that block's node or at its hint ([`Table::store_at`]), and needs no probe.
 
 use super::depth::Depths;
-use super::holders::Slab;
+use super::holders::{Slab, EMPTY};
 use crate::error::{Error, Result};
 
 /// The parent tag of a chain's first block (`parent_block_hash` None).
@@ -51,34 +51,6 @@ pub fn parent_tag(parent: Option<u64>) -> u32 {
     }
 }
 
-/// Ask the kernel to back a large, not yet touched slot array with transparent huge pages:
-/// a lookup probes one random slot per block, and on 4 KiB pages each probe of a table of
-/// hundreds of MB is a TLB miss (a page walk) on top of its cache miss. A hint: nothing
-/// changes if the kernel declines (THP off, no huge page free).
-pub(crate) fn huge_pages(addr: usize, len: usize) {
-    const HUGE: usize = 2 << 20;
-    if len < 4 * HUGE {
-        return;
-    }
-    #[cfg(target_os = "linux")]
-    {
-        extern "C" {
-            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: std::ffi::c_int) -> std::ffi::c_int;
-        }
-        const MADV_HUGEPAGE: std::ffi::c_int = 14;
-        // the whole 2 MiB pages inside the allocation
-        let start = (addr + HUGE - 1) & !(HUGE - 1);
-        let end = (addr + len) & !(HUGE - 1);
-        if end > start {
-            // SAFETY: the range lies inside an allocation this table owns; MADV_HUGEPAGE
-            // only changes how the kernel backs it, never its contents or validity.
-            unsafe { madvise(start as *mut std::ffi::c_void, end - start, MADV_HUGEPAGE) };
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = addr;
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Node {
     pub key: u64,
@@ -86,9 +58,6 @@ pub struct Node {
     /// An instance id, or `MULTI | slab slot`; [`EMPTY`] for a dead node.
     pub set: u32,
 }
-
-/// The set word of a dead node (a slab slot the slab never hands out).
-pub const EMPTY: u32 = u32::MAX;
 
 /// No continuation hint.
 const NO_NEXT: u32 = u32::MAX;
@@ -264,7 +233,7 @@ impl Table {
         if cap != self.index.len() {
             let mut index = Vec::new();
             index.try_reserve_exact(cap).map_err(oom)?;
-            huge_pages(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
+            crate::huge_pages::advise(index.as_ptr() as usize, cap * std::mem::size_of::<u64>());
             index.resize(cap, FREE_SLOT);
             let old = std::mem::replace(&mut self.index, index);
             if !old.is_empty() {
@@ -401,7 +370,7 @@ impl Table {
         let cap = cap.max(self.len);
         let mut nodes: Vec<Node> = Vec::new();
         nodes.try_reserve_exact(cap).map_err(oom)?;
-        huge_pages(nodes.as_ptr() as usize, cap * std::mem::size_of::<Node>());
+        crate::huge_pages::advise(nodes.as_ptr() as usize, cap * std::mem::size_of::<Node>());
         let mut next: Vec<u32> = Vec::new();
         next.try_reserve_exact(cap).map_err(oom)?;
         let mut moved: Vec<u32> = Vec::new();
@@ -412,7 +381,7 @@ impl Table {
         let mut index: Vec<u64> = Vec::new();
         if icap != self.index.len() {
             index.try_reserve_exact(icap).map_err(oom)?;
-            huge_pages(index.as_ptr() as usize, icap * std::mem::size_of::<u64>());
+            crate::huge_pages::advise(index.as_ptr() as usize, icap * std::mem::size_of::<u64>());
         }
         let old_depth = self.depth.resized(cap)?;
         let old = &self.nodes;
