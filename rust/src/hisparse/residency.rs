@@ -747,6 +747,22 @@ impl Residency {
         Ok(true)
     }
 
+    /// True if `publish_when_ready(request, num_computed_tokens)` would leave everything as it
+    /// is, given that the host group has cached the request's full blocks of those tokens
+    /// already: the request has a state with no publication owed, its clean prefix covers the
+    /// tokens' pages (so the publication is settled at once) and their device copies are
+    /// recorded (`host_pages`: the host blocks the request holds). A decode step between page
+    /// boundaries, once its sealed pages are on the host.
+    pub fn publication_settled(&self, request: &str, num_computed_tokens: usize, host_pages: usize) -> bool {
+        let Some(st) = self.request_state(request) else { return false };
+        let pages = num_computed_tokens / self.layout.host_block_size;
+        st.publication.is_none()
+            && st.ready_prefix_pages >= pages
+            && (self.layout.resident_groups.is_empty()
+                || host_pages == 0
+                || st.copies_recorded_blocks >= pages.min(host_pages))
+    }
+
     /// `publish_when_ready(request, num_computed_tokens)`: publish the host blocks of the
     /// durable prefix now, the rest as their spills complete.
     pub fn publish_when_ready(&mut self, env: &mut impl Env, request: &str, num_computed_tokens: usize) -> Result<()> {
