@@ -410,6 +410,7 @@ _FAST_SPILL = {
     False: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS[:3] + _SPILL_FIELDS[4:]),
 }
 _FAST_MIRROR = _plain_frozen_dataclass(_vht.SparseKVRowMirror, ("source_starts", "destination_start", "num_rows"))
+_FAST_UPDATE = _plain_frozen_dataclass(_vht.SparseKVResidencyUpdate, ("pages", "block_ids"))
 # (fast, after_forward) for the core's SparseKVPageTransfer builder
 _TRANSFER_FLAGS = (_FAST_SPILL[RELEASE.hisparse_after_forward], RELEASE.hisparse_after_forward)
 
@@ -504,7 +505,7 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
             _vht.SparseKVOffloadCommand, _vht.SparseKVPageTransfer, *_TRANSFER_FLAGS,
         )
         self.take_residency_updates = functools.partial(  # type: ignore[method-assign]
-            manager._hisparse_residency_update_objects, _vht.SparseKVResidencyUpdate
+            manager._hisparse_residency_update_objects, _vht.SparseKVResidencyUpdate, _FAST_UPDATE
         )
 
     @property
@@ -624,7 +625,7 @@ class HiSparseCoordinatorView(_vhc.HiSparseCoordinator):
 
     def take_residency_updates(self, request_ids: Iterable[str]) -> dict[str, Any]:
         """vLLM's ``SparseKVResidencyUpdate`` per request id (taken)."""
-        return self._m._hisparse_residency_update_objects(_vht.SparseKVResidencyUpdate, request_ids)  # type: ignore[no-any-return]
+        return self._m._hisparse_residency_update_objects(_vht.SparseKVResidencyUpdate, _FAST_UPDATE, request_ids)  # type: ignore[no-any-return]
 
     def has_pending_work(self) -> bool:
         return bool(self._m._hisparse_has_pending_work())

@@ -546,12 +546,19 @@ impl Residency {
     fn unpinnable_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<Vec<u32>> {
         let mut out = Vec::with_capacity(self.layout.resident_groups.len());
         for (k, &g) in self.layout.resident_groups.iter().enumerate() {
-            let num_pages = env.table(g, request).map_or(0, |t| t.len());
-            let b = self.get_resident_page(env, k, request, page);
-            if page + ACTIVE_TAIL_PAGES >= num_pages || b.is_none() {
+            // `get_resident_page` with the table in hand (no table: no pages)
+            let table = env.table(g, request).unwrap_or(&[]);
+            if page + ACTIVE_TAIL_PAGES >= table.len() {
                 return None;
             }
-            out.extend(b);
+            let mut b = table[page];
+            if let Some(c) = self.changes[k].get(request) {
+                b = c.get(&page).copied().unwrap_or(b);
+            }
+            if b == NULL_BLOCK {
+                return None;
+            }
+            out.push(b);
         }
         Some(out)
     }
@@ -637,7 +644,12 @@ impl Residency {
             self.require_hot_all(request);
             return Ok(());
         }
-        let pages: Vec<usize> = self.states[&s].pinned_clean.iter().rev().copied().collect();
+        // the pages within ACTIVE_TAIL_PAGES of the shortest resident table stay pinned
+        // (`unpin_page` refuses them, changing nothing): only the others are tried
+        let num_pages =
+            self.layout.resident_groups.iter().map(|&g| env.table(g, request).map_or(0, <[u32]>::len)).min();
+        let end = num_pages.unwrap_or(0).saturating_sub(ACTIVE_TAIL_PAGES);
+        let pages: Vec<usize> = self.states[&s].pinned_clean.range(..end).rev().copied().collect();
         for page in pages {
             self.unpin_page(env, request, s, page)?;
         }
@@ -745,6 +757,22 @@ impl Residency {
         );
         self.st(s).pending_pages.insert(page, id);
         Ok(true)
+    }
+
+    /// True if `publish_when_ready(request, num_computed_tokens)` would leave everything as it
+    /// is, given that the host group has cached the request's full blocks of those tokens
+    /// already: the request has a state with no publication owed, its clean prefix covers the
+    /// tokens' pages (so the publication is settled at once) and their device copies are
+    /// recorded (`host_pages`: the host blocks the request holds). A decode step between page
+    /// boundaries, once its sealed pages are on the host.
+    pub fn publication_settled(&self, request: &str, num_computed_tokens: usize, host_pages: usize) -> bool {
+        let Some(st) = self.request_state(request) else { return false };
+        let pages = num_computed_tokens / self.layout.host_block_size;
+        st.publication.is_none()
+            && st.ready_prefix_pages >= pages
+            && (self.layout.resident_groups.is_empty()
+                || host_pages == 0
+                || st.copies_recorded_blocks >= pages.min(host_pages))
     }
 
     /// `publish_when_ready(request, num_computed_tokens)`: publish the host blocks of the

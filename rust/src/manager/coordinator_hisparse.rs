@@ -190,6 +190,53 @@ impl Coordinator {
         }
     }
 
+    /// For [`crate::manager::kv_cache_manager::KVCacheManager::allocate_is_noop_at`]: true if
+    /// HiSparse group `gid`'s table for the request in `slot` already covers `need_slot`
+    /// tokens, so that its count is 0 and its `allocate_new_blocks` takes nothing and changes
+    /// nothing (a running request, no hit adopted, no external tokens): the source and
+    /// resident groups' tables reach `need_slot` (a resident table holds every page, host-only
+    /// ones as the null block); a hot group's request is running (`num_cached_block` 0) and
+    /// either needs no hot region or holds all of it. False without the tier, for another
+    /// kind, and whenever the device pool has fired watchers the residency has not drained
+    /// yet is not known here (the caller checks those).
+    pub(crate) fn hisparse_tables_cover(&self, gid: usize, slot: usize, need_slot: usize) -> bool {
+        let Some(tier) = self.hisparse.as_deref() else { return false };
+        let m = &self.managers[gid];
+        let Some(r) = m.req(slot) else { return false };
+        match m.cfg.spec.kind {
+            Kind::HiSparseSource | Kind::HiSparseResident => {
+                r.present && r.partial_hit.is_none() && r.blocks.len().saturating_mul(m.cfg.block_size) >= need_slot
+            }
+            Kind::HiSparseHot { blocks_per_request } => {
+                if r.num_cached != Some(0) {
+                    return false;
+                }
+                let (Ok(k), Some(id)) = (tier.role_index(gid), self.reqs.id_at(slot as u32)) else { return false };
+                !tier.residency.hot_required(k).contains(id)
+                    || (r.present && rules::hot_num_required_blocks(r, blocks_per_request) == 0)
+            }
+            _ => false,
+        }
+    }
+
+    /// For [`crate::manager::kv_cache_manager::KVCacheManager::allocate_is_noop_at`]: true if
+    /// the source group `gid`'s `cache_blocks(request, num_tokens)` (the coordinator's
+    /// `publish_when_ready`) would change nothing for the request in `slot`: its host blocks
+    /// of those tokens are cached already and the residency has nothing to publish or record
+    /// ([`Residency::publication_settled`]).
+    pub(crate) fn hisparse_publication_settled(&self, gid: usize, slot: usize, num_tokens: usize) -> bool {
+        let Some(tier) = self.hisparse.as_deref() else { return false };
+        let m = &self.managers[gid];
+        let Some(r) = m.req(slot) else { return false };
+        let n = self.num_cacheable_tokens(num_tokens, gid);
+        if r.num_cached.unwrap_or(0) < n / m.cfg.block_size {
+            return false;
+        }
+        let Some(id) = self.reqs.id_at(slot as u32) else { return false };
+        let held = if r.present { r.blocks.len() } else { 0 };
+        tier.residency.publication_settled(id, n, held)
+    }
+
     /// Device blocks HiSparse group `gid` takes in `allocate_new_computed_blocks` (when
     /// `phase_a`: the request adopts) and `allocate_new_blocks` (see
     /// [`Coordinator::blocks_taken`]): the source group takes host blocks only.

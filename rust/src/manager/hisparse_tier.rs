@@ -8,6 +8,8 @@
 //! the residency where vLLM's managers call their coordinator. [`TierEnv`] is the residency's
 //! [`Env`] over the coordinator's tables.
 
+use std::cell::{Cell, RefCell};
+
 use hashbrown::HashMap;
 
 use crate::error::{Error, Result};
@@ -245,8 +247,18 @@ impl HiSparseTier {
     ) -> (&'a mut Residency, TierEnv<'a>) {
         let host_group = self.residency.layout().host_group;
         let HiSparseTier { host, residency, publications, .. } = self;
-        (residency, TierEnv { managers, reqs, device, host, publications, host_group })
+        let memo = SlotMemo::default();
+        (residency, TierEnv { managers, reqs, device, host, publications, host_group, memo })
     }
+}
+
+/// The last request id [`TierEnv`] looked up and its slot: the residency asks for one
+/// request's tables many times in a row, and the request table cannot change while the env
+/// borrows it.
+#[derive(Default)]
+struct SlotMemo {
+    id: RefCell<String>,
+    slot: Cell<Option<Option<usize>>>,
 }
 
 /// The residency's [`Env`] over a coordinator: tables by group and request id, the device
@@ -258,11 +270,20 @@ pub struct TierEnv<'a> {
     host: &'a mut BlockPool,
     publications: &'a HashMap<String, PublishInputs>,
     host_group: usize,
+    memo: SlotMemo,
 }
 
 impl TierEnv<'_> {
     fn slot(&self, request: &str) -> Option<usize> {
-        self.reqs.slot(request).map(|s| s as usize)
+        if let Some(slot) = self.memo.slot.get() {
+            if self.memo.id.borrow().as_str() == request {
+                return slot;
+            }
+        }
+        let slot = self.reqs.slot(request).map(|s| s as usize);
+        request.clone_into(&mut self.memo.id.borrow_mut());
+        self.memo.slot.set(Some(slot));
+        slot
     }
 }
 

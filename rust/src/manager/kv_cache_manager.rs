@@ -654,7 +654,10 @@ impl KVCacheManager {
     /// return no new blocks: a request that holds a table in every group, asks for slots its
     /// table already covers, adopts nothing, has no block leaving an attention window and no
     /// newly full block to cache (a decode step between block boundaries). Groups must be full
-    /// attention or sliding window at the hash block size; no watermark, no reserved blocks.
+    /// attention, sliding window or HiSparse's at the hash block size (a HiSparse request's
+    /// hot region settled and its host publication too, see
+    /// [`Coordinator::hisparse_tables_cover`]); no watermark, no reserved blocks. With HiSparse
+    /// groups the caller also checks that the device pool has no fired watcher waiting.
     /// For anything else this is false and the full path runs.
     pub fn allocate_is_noop(
         &self,
@@ -714,8 +717,24 @@ impl KVCacheManager {
             let bs = if plain { bs_plain } else { m.cfg.block_size };
             if !plain {
                 let kind_ok = matches!(m.cfg.spec.kind, Kind::FullAttention | Kind::SlidingWindow { .. });
-                if !kind_ok || bs != self.coord.hash_block_size {
+                if (!kind_ok && !m.cfg.spec.kind.is_hisparse()) || bs != self.coord.hash_block_size {
                     return Some(false);
+                }
+                if m.cfg.spec.kind.is_hisparse() {
+                    if !self.coord.hisparse_tables_cover(gid, slot, need_slot) {
+                        return Some(false);
+                    }
+                    // the source group's publication: settled up to the bound of the tokens
+                    // to cache, or else up to the count itself
+                    if !a.delay_cache_blocks
+                        && m.cfg.enable_caching
+                        && m.cfg.spec.kind == Kind::HiSparseSource
+                        && !self.coord.hisparse_publication_settled(gid, slot, computed_bound)
+                        && !self.coord.hisparse_publication_settled(gid, slot, computed_bound.min(num_tokens?))
+                    {
+                        return Some(false);
+                    }
+                    continue;
                 }
             }
             let Some(r) = m.req(slot) else { return Some(false) };

@@ -9,6 +9,8 @@ use hashbrown::HashMap;
 pub struct RequestTable<T> {
     index: HashMap<String, u32>,
     slots: Vec<T>,
+    /// The id of each slot's entry (empty for a vacant slot).
+    names: Vec<String>,
     /// Slots of removed entries, reused first.
     vacant: Vec<u32>,
     /// The generation of each slot's entry: a number no other entry of this table ever had
@@ -19,7 +21,14 @@ pub struct RequestTable<T> {
 
 impl<T> Default for RequestTable<T> {
     fn default() -> Self {
-        RequestTable { index: HashMap::new(), slots: Vec::new(), vacant: Vec::new(), gens: Vec::new(), next_gen: 1 }
+        RequestTable {
+            index: HashMap::new(),
+            slots: Vec::new(),
+            names: Vec::new(),
+            vacant: Vec::new(),
+            gens: Vec::new(),
+            next_gen: 1,
+        }
     }
 }
 
@@ -93,6 +102,10 @@ impl<T: Default> RequestTable<T> {
         if self.gens.len() <= s as usize {
             self.gens.resize(s as usize + 1, 0);
         }
+        if self.names.len() <= s as usize {
+            self.names.resize(s as usize + 1, String::new());
+        }
+        id.clone_into(&mut self.names[s as usize]);
         self.gens[s as usize] = self.next_gen;
         self.next_gen += 1;
         s
@@ -103,7 +116,19 @@ impl<T: Default> RequestTable<T> {
         let s = self.index.remove(id)?;
         self.vacant.push(s);
         self.gens[s as usize] = 0;
+        if let Some(n) = self.names.get_mut(s as usize) {
+            n.clear();
+        }
         Some(std::mem::take(&mut self.slots[s as usize]))
+    }
+
+    /// The id of the entry in `slot`, None for a vacant slot or one out of range.
+    #[inline]
+    pub fn id_at(&self, slot: u32) -> Option<&str> {
+        if self.gen_at(slot) == 0 {
+            return None;
+        }
+        self.names.get(slot as usize).map(String::as_str)
     }
 
     /// Start loading the generation of `slot` (see [`crate::prefetch`]).
@@ -128,6 +153,7 @@ impl<T: Default> RequestTable<T> {
     pub fn clear(&mut self) {
         self.index.clear();
         self.slots.clear();
+        self.names.clear();
         self.vacant.clear();
         self.gens.clear(); // next_gen goes on: no later entry repeats an old generation
     }

@@ -763,6 +763,11 @@ impl BlockPool {
         self.queue.append_n(&released);
     }
 
+    /// True if a watcher fired since the last take.
+    pub fn has_fired_watchers(&self) -> bool {
+        !self.fired.is_empty()
+    }
+
     /// Watchers fired since the last call: `(block, watcher id)`, in firing order.
     pub fn take_fired_watchers(&mut self) -> Vec<(u32, u64)> {
         std::mem::take(&mut self.fired)

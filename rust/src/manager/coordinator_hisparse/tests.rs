@@ -469,3 +469,34 @@ fn a_failed_host_copy_release_releases_nothing() {
     assert_eq!(host_free(&m), 15);
     assert!(!has_pending_work(&mut m, &mut p));
 }
+
+/// `allocate_is_noop` for a decode step of `id` (`computed` of `computed + 1` tokens).
+fn decode_is_noop(m: &KVCacheManager, id: &str, computed: usize) -> bool {
+    let args = AllocArgs { num_new_tokens: 1, ..Default::default() };
+    m.allocate_is_noop(id, computed, computed + 1, 0, &args)
+}
+
+#[test]
+fn a_decode_step_inside_a_page_with_its_publication_settled_is_a_noop() {
+    let (mut m, mut p) = build(64, 64, true);
+    alloc(&mut m, &mut p, "a", 1, 40, 0, 40).unwrap();
+    // pages 0 and 1 are sealed but not yet on the host: the publication is owed
+    assert!(!decode_is_noop(&m, "a", 40));
+    spill_all(&mut m, &mut p, "a", 40);
+    // "a" fills its admission window: it needs a hot region, which the next step takes
+    assert!(m.coord.hisparse().unwrap().residency.hot_required(0).contains("a"));
+    assert!(!decode_is_noop(&m, "a", 40));
+    assert_eq!(alloc(&mut m, &mut p, "a", 1, 41, 40, 1).unwrap()[HOT].len(), 2);
+    spill_all(&mut m, &mut p, "a", 41);
+    // page 2 has room, the hot region is whole, the sealed pages are published: nothing to do
+    assert!(decode_is_noop(&m, "a", 41));
+    let before = (format!("{:?}", m.coord.hisparse().unwrap().residency), m.coord.get_blocks("a").concat());
+    let (free, host) = (p.num_free_blocks(), host_free(&m));
+    // and the full path agrees: no block, nothing changed
+    assert!(alloc(&mut m, &mut p, "a", 1, 42, 41, 1).unwrap().iter().all(Vec::is_empty));
+    let after = (format!("{:?}", m.coord.hisparse().unwrap().residency), m.coord.get_blocks("a").concat());
+    assert_eq!(before, after);
+    assert_eq!((p.num_free_blocks(), host_free(&m)), (free, host));
+    // the step that needs page 3 (token 48) allocates
+    assert!(!decode_is_noop(&m, "a", 48));
+}

@@ -128,11 +128,13 @@ impl PyManager {
     /// `take_residency_updates(request_ids)` (any iterable of str) as `{request_id:
     /// update_cls(pages=[...], block_ids=([...], ...))}` (vLLM's `SparseKVResidencyUpdate`:
     /// page indices, and per resident group the block ids, the null block 0 for a page read
-    /// from the host). Errors: `TypeError` for a non-str id; nothing is taken then.
+    /// from the host; `fast` as for `_hisparse_row_mirror_objects`). Errors: `TypeError` for a
+    /// non-str id; nothing is taken then.
     fn _hisparse_residency_update_objects<'py>(
         &self,
         py: Python<'py>,
         update_cls: &Bound<'py, PyType>,
+        fast: bool,
         request_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let mut ids = Vec::new();
@@ -143,10 +145,9 @@ impl PyManager {
         let out = PyDict::new(py);
         for (rid, u) in updates {
             let groups = u.block_ids.into_iter().map(|g| PyList::new(py, g)).collect::<PyResult<Vec<_>>>()?;
-            let kwargs = PyDict::new(py);
-            kwargs.set_item(pyo3::intern!(py, "pages"), PyList::new(py, u.pages)?)?;
-            kwargs.set_item(pyo3::intern!(py, "block_ids"), PyTuple::new(py, groups)?)?;
-            out.set_item(rid, update_cls.call((), Some(&kwargs))?)?;
+            let names = [pyo3::intern!(py, "pages"), pyo3::intern!(py, "block_ids")];
+            let values = [PyList::new(py, u.pages)?.into_any(), PyTuple::new(py, groups)?.into_any()];
+            out.set_item(rid, new_record(update_cls, fast, names, values)?)?;
         }
         Ok(out)
     }

@@ -272,6 +272,10 @@ impl ManagerState {
             prior.counts = Some((num_tokens, in_flight));
             noop = self.inner.allocate_is_noop_at(slot, num_computed, Some(num_tokens), Some(in_flight), args);
         }
+        if noop == Some(true) && self.inner.coord.hisparse().is_some() {
+            // the full path drains the residency's fired reuse watchers: none may wait
+            return Ok(!self.pool.bind(request.py()).get().state.borrow(request.py())?.inner.has_fired_watchers());
+        }
         Ok(noop == Some(true))
     }
 
