@@ -656,7 +656,7 @@ impl KVCacheManager {
     /// newly full block to cache (a decode step between block boundaries). Groups must be full
     /// attention, sliding window or HiSparse's at the hash block size (a HiSparse request's
     /// hot region settled and its host publication too, see
-    /// [`Coordinator::hisparse_tables_cover`]); no watermark, no reserved blocks. With HiSparse
+    /// `Coordinator::hisparse_tables_cover`); no watermark, no reserved blocks. With HiSparse
     /// groups the caller also checks that the device pool has no fired watcher waiting.
     /// For anything else this is false and the full path runs.
     pub fn allocate_is_noop(
