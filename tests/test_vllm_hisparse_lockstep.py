@@ -603,6 +603,33 @@ def test_residency_refuses_block_ids_outside_their_pool() -> None:
     assert [t[1] for t in kv.take_offload_command()] == [1, 2]
 
 
+def test_hisparse_lockstep_import_reservation() -> None:
+    """Directed, vLLM 0.34's import reservations: an external load sized at four host pages
+    holds two, then takes a third and reserves the fourth; both sides keep the same reserved
+    pages (the random runs reach this only sometimes), then the import finishes and the
+    request is freed."""
+    if not current().hisparse_import_reservations:
+        pytest.skip("this vLLM has no HiSparse import reservations")
+    m = HiSparseLockstep()
+    m.setup(num_blocks=32, host_num_blocks=16, max_model_len=128, max_in_flight_tokens=None)
+    m.host_import("r0", 2, 2)  # sized at 2 + 2 % 3 = 4 pages, holding 2
+    m.same_state()
+    assert m.vc.reserved_import_pages == 0  # reserved at the first update (vLLM's order)
+    assert m._grow(HOST, "r0", 1)
+    held = len(m.vhost.req_to_blocks["r0"])
+    m.vc.update_import_reservation("r0", held)
+    m.kv.update_import_reservation("r0", held)
+    COVERAGE["reservations"] += bool(m.vc.reserved_import_pages)
+    m.same_state()
+    assert m.vc.reserved_import_pages == 1  # 4 pages sized, 3 held
+    m.vc.finish_host_import("r0", failed=False)
+    m.kv.finish_host_import("r0", False)
+    m.importing.discard("r0")
+    m.same_state()
+    m._free("r0")
+    m.same_state()
+
+
 def test_hisparse_lockstep_covers_the_transitions() -> None:
     """The runs above (random and directed) reached every residency state: clean, pinned,
     released (unpinned), lost (stale for the worker), spills running, hot regions asked."""
