@@ -16,6 +16,7 @@
 //! pool's except where named host.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use hashbrown::{HashMap, HashSet};
 
@@ -121,7 +122,8 @@ pub struct Transfer {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PendingSpill {
     pub transfer_id: u64,
-    pub request: String,
+    /// The request id, shared with the residency's other books (no copy per spill).
+    pub request: Arc<str>,
     pub page: usize,
     /// The [`RequestState`] it belongs to (a freed request's state lives on while spills of
     /// it run; a readmitted request has a new one).
@@ -166,13 +168,15 @@ pub struct Residency {
     /// Per hot group: the requests that need a hot region.
     hot_required: Vec<HashSet<String>>,
     states: HashMap<u64, RequestState>,
-    by_request: HashMap<String, u64>,
+    /// Live request -> its state. The key is the one shared copy of the request id that the
+    /// pending spills and `owners` hold too (cloning it allocates nothing).
+    by_request: HashMap<Arc<str>, u64>,
     next_state: u64,
     pending: BTreeMap<u64, PendingSpill>,
     spills_to_send: Vec<Transfer>,
     next_spill_id: u64,
     /// Unpinned device block -> the (request, page) pairs still reading it.
-    owners: HashMap<u32, BTreeSet<(String, usize)>>,
+    owners: HashMap<u32, BTreeSet<(Arc<str>, usize)>>,
     /// Published host key -> the device blocks holding that page, one per resident group.
     copies: HashMap<Key, Vec<u32>>,
     copy_by_block: HashMap<u32, Key>,
@@ -277,7 +281,7 @@ impl Residency {
     }
     /// The requests with a state, and their states.
     pub fn request_states(&self) -> impl Iterator<Item = (&str, &RequestState)> {
-        self.by_request.iter().filter_map(|(r, s)| self.states.get(s).map(|st| (r.as_str(), st)))
+        self.by_request.iter().filter_map(|(r, s)| self.states.get(s).map(|st| (&**r, st)))
     }
     /// `pending_spills`, by transfer id.
     pub fn pending_spills(&self) -> &BTreeMap<u64, PendingSpill> {
@@ -311,8 +315,13 @@ impl Residency {
         let s = self.next_state;
         self.next_state += 1;
         self.states.insert(s, RequestState::default());
-        self.by_request.insert(request.to_string(), s);
+        self.by_request.insert(Arc::from(request), s);
         s
+    }
+
+    /// The shared copy of a live request's id (a new one if it has no state).
+    fn shared_id(&self, request: &str) -> Arc<str> {
+        self.by_request.get_key_value(request).map_or_else(|| Arc::from(request), |(r, _)| Arc::clone(r))
     }
 
     fn st(&mut self, s: u64) -> &mut RequestState {
@@ -401,7 +410,7 @@ impl Residency {
         live || self
             .pending
             .values()
-            .any(|p| p.request == request && self.states.get(&p.state).is_some_and(|st| st.publication.is_some()))
+            .any(|p| &*p.request == request && self.states.get(&p.state).is_some_and(|st| st.publication.is_some()))
     }
 
     // ---- the hot groups (vLLM's HiSparseHotManager) -----------------------------------------
@@ -563,14 +572,14 @@ impl Residency {
         Some(out)
     }
 
-    fn unpin_page(&mut self, env: &mut impl Env, request: &str, s: u64, page: usize) -> Result<bool> {
+    fn unpin_page(&mut self, env: &mut impl Env, request: &Arc<str>, s: u64, page: usize) -> Result<bool> {
         let st = &self.states[&s];
         if st.pending_pages.contains_key(&page) || !st.valid_pages.contains(&page) {
             return Ok(false);
         }
         let Some(blocks) = self.unpinnable_blocks(env, request, page) else { return Ok(false) };
         for b in blocks {
-            self.owners.entry(b).or_default().insert((request.to_string(), page));
+            self.owners.entry(b).or_default().insert((Arc::clone(request), page));
             env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
         }
         let st = self.st(s);
@@ -579,7 +588,7 @@ impl Residency {
         Ok(true)
     }
 
-    fn page_became_clean(&mut self, env: &mut impl Env, request: &str, s: u64, page: usize) -> Result<()> {
+    fn page_became_clean(&mut self, env: &mut impl Env, request: &Arc<str>, s: u64, page: usize) -> Result<()> {
         self.st(s).pinned_clean.insert(page);
         if self.can_read_from_host(env, request) {
             self.unpin_page(env, request, s, page)?;
@@ -604,7 +613,7 @@ impl Residency {
     fn lose_page(&mut self, env: &impl Env, request: &str, page: usize) {
         self.resident_requests.remove(request);
         let Some(&s) = self.by_request.get(request) else { return };
-        let owner = (request.to_string(), page);
+        let owner = (self.shared_id(request), page);
         for k in 0..self.layout.resident_groups.len() {
             if let Some(b) = self.drop_resident_page(env, k, request, page) {
                 if let Some(o) = self.owners.get_mut(&b) {
@@ -650,8 +659,9 @@ impl Residency {
             self.layout.resident_groups.iter().map(|&g| env.table(g, request).map_or(0, <[u32]>::len)).min();
         let end = num_pages.unwrap_or(0).saturating_sub(ACTIVE_TAIL_PAGES);
         let pages: Vec<usize> = self.states[&s].pinned_clean.range(..end).rev().copied().collect();
+        let request = self.shared_id(request);
         for page in pages {
-            self.unpin_page(env, request, s, page)?;
+            self.unpin_page(env, &request, s, page)?;
         }
         Ok(())
     }
@@ -744,7 +754,7 @@ impl Residency {
             id,
             PendingSpill {
                 transfer_id: id,
-                request: request.to_string(),
+                request: self.shared_id(request),
                 page,
                 state: s,
                 host_block,
@@ -969,7 +979,7 @@ impl Residency {
     pub fn has_pending_reclamation(&self, env: &impl Env) -> bool {
         self.pending.values().any(|p| {
             env.host_ref().ref_of(p.host_block) == 1
-                || (self.by_request.contains_key(&p.request) && self.can_read_from_host(env, &p.request))
+                || (self.by_request.contains_key(&*p.request) && self.can_read_from_host(env, &p.request))
         })
     }
 
@@ -1051,11 +1061,11 @@ impl Residency {
         }
         let completed: Vec<u64> =
             self.pending.values().filter(|p| p.enqueue_applied && done(p)).map(|p| p.transfer_id).collect();
-        let mut requests: Vec<String> = Vec::new();
+        let mut requests: Vec<Arc<str>> = Vec::new();
         for id in completed {
             let Some(p) = self.pending.remove(&id) else { continue };
             self.st(p.state).pending_pages.remove(&p.page);
-            if self.by_request.get(&p.request) == Some(&p.state) {
+            if self.by_request.get(&*p.request) == Some(&p.state) {
                 if !p.restore {
                     self.st(p.state).valid_pages.insert(p.page);
                 }
@@ -1065,8 +1075,8 @@ impl Residency {
                         self.record_copy(env, &p.request, p.page, p.host_block)?;
                     }
                 }
-                if !requests.contains(&p.request) {
-                    requests.push(p.request.clone());
+                if !requests.iter().any(|r| Arc::ptr_eq(r, &p.request) || *r == p.request) {
+                    requests.push(Arc::clone(&p.request));
                 }
             } else if self.states[&p.state].publication.is_some() {
                 if !p.restore {
@@ -1075,12 +1085,12 @@ impl Residency {
                 self.publish_detached(env, &p.request, p.state)?;
             }
             env.host().free_blocks(&[p.host_block], true)?;
-            if self.by_request.get(&p.request) != Some(&p.state) {
+            if self.by_request.get(&*p.request) != Some(&p.state) {
                 self.collect_state(p.state); // a live request's state stays
             }
         }
         for request in requests {
-            let s = self.by_request[&request];
+            let Some(&s) = self.by_request.get(&*request) else { continue };
             let st = self.st(s);
             while st.valid_pages.contains(&st.ready_prefix_pages) {
                 st.ready_prefix_pages += 1;
@@ -1118,7 +1128,7 @@ impl Residency {
         self.pending_imports.remove(request);
         self.import_pages.remove(request);
         self.set_import_reservation(request, 0);
-        let Some(s) = self.by_request.remove(request) else { return Ok(()) };
+        let Some((shared, s)) = self.by_request.remove_entry(request) else { return Ok(()) };
         let st = &self.states[&s];
         let detach = st.publication.is_some() && finished && !st.pending_pages.is_empty();
         if detach {
@@ -1139,7 +1149,7 @@ impl Residency {
         // either way the page is dropped from the overlay. One pass over the row decides, then
         // the releases go to the pool in one call (the same order) and the overlay is written
         // once.
-        let mut owner = (request.to_string(), 0);
+        let mut owner = (shared, 0);
         let (mut unpin, mut dropped, mut disowned) = (Vec::new(), Vec::new(), Vec::new());
         for k in 0..self.layout.resident_groups.len() {
             let row = self.get_residency_row(env, k, request, 0);

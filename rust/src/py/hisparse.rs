@@ -289,7 +289,7 @@ impl PyResidency {
             .map(|p| {
                 (
                     p.transfer_id,
-                    p.request.clone(),
+                    p.request.to_string(),
                     p.page,
                     p.host_block,
                     p.resident_blocks.clone(),

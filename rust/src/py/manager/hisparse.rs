@@ -305,7 +305,7 @@ impl PyManager {
                 .map(|p| {
                     (
                         p.transfer_id,
-                        p.request.clone(),
+                        p.request.to_string(),
                         p.page,
                         p.host_block,
                         p.resident_blocks.clone(),
