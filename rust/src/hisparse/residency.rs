@@ -152,6 +152,30 @@ pub struct ResidencyUpdate {
     pub block_ids: Vec<Vec<u32>>,
 }
 
+/// The `(request, page)` pairs still reading one unpinned device block, kept sorted (by
+/// request id, then page: the order they lose the page in). Mostly one pair: a sorted `Vec`
+/// costs one small allocation where a `BTreeSet` would build a node.
+#[derive(Clone, Debug, Default)]
+struct Readers(Vec<(Arc<str>, usize)>);
+
+impl Readers {
+    fn find(&self, request: &str, page: usize) -> std::result::Result<usize, usize> {
+        self.0.binary_search_by(|(r, p)| (&**r, *p).cmp(&(request, page)))
+    }
+
+    fn insert(&mut self, request: &Arc<str>, page: usize) {
+        if let Err(i) = self.find(request, page) {
+            self.0.insert(i, (Arc::clone(request), page));
+        }
+    }
+
+    fn remove(&mut self, request: &str, page: usize) {
+        if let Ok(i) = self.find(request, page) {
+            self.0.remove(i);
+        }
+    }
+}
+
 fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
@@ -176,7 +200,7 @@ pub struct Residency {
     spills_to_send: Vec<Transfer>,
     next_spill_id: u64,
     /// Unpinned device block -> the (request, page) pairs still reading it.
-    owners: HashMap<u32, BTreeSet<(Arc<str>, usize)>>,
+    owners: HashMap<u32, Readers>,
     /// Published host key -> the device blocks holding that page, one per resident group.
     copies: HashMap<Key, Vec<u32>>,
     copy_by_block: HashMap<u32, Key>,
@@ -579,7 +603,7 @@ impl Residency {
         }
         let Some(blocks) = self.unpinnable_blocks(env, request, page) else { return Ok(false) };
         for b in blocks {
-            self.owners.entry(b).or_default().insert((Arc::clone(request), page));
+            self.owners.entry(b).or_default().insert(request, page);
             env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
         }
         let st = self.st(s);
@@ -604,7 +628,7 @@ impl Residency {
             if let Some(key) = self.copy_by_block.get(&b).copied() {
                 self.drop_copy(&key);
             }
-            for (request, page) in self.owners.remove(&b).unwrap_or_default() {
+            for (request, page) in self.owners.remove(&b).unwrap_or_default().0 {
                 self.lose_page(env, &request, page);
             }
         }
@@ -613,11 +637,10 @@ impl Residency {
     fn lose_page(&mut self, env: &impl Env, request: &str, page: usize) {
         self.resident_requests.remove(request);
         let Some(&s) = self.by_request.get(request) else { return };
-        let owner = (self.shared_id(request), page);
         for k in 0..self.layout.resident_groups.len() {
             if let Some(b) = self.drop_resident_page(env, k, request, page) {
                 if let Some(o) = self.owners.get_mut(&b) {
-                    o.remove(&owner);
+                    o.remove(request, page);
                 }
             }
         }
@@ -1128,7 +1151,7 @@ impl Residency {
         self.pending_imports.remove(request);
         self.import_pages.remove(request);
         self.set_import_reservation(request, 0);
-        let Some((shared, s)) = self.by_request.remove_entry(request) else { return Ok(()) };
+        let Some(s) = self.by_request.remove(request) else { return Ok(()) };
         let st = &self.states[&s];
         let detach = st.publication.is_some() && finished && !st.pending_pages.is_empty();
         if detach {
@@ -1149,7 +1172,6 @@ impl Residency {
         // either way the page is dropped from the overlay. One pass over the row decides, then
         // the releases go to the pool in one call (the same order) and the overlay is written
         // once.
-        let mut owner = (shared, 0);
         let (mut unpin, mut dropped, mut disowned) = (Vec::new(), Vec::new(), Vec::new());
         for k in 0..self.layout.resident_groups.len() {
             let row = self.get_residency_row(env, k, request, 0);
@@ -1169,8 +1191,7 @@ impl Residency {
             }
             for &(b, page) in &disowned {
                 if let Some(o) = self.owners.get_mut(&b) {
-                    owner.1 = page;
-                    o.remove(&owner);
+                    o.remove(request, page);
                 }
             }
             if !unpin.is_empty() {

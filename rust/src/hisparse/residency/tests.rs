@@ -334,3 +334,19 @@ fn host_import_restores_its_last_page() {
     );
     assert_eq!(r.request_state("r").unwrap().ready_prefix_pages, 2);
 }
+
+#[test]
+fn readers_stay_sorted_and_unique() {
+    let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
+    let mut r = Readers::default();
+    r.insert(&b, 1);
+    r.insert(&a, 7);
+    r.insert(&b, 0);
+    r.insert(&a, 7); // a repeat is kept once
+    let order: Vec<(&str, usize)> = r.0.iter().map(|(q, p)| (&**q, *p)).collect();
+    assert_eq!(order, [("a", 7), ("b", 0), ("b", 1)]);
+    r.remove("b", 0);
+    r.remove("c", 3); // absent: nothing changes
+    let order: Vec<(&str, usize)> = r.0.iter().map(|(q, p)| (&**q, *p)).collect();
+    assert_eq!(order, [("a", 7), ("b", 1)]);
+}
