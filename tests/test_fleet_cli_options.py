@@ -73,7 +73,7 @@ def test_fleet_option_without_instances_runs_a_fleet_of_one_and_says_so(capsys):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--load-weight", "-1"], "--load-weight must be >= 0"),
+    (["--load-weight", "-1"], "--load-weight must be a finite number >= 0"),
     (["--speculative-ttl-ms", "100", "--router", "round-robin"], "cache-aware router"),
 ])
 def test_fleet_options_validated_without_instances(capsys, extra, words):

@@ -92,6 +92,9 @@ def test_the_service_config_refuses_them_too():
 @pytest.mark.parametrize("args,msg", [
     (["--engine", "a=nowhere"], "tcp://"),
     (["--redis", "redis://127.0.0.1:1", "--max-pairs", "10"], "max_pairs"),
+    # refused when serving starts (a new user's note: these printed the exception's class)
+    (["--engine", "a=tcp://127.0.0.1:1", "--engine", "a=tcp://127.0.0.1:2"], "a name is given twice"),
+    (["--redis", "bogus"], "bad Redis URL 'bogus'"),
 ])
 def test_a_bad_setting_is_one_plain_line(args, msg):
     r = _serve(args)

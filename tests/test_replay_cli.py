@@ -129,6 +129,12 @@ def test_mooncake_trace_slice(capsys):
     (["replay", "--block-size", "99999999999"], "--block-size must be <= 2,147,483,647 tokens"),
     (["info", "--repeat", "0"], "argument --repeat: must be >= 1, got 0"),
     (["info", "--repeat", "-3"], "argument --repeat: must be >= 1, got -3"),
+    # a new user's notes: an unknown option named the top-level help; replay's capacity hint
+    # named sweep's --model; an infinite load weight ran
+    (["replay", "--bogus"], "unrecognized arguments: --bogus"),
+    (["sweep", "builtin:shared-prompt", "--capacities", "1k", "--bogus"], "unrecognized arguments: --bogus"),
+    (["replay", "--num-blocks", "8GiB"], "expected a block count such as 1000, 10k or inf ("),
+    (["replay", "--instances", "2", "--load-weight", "inf"], "--load-weight must be a finite number >= 0"),
 ])
 def test_user_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

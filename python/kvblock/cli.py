@@ -92,7 +92,7 @@ def _num_blocks(text: str) -> int | None:
     from .replay.sweep import parse_capacities
 
     try:
-        caps = parse_capacities([text])
+        caps = parse_capacities([text], sizes_in_bytes=False)
     except ReplayError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if len(caps) != 1:
@@ -225,7 +225,7 @@ def _unservable_error(unservable: Sequence[Any], usable_blocks: int) -> Any:
     first = min(unservable, key=lambda u: (u.line or 0, str(u.request_id)))
     where = f" (line {first.line})" if first.line else ""
     need = max(u.blocks_needed for u in unservable)
-    hint = (f"raise --num-blocks to at least {need + 1} for all of them (the largest needs {need:,} blocks "
+    hint = (f"raise --num-blocks to at least {need + 1:,} for all of them (the largest needs {need:,} blocks "
             f"besides the null block)" if need > usable_blocks
             else "raise --token-budget or enable chunked prefill")
     return UnservableRequestsError(
@@ -635,6 +635,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, _usage_message(message, self.prog))
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, but arguments no parser knows are refused with the help of the
+        subcommand they were given to (argparse's own check names the top-level parser's)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = _command_of(list(sys.argv[1:] if args is None else args))
+            self.exit(2, _usage_message(f"unrecognized arguments: {' '.join(extras)}", prog))
+        return ns
+
 
 def _usage_message(message: str, prog: str) -> str:
     """The line every refused command line prints (exit status 2): the message, then where
@@ -676,6 +685,9 @@ def _cmd_index_serve(args: argparse.Namespace) -> int:
     except BindError as e:  # nothing was claimed yet: the "serving" line comes after the bind
         print(f"kvblock: error: {e.strerror}", file=sys.stderr)
         return 1
+    except ValueError as e:  # the engines or Redis settings, refused before serving
+        print(_usage_message(str(e), "kvblock index serve"), end="", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -858,8 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "confirm or drop them first (default 0: off)")
     sv.add_argument("--max-pairs", type=_positive_int, default=None, metavar="N",
                     help="memory cap: keep at most N (block, engine) pairs, about 16-30 bytes each; past it whole "
-                    "blocks are evicted (private ones first, then shared, then chains' first blocks) and counted "
-                    "in kvblock_index_evicted_pairs (default: no cap)")
+                    "blocks are evicted, the deepest first (chains' first blocks last), and counted in "
+                    "kvblock_index_evicted_pairs_total (default: no cap)")
     sv.add_argument("--tier-weight", action="append", type=_tier_weight, default=[], metavar="MEDIUM=W",
                     help="a medium's weight, e.g. GPU=1 CPU=0.75 disk=0.25 (repeat per medium): /score also answers "
                     "\"weighted\" tokens, each tier's prefix at its weight (a medium not named weighs 0)")

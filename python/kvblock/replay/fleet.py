@@ -23,6 +23,7 @@ prompt tokens per instance with the load imbalance (max / mean prompt tokens), q
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -105,8 +106,8 @@ class FleetConfig:
             raise ReplayError(f"unknown --router {self.router!r}; choose from {', '.join(POLICIES)}")
         if not self.speculative_ttl_ms >= 0:
             raise ReplayError(f"--speculative-ttl-ms must be >= 0, got {self.speculative_ttl_ms}")
-        if not self.load_weight >= 0:
-            raise ReplayError(f"--load-weight must be >= 0, got {self.load_weight}")
+        if not 0 <= self.load_weight < math.inf:
+            raise ReplayError(f"--load-weight must be a finite number >= 0, got {self.load_weight}")
         if self.transport not in TRANSPORTS:
             raise ReplayError(f"unknown --transport {self.transport!r}; choose from {', '.join(TRANSPORTS)}")
         if self.index_max_pairs is not None:

@@ -89,11 +89,13 @@ def parse_bytes(text: str) -> int | None:
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000}
 
 
-def parse_capacities(specs: Sequence[str]) -> list[int | None]:
+def parse_capacities(specs: Sequence[str], sizes_in_bytes: bool = True) -> list[int | None]:
     """Parse capacities in blocks: ints with an optional ``k`` / ``m`` suffix, separated by
     commas or given as several arguments; ``inf`` / ``unlimited`` means unlimited (None).
 
-    Returns them sorted ascending, unlimited last, without duplicates.
+    Returns them sorted ascending, unlimited last, without duplicates. ``sizes_in_bytes``:
+    whether the caller also takes sizes in bytes (``kvblock sweep --model``), which the error
+    for an unparsable capacity then mentions.
 
     Raises:
         ReplayError: no capacity, an unparsable one, or one below 2 blocks (block 0 is the
@@ -110,8 +112,9 @@ def parse_capacities(specs: Sequence[str]) -> list[int | None]:
                 continue
             m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", s)
             if m is None:
-                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf, "
-                                  f"or with --model a size in bytes such as 8GiB (units: {BYTE_UNITS})")
+                raise ReplayError(f"bad capacity {part.strip()!r}: expected a block count such as 1000, 10k or inf"
+                                  + (f", or with --model a size in bytes such as 8GiB (units: {BYTE_UNITS})"
+                                     if sizes_in_bytes else ""))
             value = float(m.group(1)) * _SUFFIX[m.group(2)]
             if value != int(value):
                 raise ReplayError(f"bad capacity {part.strip()!r}: not a whole number of blocks")
