@@ -364,7 +364,11 @@ impl Residency {
     /// `get_resident_page(request, page)` of resident group `k`: the device block the page is
     /// read from, None if it is read from the host (or past the table).
     pub fn get_resident_page(&self, env: &impl Env, k: usize, request: &str, page: usize) -> Option<u32> {
-        let table = env.table(self.layout.resident_groups[k], request)?;
+        self.resident_page_in(env.table(self.layout.resident_groups[k], request)?, k, request, page)
+    }
+
+    /// [`Residency::get_resident_page`] with resident group `k`'s table of the request in hand.
+    fn resident_page_in(&self, table: &[u32], k: usize, request: &str, page: usize) -> Option<u32> {
         let mut b = *table.get(page)?;
         if let Some(c) = self.changes[k].get(request) {
             b = c.get(&page).copied().unwrap_or(b);
@@ -579,19 +583,11 @@ impl Residency {
     fn unpinnable_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<Vec<u32>> {
         let mut out = Vec::with_capacity(self.layout.resident_groups.len());
         for (k, &g) in self.layout.resident_groups.iter().enumerate() {
-            // `get_resident_page` with the table in hand (no table: no pages)
-            let table = env.table(g, request).unwrap_or(&[]);
+            let table = env.table(g, request).unwrap_or(&[]); // no table: no pages
             if page + ACTIVE_TAIL_PAGES >= table.len() {
                 return None;
             }
-            let mut b = table[page];
-            if let Some(c) = self.changes[k].get(request) {
-                b = c.get(&page).copied().unwrap_or(b);
-            }
-            if b == NULL_BLOCK {
-                return None;
-            }
-            out.push(b);
+            out.push(self.resident_page_in(table, k, request, page)?);
         }
         Some(out)
     }
