@@ -255,3 +255,24 @@ def test_release_rules_bad_input_is_refused_before_anything_is_built():
     assert set(current().core_rules()) == {
         "eagle_groups_drop_always", "mamba_none_mode_caches", "partial_tail_rekeyed", "eagle_junction_block_retained",
         "hisparse_trim_null_head"}
+
+
+def test_group_allocation_past_the_pool_changes_nothing():
+    """A group's ``allocate_new_blocks`` for more blocks than are free raises vLLM's error
+    and leaves the pool (free count, every block's ref count) and the tables as they were,
+    with no entry left for the request (vLLM's ``defaultdict`` keeps an empty one)."""
+    v, k = _both([FullAttentionSpec(block_size=16, **A)], 32, 16, 16)
+    errors = []
+    for m in (v, k):
+        stm = m.coordinator.single_type_managers[0]
+        free = m.block_pool.get_num_free_blocks()
+        refs = [b.ref_cnt for b in m.block_pool.blocks]
+        before = (_state(m), _per_type(m))
+        with pytest.raises(ValueError) as e:
+            stm.allocate_new_blocks("big", 16 * 100, 16 * 100)
+        errors.append(str(e.value))
+        assert m.block_pool.get_num_free_blocks() == free
+        assert [b.ref_cnt for b in m.block_pool.blocks] == refs
+        if m is k:
+            assert (_state(k), _per_type(k)) == before and "big" not in stm.req_to_blocks
+    assert errors[0] == errors[1]
