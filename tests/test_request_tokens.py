@@ -62,3 +62,44 @@ def test_integer_likes_are_token_ids(hasher):
     if isinstance(hasher, type(KVCacheManager(8, 4).request_block_hasher)):
         plain = Request("b", [1, 2, 3, 4, 2**70, 6], block_hasher=hasher)
         assert req.block_hashes == plain.block_hashes
+
+
+def test_arrays_are_their_tokens(hasher):
+    """A sampler's output as a numpy array (or a 0-d one) appends its tokens, not the array
+    as one token (numpy arrays define ``__index__``, which once took them for a scalar and
+    left the request unable to hash its next block)."""
+    req = Request("a", [1, 2, 3], block_hasher=hasher)
+    req.append_output_token_ids(np.array([4, 5], dtype=np.int64))
+    req.append_output_token_ids(np.array(6, dtype=np.int32))
+    req.append_output_token_ids(np.arange(7, 9, dtype=np.uint16))
+    assert req.output_token_ids == [4, 5, 6, 7, 8] and req.num_tokens == 8
+    assert all(type(t) is int for t in req.all_token_ids)
+    plain = Request("b", [1, 2, 3, 4, 5, 6, 7, 8], block_hasher=hasher)
+    assert req.block_hashes == plain.block_hashes and len(req.block_hashes) == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.arange(3, dtype=np.float32), np.array([True, False]), np.array(["1"]), np.zeros((2, 2), dtype=np.int64),
+     np.float64(1.0), np.bool_(True)],
+    ids=repr,
+)
+def test_arrays_of_non_token_ids_are_refused(hasher, bad):
+    req = Request("a", [1, 2, 3, 4, 5], block_hasher=hasher)
+    before = (list(req.all_token_ids), list(req.output_token_ids), list(req.block_hashes))
+    with pytest.raises(TypeError, match=r"token_ids\[0\]"):
+        req.append_output_token_ids(bad)
+    assert (req.all_token_ids, req.output_token_ids, req.block_hashes) == before
+    req.append_output_token_ids(np.array([6, 7, 8]))
+    assert len(req.block_hashes) == 2
+
+
+def test_torch_tensors_are_their_tokens(hasher):
+    torch = pytest.importorskip("torch")
+    req = Request("a", [1, 2, 3], block_hasher=hasher)
+    req.append_output_token_ids(torch.tensor([4, 5]))
+    req.append_output_token_ids(torch.tensor(6))
+    assert req.output_token_ids == [4, 5, 6]
+    with pytest.raises(TypeError, match=r"token_ids\[0\]"):
+        req.append_output_token_ids(torch.tensor([7.0]))
+    assert req.num_tokens == 6

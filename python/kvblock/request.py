@@ -158,14 +158,21 @@ def _new_token_ids(token_ids: Any) -> list[Any]:
     """``token_ids`` (one token id or a sequence of them) as a checked list."""
     if isinstance(token_ids, (bool, str, bytes)) or token_ids is None:
         raise TypeError(f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}")
-    if hasattr(type(token_ids), "__index__"):
-        return [token_ids]  # a numpy integer scalar
-    try:
-        new = list(token_ids)
-    except TypeError:
-        raise TypeError(
-            f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}"
-        ) from None
+    tolist = getattr(token_ids, "tolist", None)
+    if callable(tolist):
+        # numpy / torch arrays and scalars, array.array: their elements as Python numbers, so
+        # an array is its tokens (not one token) and a float or bool array fails the check
+        value = tolist()
+        new = value if isinstance(value, list) else [value]
+    elif hasattr(type(token_ids), "__index__"):
+        new = [token_ids]  # an integer-like scalar
+    else:
+        try:
+            new = list(token_ids)
+        except TypeError:
+            raise TypeError(
+                f"token_ids: expected an int or a sequence of ints, got {type(token_ids).__name__}"
+            ) from None
     _core.check_token_ids(new, "token_ids")
     return new
 
@@ -394,8 +401,10 @@ class Request:
         """Append sampled token(s) and hash the blocks they complete (one batch call).
 
         ``token_ids`` is one token id or a sequence of them; a token id is an ``int`` (or an
-        integer-like such as a numpy integer), never a ``bool``, ``float`` or ``None``. The
-        tokens are checked before any is appended, whether or not they complete a block.
+        integer-like such as a numpy integer), never a ``bool``, ``float`` or ``None``. A 1-D
+        integer numpy array or torch tensor (a sampler's output) is its tokens, a 0-d one a
+        single token; they are stored as Python ints. The tokens are checked before any is
+        appended, whether or not they complete a block.
 
         Raises:
             TypeError: a token that is not a token id (naming ``token_ids[i]``), or
