@@ -101,7 +101,9 @@ class KVEventSubscriber:
         self._by_socket: dict[Any, tuple[str, _Engine]] = {}
         self._thread: threading.Thread | None = None
         self._running = False
-        self._lock = threading.Lock()
+        # held by poll() and by adding / removing an engine, so the thread started by start()
+        # never polls a socket being closed; re-entrant for a sink that adds an engine
+        self._lock = threading.RLock()
 
     # -- engines ------------------------------------------------------------------------------
     def add_engine(self, instance: str, endpoint: str, replay_endpoint: str | None = None, *,
@@ -109,54 +111,93 @@ class KVEventSubscriber:
         """Subscribe to one engine's publisher (``bind=True`` when the publisher connects).
 
         Returns the engine's :class:`EventStream` (its ``stats`` count gaps, replays...).
+        Both endpoints are checked here: the replay socket connects now, so a malformed
+        ``replay_endpoint`` is refused at once rather than failing every later replay. Safe to
+        call while :meth:`start`'s thread polls.
 
         Raises:
             ValueError: ``instance`` is already subscribed.
+            zmq.ZMQError: ``endpoint`` or ``replay_endpoint`` is not a ZMQ endpoint (or cannot
+                be bound). Nothing is subscribed and every socket made for it is closed.
         """
         zmq = self._zmq
-        if instance in self.engines:
-            raise ValueError(f"instance {instance!r} is already subscribed")
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
-        if bind:
-            sub.bind(endpoint)
-        else:
-            sub.connect(endpoint)
-        eng = _Engine(instance, endpoint, replay_endpoint, topic.encode("utf-8"), sub, monitor,
-                      EventStream(instance, self.sink, None, lambda: int(time.time() * 1000)))
-        if replay_endpoint is not None:
-            eng.stream.replay = lambda start, e=eng: self._replay(e, start)
-        self.engines[instance] = eng
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(monitor, zmq.POLLIN)
-        self._by_socket[sub] = ("sub", eng)
-        self._by_socket[monitor] = ("monitor", eng)
-        return eng.stream
+        with self._lock:
+            if instance in self.engines:
+                raise ValueError(f"instance {instance!r} is already subscribed")
+            made: list[Any] = []
+            try:
+                sub = self._ctx.socket(zmq.SUB)
+                made.append(sub)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+                monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+                made.append(monitor)
+                if bind:
+                    sub.bind(endpoint)
+                else:
+                    sub.connect(endpoint)
+                dealer = None if replay_endpoint is None else self._dealer(replay_endpoint, made)
+            except BaseException:
+                if len(made) > 1:
+                    made[0].disable_monitor()
+                for sock in reversed(made):
+                    sock.close(linger=0)
+                raise
+            eng = _Engine(instance, endpoint, replay_endpoint, topic.encode("utf-8"), sub, monitor,
+                          EventStream(instance, self.sink, None, lambda: int(time.time() * 1000)), dealer)
+            if replay_endpoint is not None:
+                eng.stream.replay = lambda start, e=eng: self._replay(e, start)
+            self.engines[instance] = eng
+            self._poller.register(sub, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
+            self._by_socket[sub] = ("sub", eng)
+            self._by_socket[monitor] = ("monitor", eng)
+            return eng.stream
 
     def remove_engine(self, instance: str) -> None:
-        """Unsubscribe (the index keeps the instance; remove it there if it is gone)."""
-        eng = self.engines.pop(instance)
-        for sock in (eng.sub, eng.monitor):
-            self._poller.unregister(sock)
-            self._by_socket.pop(sock, None)
-        eng.sub.disable_monitor()
-        eng.monitor.close(linger=0)
-        eng.sub.close(linger=0)
-        if eng.dealer is not None:
-            eng.dealer.close(linger=0)
+        """Unsubscribe (the index keeps the instance; remove it there if it is gone). Safe to
+        call while :meth:`start`'s thread polls.
+
+        Raises:
+            KeyError: ``instance`` is not subscribed.
+        """
+        with self._lock:
+            eng = self.engines.pop(instance)
+            for sock in (eng.sub, eng.monitor):
+                self._poller.unregister(sock)
+                self._by_socket.pop(sock, None)
+            eng.sub.disable_monitor()
+            eng.monitor.close(linger=0)
+            eng.sub.close(linger=0)
+            if eng.dealer is not None:
+                eng.dealer.close(linger=0)
+
+    def _dealer(self, replay_endpoint: str, made: list[Any]) -> Any:
+        """A DEALER socket connected to ``replay_endpoint`` (appended to ``made`` before it
+        connects, so the caller closes it when the connect fails). A send waits at most the
+        replay timeout: a socket with no peer would otherwise block the poll loop."""
+        zmq = self._zmq
+        dealer = self._ctx.socket(zmq.DEALER)
+        made.append(dealer)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDTIMEO, max(1, int(self.replay_timeout_s * 1000)))
+        dealer.connect(replay_endpoint)
+        return dealer
 
     # -- replay -------------------------------------------------------------------------------
     def _replay(self, eng: _Engine, start: int) -> list[tuple[int, bytes]] | None:
         zmq = self._zmq
-        if eng.dealer is None:
-            eng.dealer = self._ctx.socket(zmq.DEALER)
-            eng.dealer.setsockopt(zmq.LINGER, 0)
-            eng.dealer.connect(eng.replay_endpoint)
-        d = eng.dealer
         out: list[tuple[int, bytes]] = []
         try:
+            if eng.dealer is None:
+                made: list[Any] = []
+                try:
+                    eng.dealer = self._dealer(eng.replay_endpoint or "", made)
+                except BaseException:
+                    for sock in made:
+                        sock.close(linger=0)
+                    raise
+            d = eng.dealer
             d.send_multipart((b"", start.to_bytes(8, "big")))
             deadline = time.monotonic() + self.replay_timeout_s
             while True:
@@ -186,7 +227,8 @@ class KVEventSubscriber:
                             "failed in a row (next logged at %d; kvblock_index_replay_failures counts all)",
                             eng.instance, start, len(out),
                             unreachable_cause(eng.replay_endpoint or "", self.replay_timeout_s), n, 2 * n)
-            eng.dealer.close(linger=0)
+            if eng.dealer is not None:
+                eng.dealer.close(linger=0)
             eng.dealer = None
             return None
 
