@@ -49,3 +49,50 @@ def test_negative_token_counts_are_refused_and_change_nothing():
         r.add_waiting("zz", 3)
     assert r.load("a") == 120 and r.load("b") == 0
     assert r.route([], 0).cached_tokens == 0
+
+
+def test_an_infinite_load_weight_is_refused():
+    """``inf`` made every idle instance's score ``inf * 0 = nan``, which no comparison
+    prefers: routing then ignored both the cache and the load (the CLI already refused it)."""
+    for bad in (float("inf"), float("nan"), -0.5):
+        with pytest.raises(ValueError, match="load_weight must be a finite number >= 0"):
+            Router(["a", "b"], _index(), load_weight=bad)
+    for bad in ("0.5", None, True):
+        with pytest.raises(TypeError, match="load_weight"):
+            Router(["a", "b"], _index(), load_weight=bad)
+    r = Router(["a", "b"], _index(), load_weight=1e9)  # large but finite: least-loaded
+    r.set_load("a", 10, 0)
+    assert [r.route([1, 2, 3, 4], 64).instance for _ in range(3)] == ["b", "b", "b"]
+
+
+def test_instance_names_are_checked_where_they_enter():
+    with pytest.raises(TypeError, match=r"write \['e0'\]"):
+        Router("e0", _index())  # a string is not a list of names (it was split into 'e', '0')
+    for bad in ([1, 2], ["a", None]):
+        with pytest.raises(TypeError, match="instance name must be a str"):
+            Router(bad, _index())
+    with pytest.raises(ValueError, match="must not be empty"):
+        Router(["a", ""], _index())
+    r = Router(["a"], _index())
+    for bad, exc in ((123, TypeError), ("", ValueError), (None, TypeError)):
+        with pytest.raises(exc):
+            r.add_instance(bad)
+    assert r.instances == ["a"]
+    with pytest.raises(KeyError, match="unknown instance 'zz'"):
+        r.load("zz")
+    r.add_instance("b")
+    assert r.instances == ["a", "b"] and r.load("b") == 0
+
+
+def test_tier_weights_report_blocks_not_the_weighted_credit():
+    """With tier weights the score is a weighted prefix (a float); the decision's
+    ``speculative_blocks`` stays a block count, equal to ``cached_blocks`` without a
+    speculative index, as its docstring says."""
+    ix = PrefixIndex(block_size=16)
+    ix.apply_events("a", [BlockStored(block_hashes=list(range(1, 7)), parent_block_hash=None,
+                                      token_ids=list(range(96)), block_size=16, lora_id=None, medium="CPU",
+                                      lora_name=None)])
+    r = Router(["a", "b"], ix, tier_weights={"GPU": 1.0, "CPU": 0.5}, load_weight=0.0)
+    d = r.route(list(range(1, 7)), 100)
+    assert (d.instance, d.cached_blocks, d.cached_tokens) == ("a", 6, 96)
+    assert d.speculative_blocks == 6 and type(d.speculative_blocks) is int

@@ -87,8 +87,10 @@ class Router:
             ``match_weighted`` (``PrefixIndex``, ``DictIndex``).
 
     Raises:
-        ValueError: an unknown policy, no instances, duplicate names, a negative weight,
-            ``cache-aware`` without an index, tier weights that are not finite numbers >= 0
+        TypeError: ``instances`` a single string rather than an iterable of names, a name
+            that is not a ``str``, a ``load_weight`` that is not a number.
+        ValueError: an unknown policy, no instances, an empty or duplicate name, a
+            ``load_weight`` that is negative or not finite, ``cache-aware`` without an index, tier weights that are not finite numbers >= 0
             or not keyed by medium names, tier weights with ``medium``, with a speculative
             index or an index without ``match_weighted``.
     """
@@ -98,15 +100,21 @@ class Router:
                  tier_weights: Mapping[str | None, float] | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(POLICIES)}")
-        names = list(instances)
+        if isinstance(instances, (str, bytes)):
+            raise TypeError(f"instances: expected an iterable of instance names, got one {type(instances).__name__} "
+                            f"({instances!r}); write [{instances!r}]")
+        names = [_instance_name(n) for n in instances]
         if not names:
             raise ValueError("a router needs at least one instance")
         if len(set(names)) != len(names):
             raise ValueError("instance names must be unique")
         if policy == "cache-aware" and index is None:
             raise ValueError("the cache-aware policy needs an index")
-        if not load_weight >= 0:
-            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        if isinstance(load_weight, bool) or not isinstance(load_weight, (int, float)):
+            raise TypeError(f"load_weight: expected a number, got {type(load_weight).__name__}")
+        if not 0 <= load_weight < math.inf:
+            # inf * an idle instance's load 0 is nan, which no score compares above
+            raise ValueError(f"load_weight must be a finite number >= 0, got {load_weight}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be an int > 0, got {block_size!r}")
         indexed = getattr(index, "block_size", None)
@@ -155,9 +163,23 @@ class Router:
         self._waiting[instance] += _tokens("tokens", tokens)
 
     def load(self, instance: str) -> int:
+        """The instance's load in tokens: running plus waiting (see :meth:`set_load`).
+
+        Raises:
+            KeyError: an unknown instance.
+        """
+        if instance not in self._pos:
+            raise KeyError(f"unknown instance {instance!r}")
         return self._running[instance] + self._waiting[instance]
 
     def add_instance(self, instance: str) -> None:
+        """Route to ``instance`` too (last in the round-robin order, with no load); a name
+        already routed to is left as it is.
+
+        Raises:
+            TypeError / ValueError: a name that is not a non-empty ``str``.
+        """
+        instance = _instance_name(instance)
         if instance in self._pos:
             return
         self._pos[instance] = len(self.instances)
@@ -248,8 +270,18 @@ class Router:
         blocks = hits.get(best, 0)
         if speculative and len(block_hashes):
             self.index.speculate(best, block_hashes, blocks)
+        # tier weights score a weighted prefix; the decision reports blocks
         return Decision(best, "cache-aware", blocks, min(blocks * b, num_tokens),
-                        speculative_blocks=scored.get(best, 0))
+                        speculative_blocks=scored.get(best, 0) if speculative else blocks)
+
+
+def _instance_name(name: Any) -> str:
+    """An instance name: a non-empty ``str`` (TypeError / ValueError otherwise)."""
+    if not isinstance(name, str):
+        raise TypeError(f"an instance name must be a str, got {type(name).__name__} ({name!r})")
+    if not name:
+        raise ValueError("an instance name must not be empty")
+    return name
 
 
 def _tokens(name: str, value: Any) -> int:
