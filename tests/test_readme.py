@@ -47,3 +47,15 @@ def test_the_library_example_runs_as_written(capsys):
     printed = capsys.readouterr().out
     assert "requests=2, queries=200, hits=96" in printed
     assert "# requests=2, queries=200, hits=96" in code
+
+
+def test_the_docs_home_page_opens_as_the_readme_does():
+    """The site's home page repeats the README's opening (it once still said "identical to
+    vLLM 0.33.0" after the README moved to 0.32-0.34), and its page list names every page
+    of the site's navigation."""
+    home = (ROOT / "docs" / "index.md").read_text()
+    assert home[:home.index("## The pages")] == README[:README.index("## Quick start")]
+    nav = re.findall(r"^  - .*: ([\w/]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert len(nav) > 10
+    pages = home[home.index("## The pages"):]
+    assert [page for page in nav if page != "index.md" and f"]({page}" not in pages] == []

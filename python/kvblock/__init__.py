@@ -1,11 +1,14 @@
 """kvblock: vLLM's Automatic Prefix Caching block manager with a Rust core.
 
-Block hashes, block ids and free-queue order are identical to vLLM 0.33.0's:
+Block hashes, block ids and free-queue order are identical to vLLM's (0.32, 0.33 and 0.34):
 
 * :mod:`kvblock.hashing` — chained block hashing (``sha256``, ``sha256_cbor``, ``xxhash``,
   ``xxhash_cbor``), :func:`hash_blocks`, vLLM's request block hasher;
 * :class:`BlockPool` — the block pool (vLLM's object API plus a fast id API);
-* :class:`KVCacheManager` — a drop-in for vLLM's ``KVCacheManager`` (one KV-cache group);
+* :class:`KVCacheManager` — a drop-in for vLLM's ``KVCacheManager``, one KV-cache group or
+  several (hybrid models: full, sliding window, chunked local, Mamba, cross attention);
+* :mod:`kvblock.vllm` — vLLM's own scheduler on kvblock's manager, pool and hasher;
+* :mod:`kvblock.cluster` — the fleet prefix index, KV-event subscriber and cache-aware router;
 * :class:`Request` — request bookkeeping with incremental block hashes;
 * :mod:`kvblock.events` — KV events in vLLM's msgpack wire format;
 * :mod:`kvblock.errors` — kvblock's exception classes (each a subclass of a built-in one);

@@ -55,7 +55,8 @@ class PrefixIndex(_core.PrefixIndexCore):
         max_pairs: the memory cap in (block, instance) pairs (None: none); settable later
             (``index.max_pairs = N``; lowering it evicts at once).
 
-    Methods (all from Rust; ``KeyError`` names an unknown instance; an instance name UTF-8
+    Methods (all from Rust; ``KeyError`` names an unknown instance where one must exist
+    (``remove_instance``, ``clear_instance``, ``blocks_of``); an instance name UTF-8
     cannot encode, one with a lone surrogate, is a ``ValueError`` naming ``name``, nothing
     changed):
         ``apply(instance, payload, now_ms=0) -> (stored, removed, cleared, skipped)``: apply
@@ -66,7 +67,8 @@ class PrefixIndex(_core.PrefixIndexCore):
         ``match_dense(block_hashes, medium=None) -> uint32 array``: the same by instance id
             (``instance_id(name)``), zeros included; the fast form.
         ``store`` / ``remove`` (one ``BlockStored`` / ``BlockRemoved``), ``add_instance``,
-        ``remove_instance``, ``clear_instance`` (pairs removed), ``touch(instance, now_ms)``,
+        ``remove_instance``, ``clear_instance`` (pairs removed), ``touch(instance, now_ms)``
+            (a heartbeat: the instance is registered if new, as by ``apply``),
         ``expire(now_ms, ttl_ms) -> removed names``, ``instances()``, ``blocks_of``,
         ``num_pairs()`` ((block, holder) pairs), ``num_nodes()``, ``memory_bytes()`` (heap
         bytes of the tables, the holder sets and the instance registry).

@@ -4,7 +4,8 @@
   workloads (:func:`builtin_workload`);
 * the simulator: :class:`SimConfig`, :func:`replay`, :class:`Replayer`;
 * results and reports: :class:`ReplayResult`, :mod:`kvblock.replay.report`;
-* capacity sweeps and plots: :func:`sweep`, :func:`plot_sweep`;
+* capacity sweeps and plots: :func:`kvblock.replay.sweep.sweep`,
+  :func:`kvblock.replay.plot.plot_sweep` (matplotlib);
 * the built-in ``apc-peer-v1`` workload and its end-to-end scheduler loop:
   :mod:`kvblock.replay.peer_workload` (the benchmarks' workload).
 """

@@ -106,8 +106,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
     non-``str`` id is an unknown request in by-id lookups. A count that is not an int in
     ``[0, 2**63)`` (a float, a negative or huge int), which vLLM would act on wrongly, is a
     ``TypeError`` / ``ValueError`` naming the argument (past 64 bits
-    :class:`kvblock.IntOutOfRangeError`, also vLLM's ``OverflowError``), changing nothing (README, "Where
-    kvblock deliberately differs from vLLM 0.33.0"; ``tests/test_vllm_bad_input.py``).
+    :class:`kvblock.IntOutOfRangeError`, also vLLM's ``OverflowError``), changing nothing (docs/proof.md,
+    "Where kvblock deliberately differs from vLLM 0.33.0"; ``tests/test_vllm_bad_input.py``).
     """
 
     # KVCacheManagerCore's allocate_slots and cache_blocks behind fastcall entries: the call
