@@ -59,3 +59,9 @@ def test_the_docs_home_page_opens_as_the_readme_does():
     assert len(nav) > 10
     pages = home[home.index("## The pages"):]
     assert [page for page in nav if page != "index.md" and f"]({page}" not in pages] == []
+
+
+def test_the_readme_links_every_page_of_the_site():
+    nav = re.findall(r"^  - .*: ([\w/]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    docs = README[README.index("## Documentation"):]
+    assert [page for page in nav if page != "index.md" and f"(docs/{page}" not in docs] == []
