@@ -30,11 +30,87 @@ fn hash_words(words: &[u64]) -> u64 {
     h
 }
 
+/// One cache line of set words (the unit [`Words`] allocates in, so that it starts on a line).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u64; 8]);
+
+/// A growable array of `u64`s that starts on a cache line (a `Vec<u64>` from the allocator
+/// starts 16 bytes into one, so half of the 32-byte sets of a 256-instance fleet straddled
+/// two lines: two misses for a walk reading one cold set).
+#[derive(Debug, Default)]
+struct Words {
+    lines: Vec<Line>,
+    /// Words in use (at most `lines.len() * 8`; the rest of the last line is zeros).
+    len: usize,
+}
+
+impl Words {
+    fn with_capacity(words: usize) -> std::result::Result<Self, std::collections::TryReserveError> {
+        let mut lines = Vec::new();
+        lines.try_reserve_exact(words.div_ceil(8))?;
+        Ok(Words { lines, len: 0 })
+    }
+
+    /// Words it can hold without reallocating.
+    fn capacity(&self) -> usize {
+        self.lines.capacity() * 8
+    }
+
+    fn try_reserve(&mut self, words: usize) -> std::result::Result<(), std::collections::TryReserveError> {
+        let want = (self.len + words).div_ceil(8);
+        self.lines.try_reserve(want.saturating_sub(self.lines.len()))
+    }
+
+    /// Append the words of `v`.
+    fn extend_from_slice(&mut self, v: &[u64]) {
+        let end = self.len + v.len();
+        if end > self.lines.len() * 8 {
+            self.lines.resize(end.div_ceil(8), Line([0; 8]));
+        }
+        let start = self.len;
+        self.len = end;
+        self[start..end].copy_from_slice(v);
+    }
+
+    /// Append `n` zero words.
+    fn extend_zeros(&mut self, n: usize) {
+        let end = self.len + n;
+        if end > self.lines.len() * 8 {
+            self.lines.resize(end.div_ceil(8), Line([0; 8]));
+        }
+        let start = self.len;
+        self.len = end;
+        self[start..end].fill(0);
+    }
+}
+
+impl std::ops::Deref for Words {
+    type Target = [u64];
+    #[inline(always)]
+    fn deref(&self) -> &[u64] {
+        // SAFETY: `lines` is `lines.len()` contiguous `[u64; 8]` (repr(C), no padding:
+        // 64 bytes each), so its first `len <= lines.len() * 8` words are initialized u64s
+        // borrowed with `self`.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const u64, self.len.min(self.lines.len() * 8)) }
+    }
+}
+
+impl std::ops::DerefMut for Words {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut [u64] {
+        let n = self.len.min(self.lines.len() * 8);
+        // SAFETY: as in `deref`, borrowed mutably with `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut u64, n) }
+    }
+}
+
 /// Interned bitsets of the blocks held by more than one instance, all `words` long.
 #[derive(Debug)]
 pub struct Slab {
     words: usize,
-    bits: Vec<u64>,
+    /// The sets, slot `s` at words `s * words..`, the first on a cache-line boundary.
+    bits: Words,
     /// Blocks pointing at each slot (0: free).
     refs: Vec<u32>,
     free: Vec<u32>,
@@ -53,7 +129,7 @@ impl Default for Slab {
     fn default() -> Self {
         Slab {
             words: 1,
-            bits: Vec::new(),
+            bits: Words::default(),
             refs: Vec::new(),
             free: Vec::new(),
             index: HashTable::new(),
@@ -95,11 +171,11 @@ impl Slab {
             return Ok(());
         }
         let slots = self.refs.len();
-        let mut bits = Vec::new();
-        bits.try_reserve_exact(slots * need).map_err(|_| Error::Memory("cannot grow the holder sets".into()))?;
+        let mut bits =
+            Words::with_capacity(slots * need).map_err(|_| Error::Memory("cannot grow the holder sets".into()))?;
         for s in 0..slots {
             bits.extend_from_slice(&self.bits[s * self.words..(s + 1) * self.words]);
-            bits.resize(bits.len() + need - self.words, 0);
+            bits.extend_zeros(need - self.words);
         }
         self.bits = bits;
         self.words = need;
@@ -401,6 +477,27 @@ mod tests {
         let (w, added) = s.insert(z, 6);
         assert!(added && s.contains(w, 7) && s.contains(w, 8) && s.contains(w, 6) && !s.contains(w, 1));
         assert_eq!(s.count(w), 3);
+    }
+
+    /// The sets start on a cache line, so a 32-byte set (256 instances) never straddles two,
+    /// through growth and a restride.
+    #[test]
+    fn sets_sit_inside_one_cache_line() {
+        let mut s = Slab::new();
+        s.ensure_instance(255).unwrap();
+        let mut sets = Vec::new();
+        for i in 0..200u32 {
+            s.reserve(1).unwrap();
+            let (x, _) = s.insert(i, 255 - (i % 50));
+            sets.push(x);
+        }
+        for &x in &sets {
+            let at = s.slot(x & !MULTI).as_ptr() as usize;
+            assert_eq!(at / 64, (at + 31) / 64, "the set at {at:#x} straddles two lines");
+        }
+        s.ensure_instance(500).unwrap();
+        assert_eq!(s.slot(sets[1] & !MULTI).as_ptr() as usize % 64, 0);
+        assert!(s.contains(sets[1], 1) && s.contains(sets[1], 254));
     }
 
     #[test]

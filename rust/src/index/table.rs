@@ -86,6 +86,20 @@ const SMALL: usize = 1 << 16;
 /// Most nodes an arena holds (positions are `u32`, `u32::MAX` never used).
 const MAX_NODES: usize = u32::MAX as usize - 1;
 
+// an arena's allocation holds two index slots per node
+const _: () = assert!(std::mem::size_of::<Node>() == 16 && std::mem::align_of::<Node>() == 8);
+
+/// The allocation of an arena no longer needed, as an empty vector of index slots (two per
+/// node of its capacity).
+fn slots_in(nodes: Vec<Node>) -> Vec<u64> {
+    let mut nodes = std::mem::ManuallyDrop::new(nodes);
+    let (ptr, cap) = (nodes.as_mut_ptr(), nodes.capacity());
+    // SAFETY: the allocation (from the global allocator, `cap * 16` bytes, align 8: the
+    // layout of `[Node; cap]`) is the layout of `[u64; 2 * cap]`; the vector starts empty
+    // (nothing read from the old bytes) and owns the allocation alone (`nodes` forgotten).
+    unsafe { Vec::from_raw_parts(ptr as *mut u64, 0, cap * 2) }
+}
+
 /// The 32-bit fingerprint of a key (the top of its mix; it also picks the home slot).
 #[inline(always)]
 fn fp(key: u64) -> u32 {
@@ -379,7 +393,10 @@ impl Table {
         // an index sized for the new arena full at 80% (it grows with the arena, one rebuild)
         let icap = (cap.saturating_mul(5) / 4 + 1).max(self.index.len()).max(MIN_CAP);
         let mut index: Vec<u64> = Vec::new();
-        if icap != self.index.len() {
+        // the new index goes where the old arena was when that has room (its pages are
+        // already the process's: no fresh pages for the kernel to zero)
+        let reuse = icap != self.index.len() && icap <= self.nodes.capacity() * 2;
+        if icap != self.index.len() && !reuse {
             index.try_reserve_exact(icap).map_err(oom)?;
             crate::huge_pages::advise(index.as_ptr() as usize, icap * std::mem::size_of::<u64>());
         }
@@ -418,7 +435,10 @@ impl Table {
                 self.depth.put(m as usize, old_depth.get(p).copied().unwrap_or(0));
             }
         }
-        self.nodes = nodes;
+        let old_nodes = std::mem::replace(&mut self.nodes, nodes);
+        if reuse {
+            index = slots_in(old_nodes);
+        }
         self.next = next;
         self.dead = 0;
         self.hand = 0;
