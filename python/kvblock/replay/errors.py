@@ -36,6 +36,10 @@ class TraceFormatError(ReplayError):
             f"{path}:{line}: {reason} (pass --skip-bad-lines to skip such lines)"
         )
 
+    def __reduce__(self) -> tuple[type, tuple[str, int, str]]:
+        # pickled by its constructor's arguments (``args`` holds the message only)
+        return (type(self), (self.path, self.line, self.reason))
+
 
 class UnservableRequestsError(ReplayError):
     """Requests that need more KV-cache blocks than the whole cache holds.
@@ -52,3 +56,6 @@ class UnservableRequestsError(ReplayError):
     def __init__(self, message: str, count: int) -> None:
         self.count = count
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return (type(self), (str(self), self.count))
