@@ -221,6 +221,7 @@ def _exported_exception_classes():
 _EXAMPLES = {
     "TraceFormatError": lambda cls: cls("trace.jsonl", 7, "not JSON"),
     "UnservableRequestsError": lambda cls: cls("2 requests need more blocks than the cache holds", 2),
+    "SettingError": lambda cls: cls("num_blocks", "{name} must be >= 2, got 1"),
     "MissingExtraError": lambda cls: cls("No module named 'zmq': pip install pyzmq", name="zmq"),
 }
 

@@ -948,7 +948,11 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(argv)
         return int(args.func(args))
     except ReplayError as e:  # exit status 2: the command's input or settings, 3: the run's
-        if e.exit_code == 2:
+        from .replay.errors import SettingError
+
+        if isinstance(e, SettingError):  # a setting named as its option (--num-blocks)
+            print(_usage_message(e.option_message, _command_of(argv)), end="", file=sys.stderr)
+        elif e.exit_code == 2:
             print(_usage_message(str(e), _command_of(argv)), end="", file=sys.stderr)
         else:
             print(f"kvblock: error: {e}", file=sys.stderr)
