@@ -87,3 +87,14 @@ def test_a_pool_too_large_for_memory_names_the_blocks_asked_for():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("for 2147483647 blocks"), out.stdout
 
+
+
+@pytest.mark.parametrize("bad", ["1", b"1", 5.0])
+def test_a_block_id_list_of_another_type_says_ints(bad):
+    """The message said "expected a sequence of int integers"."""
+    from kvblock import BlockPool
+
+    pool = BlockPool(8, True, 16)
+    with pytest.raises(TypeError, match=r"^block_ids: expected a sequence of ints, got (str|bytes|float)$"):
+        pool.free_ids(bad)
+    assert pool.get_num_free_blocks() == 7
