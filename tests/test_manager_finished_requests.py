@@ -84,7 +84,8 @@ def test_allocate_slots_refuses_a_freed_request_with_computed_tokens():
 @pytest.mark.parametrize("status", [s for s in RequestStatus if RequestStatus.is_finished(s)], ids=lambda s: s.name)
 def test_a_finished_request_gets_no_blocks(status):
     """A finished request without a table (aborted while waiting, or freed and reset) is
-    refused by both calls, naming its status; nothing changes."""
+    refused by allocate_slots, allocate_slots_batch and admit_batch, naming its status;
+    nothing changes."""
     m = _manager()
     r = _req(m, "F", list(range(40)))
     r.status = status
@@ -95,6 +96,11 @@ def test_a_finished_request_gets_no_blocks(status):
     with pytest.raises(ValueError, match=rf'request "F" is finished \({status.name}\)'):
         m.allocate_slots_batch([r], [r.num_tokens])
     assert _state(m, ["F"]) == before
+    waiting = _req(m, "W", list(range(100, 140)))
+    before = _state(m, ["F", "W"])
+    with pytest.raises(ValueError, match=rf'request "F" is finished \({status.name}\)'):
+        m.admit_batch([waiting, r])  # the batch is undone: W is not admitted either
+    assert _state(m, ["F", "W"]) == before
     assert m.take_events() == []
 
 

@@ -340,8 +340,8 @@ impl PyManager {
     /// of all admitted requests concatenated (request by request, group by group).
     /// Prefix-cache stats are the caller's to record (`record_prefix_cache_stats`).
     ///
-    /// Every request must be waiting: unknown to this manager, listed once, with
-    /// `num_computed_tokens == 0` and at least one token. All requests are checked (these
+    /// Every request must be waiting: unknown to this manager, listed once, not finished,
+    /// with `num_computed_tokens == 0` and at least one token. All requests are checked (these
     /// rules, their fields and every block hash) before any is admitted, so a `ValueError` or
     /// `TypeError` leaves the manager and pool unchanged.
     #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
@@ -397,6 +397,8 @@ impl PyManager {
                 if !seen.insert(id) {
                     return Err(value_err("requests", format!("request {:?} is listed twice", request_id_str(&v.id)?)));
                 }
+                // a finished request gets no blocks (kvblock's own API)
+                me.check_new_request(&r, &v)?;
                 let reads = me.reads_cache(&r)?;
                 let hashes = if me.inner.enable_caching { me.hashes(&r)? } else { PyHashes::empty(py) };
                 hashes.check(0, v.num_tokens / me.inner.coord.hash_block_size)?;
