@@ -41,6 +41,64 @@ def undocumented(module_name: str) -> list[str]:
     return missing
 
 
+#: Public methods still without a docstring, in files other sessions own (remove an entry when
+#: its docstring lands): the Router's (kvblock/cluster/router.py) and the vLLM drop-in's
+#: (kvblock/vllm/), whose methods are vLLM's own API.
+PENDING_METHODS = {
+    "kvblock.cluster.router.Router.add_instance",
+    "kvblock.cluster.router.Router.load",
+    "kvblock.vllm.config.Path.on_kvblock",
+    "kvblock.vllm.manager.KVCacheManager.create_kv_cache_blocks",
+    "kvblock.vllm.manager.KVCacheManager.evict_blocks",
+    "kvblock.vllm.manager.KVCacheManager.get_block_ids",
+    "kvblock.vllm.manager.KVCacheManager.get_block_ids_for_computed_tokens",
+    "kvblock.vllm.manager.KVCacheManager.make_prefix_cache_stats",
+    "kvblock.vllm.manager.KVCacheManager.pop_blocks_for_free",
+    "kvblock.vllm.manager.KVCacheManager.record_prefix_cache_stats",
+    "kvblock.vllm.manager.KVCacheManager.reset_prefix_cache",
+    "kvblock.vllm.manager.KVCacheManager.truncate_computed_blocks",
+    "kvblock.vllm.manager.KVCacheManager.usage",
+    "kvblock.vllm.metrics.KVCacheMetricsCollector.block_metrics",
+    "kvblock.vllm.metrics.KVCacheMetricsCollector.sample_rate",
+}
+
+
+def _is_method(attr) -> bool:
+    """A method or a computed attribute (``property``, a Rust getter), not a plain field (a
+    ``__slots__`` member, a dataclass field, a constant)."""
+    if isinstance(attr, (staticmethod, classmethod, property)):
+        return True
+    if inspect.ismemberdescriptor(attr):
+        return False
+    return inspect.isroutine(attr) or inspect.isgetsetdescriptor(attr) or inspect.ismethoddescriptor(attr)
+
+
+def undocumented_methods(module_name: str) -> list[str]:
+    """The public methods and properties without a docstring of the public classes of
+    ``module_name``, each named by the kvblock class that defines it (the Rust base classes of
+    ``kvblock._core`` included: ``help(index.match)`` shows the Rust method's docstring)."""
+    module = importlib.import_module(module_name)
+    missing = set()
+    for name in getattr(module, "__all__", []):
+        cls = getattr(module, name)
+        if not inspect.isclass(cls) or not cls.__module__.startswith("kvblock"):
+            continue
+        seen: set[str] = set()
+        for klass in inspect.getmro(cls):
+            if not (klass.__module__ or "").startswith("kvblock"):
+                continue
+            for attr_name, attr in vars(klass).items():
+                if attr_name.startswith("_") or attr_name in seen:
+                    continue
+                seen.add(attr_name)
+                if not _is_method(attr):
+                    continue
+                doc = (attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr).__doc__
+                if not (doc or "").strip():
+                    missing.add(f"{klass.__module__}.{klass.__qualname__}.{attr_name}")
+    return sorted(missing - PENDING_METHODS)
+
+
 def test_the_api_page_documents_the_public_modules():
     mods = documented_modules()
     for name in ("kvblock", "kvblock.hashing", "kvblock.manager", "kvblock.block_pool", "kvblock.vllm",
@@ -53,6 +111,27 @@ def test_every_public_class_and_function_has_a_docstring(module_name):
     if module_name in NEEDS:
         pytest.importorskip(NEEDS[module_name])
     assert undocumented(module_name) == [], "no docstring (the API reference would leave them out)"
+
+
+@pytest.mark.parametrize("module_name", documented_modules())
+def test_every_public_method_has_a_docstring(module_name):
+    """``help(obj.method)`` is not empty (new-user finding L2: ``PrefixIndex.match`` and
+    others were described only in their class's docstring)."""
+    if module_name in NEEDS:
+        pytest.importorskip(NEEDS[module_name])
+    assert undocumented_methods(module_name) == [], "public methods without a docstring"
+
+
+def test_the_method_check_sees_rust_methods_and_properties():
+    """The check reads the Rust base classes' methods and getters, and Python properties."""
+    from kvblock import _core
+    from kvblock.cluster import PrefixIndex
+
+    assert _is_method(vars(_core.PrefixIndexCore)["match"]) and _is_method(vars(_core.PrefixIndexCore)["block_size"])
+    assert "match" in {n for k in inspect.getmro(PrefixIndex) for n in vars(k)}
+    from kvblock.block_pool import KVCacheBlock
+
+    assert _is_method(vars(KVCacheBlock)["ref_cnt"]) and not _is_method(vars(KVCacheBlock)["block_id"])
 
 
 def test_the_docs_requirements_equal_the_docs_extra():

@@ -197,3 +197,53 @@ def test_missing_extra_is_typed(monkeypatch):
     # a bare error whose text happens to say "pip install" still gets the hint: the type decides
     odd = ModuleNotFoundError("No module named 'zmq' (pip install failed)", name="zmq")
     assert missing_message(odd).endswith("pip install pyzmq (kvblock's 'cluster' extra)")
+
+
+def _exported_exception_classes():
+    """Every exception class kvblock exports: the ``__all__`` of the package and of the modules
+    that define its errors (``kvblock.vllm``'s need vLLM and are left out)."""
+    import importlib
+    import inspect
+
+    found = {}
+    for mod in ("kvblock", "kvblock.errors", "kvblock.replay", "kvblock.replay.errors", "kvblock.cluster",
+                "kvblock.cluster.errors"):
+        m = importlib.import_module(mod)
+        for name in getattr(m, "__all__", []):
+            obj = getattr(m, name)
+            if inspect.isclass(obj) and issubclass(obj, BaseException):
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+#: One instance of each, built as kvblock raises it (classes whose constructor takes more than
+#: a message).
+_EXAMPLES = {
+    "TraceFormatError": lambda cls: cls("trace.jsonl", 7, "not JSON"),
+    "UnservableRequestsError": lambda cls: cls("2 requests need more blocks than the cache holds", 2),
+    "SettingError": lambda cls: cls("num_blocks", "{name} must be >= 2, got 1"),
+    "MissingExtraError": lambda cls: cls("No module named 'zmq': pip install pyzmq", name="zmq"),
+}
+
+
+@pytest.mark.parametrize("qualname", sorted(_exported_exception_classes()))
+def test_every_exported_exception_pickles(qualname):
+    """An error raised in a worker process (multiprocessing, Ray, vLLM's engine core) crosses
+    the process boundary by pickle: each exported class is importable under its
+    ``__module__`` (``kvblock.StaleHitError``, not ``_core.StaleHitError``) and round-trips
+    with its type, message and attributes."""
+    import pickle
+
+    cls = _exported_exception_classes()[qualname]
+    make = _EXAMPLES.get(cls.__name__, lambda c: c("what went wrong"))
+    err = make(cls)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls
+    assert str(back) == str(err) and back.args == err.args
+    assert {k: v for k, v in vars(back).items()} == {k: v for k, v in vars(err).items()}
+    module = __import__(cls.__module__, fromlist=["_"])
+    assert getattr(module, cls.__qualname__) is cls
+
+
+def test_stale_hit_error_is_named_by_its_public_module():
+    assert StaleHitError.__module__ == "kvblock" and StaleHitError.__qualname__ == "StaleHitError"

@@ -332,6 +332,17 @@ class ManagerLockstep(RuleBasedStateMachine):
             reserved_blocks=data.draw(st.integers(0, 3)),
         )
         num_new = data.draw(st.one_of(st.integers(0, 6), st.sampled_from([40, 64, 100])))
+        pair = (fast_req, ref_req)
+        if fast_req.num_computed_tokens > 0 and pair not in self.waiting and pair not in self.running:
+            # freed while running: kvblock's own API refuses it (its KV is gone; vLLM and the
+            # reference would give it a new table), changing nothing; the reference is not
+            # called, so both stay alike
+            self._drain_events()
+            out = self._call_unchanged_on_error(
+                self.fast, lambda: self.fast.allocate_slots(fast_req, num_new, new_computed_blocks=fb, **kw)
+            )
+            assert isinstance(out, ValueError), out
+            return
         res, err = self._same(lambda: self.fast.allocate_slots(fast_req, num_new, new_computed_blocks=fb, **kw),
                               lambda: self.ref.allocate_slots(ref_req, num_new, new_computed_blocks=rb, **kw))
         if not err:

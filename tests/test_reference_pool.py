@@ -801,7 +801,9 @@ def test_sliding_window_adoption_after_a_failed_allocation(impl):
     its KVCacheManager). A sliding-window request keeps num_computed_tokens = 16 after it is
     freed; allocate_slots(r, 1) then raises (the window estimate and the allocation disagree,
     as in vLLM), and a later adoption of the 16-token hit still succeeds: the failed call
-    left the request holding no blocks."""
+    left the request holding no blocks. kvblock's own manager refuses both calls instead (a
+    freed request with computed tokens: its KV is gone, tests/test_manager_finished_requests.py),
+    changing nothing; kvblock.vllm keeps vLLM's behaviour."""
     mgr = impl.KVCacheManager(17, 1, enable_caching=True, sliding_window=3)
     r = Request("r0", [1, 2, 3, 4, 5, 6, 7, 8, 9] + [0] * 7, block_hasher=mgr.request_block_hasher)
     hit, n, _ = mgr.get_computed_blocks(r)
@@ -809,6 +811,15 @@ def test_sliding_window_adoption_after_a_failed_allocation(impl):
     r.num_computed_tokens = r.num_tokens
     r.append_output_token_ids(2)
     mgr.free(r)
+    if impl.name == "kvblock":
+        free = mgr.block_pool.get_num_free_blocks()
+        with pytest.raises(ValueError, match="holds no blocks in this manager but has 16 computed"):
+            mgr.allocate_slots(r, 1)
+        hit, n, _ = mgr.get_computed_blocks(r)
+        with pytest.raises(ValueError, match="holds no blocks in this manager but has 16 computed"):
+            mgr.allocate_slots(r, 0, n, hit)
+        assert mgr.get_block_ids("r0") == ([],) and mgr.block_pool.get_num_free_blocks() == free
+        return
     with pytest.raises(ValueError, match="Cannot get 17 free blocks"):
         mgr.allocate_slots(r, 1)
     hit, n, _ = mgr.get_computed_blocks(r)

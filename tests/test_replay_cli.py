@@ -157,8 +157,8 @@ def test_simconfig_refuses_more_blocks_than_int32_block_ids():
     from kvblock.cli import hashing_table
     from kvblock.replay import SimConfig
 
-    with pytest.raises(ReplayError, match="--num-blocks must be <= 2,147,483,647"):
-        SimConfig(num_blocks=2**31).validate()
+    with pytest.raises(ReplayError, match="^num_blocks must be <= 2,147,483,647"):
+        SimConfig(num_blocks=2**31)
     assert SimConfig(num_blocks=2**31 - 1).validate()
     with pytest.raises(ValueError, match="repeat: must be >= 1"):
         hashing_table(repeat=0)

@@ -285,18 +285,50 @@ def test_chat_workload_hits_its_answers():
 def test_invalid_settings_raise_replay_errors():
     trace = token_trace([(toks(1, 10), 1)])
     for bad, message in [
-        (dict(num_blocks=1), "--num-blocks must be >= 2"),
-        (dict(block_size=0), "--block-size must be > 0"),
-        (dict(max_running=0), "--max-running must be >= 1"),
-        (dict(token_budget=0), "--token-budget must be >= 1"),
-        (dict(step_ms=0.0), "--step-ms must be a finite number > 0"),
-        (dict(time_scale=-1.0), "--time-scale must be a finite number > 0"),
-        (dict(hash_algo="md5"), "unknown --hash-algo 'md5'"),
-        (dict(impl="vllm"), "unknown --impl 'vllm'; choose from kvblock, reference"),
+        (dict(num_blocks=1), "^num_blocks must be >= 2"),
+        (dict(block_size=0), "^block_size must be > 0"),
+        (dict(max_running=0), "^max_running must be >= 1"),
+        (dict(token_budget=0), "^token_budget must be >= 1"),
+        (dict(step_ms=0.0), "^step_ms must be a finite number > 0"),
+        (dict(time_scale=-1.0), "^time_scale must be a finite number > 0"),
+        (dict(hash_algo="md5"), "^unknown hash_algo 'md5'"),
+        (dict(impl="vllm"), "^unknown impl 'vllm'; choose from kvblock, reference"),
     ]:
+        # refused when the config is built (new-user finding L7: it used to be built, and
+        # replay() then raised errors worded for the command line)
         with pytest.raises(ReplayError, match=message):
             replay(trace, SimConfig(**bad))
     with pytest.raises(ReplayError, match="unknown --impl"):
         get_impl("fast")
     with pytest.raises(ReplayError, match="unknown workload 'nope'"):
         builtin_workload("nope")
+
+
+@pytest.mark.parametrize(
+    "bad, exc_field, message",
+    [
+        (dict(num_blocks=-1), "num_blocks", r"^num_blocks must be >= 2 \(block 0 is vLLM's null block\), got -1$"),
+        (dict(block_size=0), "block_size", r"^block_size must be > 0, got 0$"),
+        (dict(step_ms=-1.0), "step_ms", r"^step_ms must be a finite number > 0, got -1.0$"),
+        (dict(num_blocks="5"), "num_blocks", r"^num_blocks must be an int or None, got str$"),
+        (dict(block_size=True), "block_size", r"^block_size must be an int, got bool$"),
+        (dict(step_ms="20"), "step_ms", r"^step_ms must be a number, got str$"),
+        (dict(asap=1), "asap", r"^asap must be a bool, got int$"),
+        (dict(retention="lfu"), "retention", r"^unknown retention 'lfu'"),
+        (dict(ttl_s=0.0, retention="ttl"), "ttl_s", r"^ttl_s must be > 0, got 0.0$"),
+    ],
+)
+def test_simconfig_checks_its_fields_when_built(bad, exc_field, message):
+    """SimConfig refuses a bad field when it is built (``__post_init__``, also through
+    ``dataclasses.replace``) with a SettingError (a ReplayError and a ValueError) naming the
+    field; the ``kvblock`` command names the option instead."""
+    from dataclasses import replace
+
+    from kvblock.replay import SettingError
+
+    with pytest.raises(SettingError, match=message) as info:
+        SimConfig(**bad)
+    assert isinstance(info.value, ValueError) and info.value.field == exc_field
+    assert info.value.option_message.startswith(("--" + exc_field.replace("_", "-"), "unknown --"))
+    with pytest.raises(SettingError, match=message):
+        replace(SimConfig(), **bad)

@@ -48,10 +48,16 @@ class KVCacheBlock:
 
     @property
     def pool(self) -> "BlockPool":
+        """The :class:`BlockPool` this block belongs to."""
         return self._pool
 
     @property
     def ref_cnt(self) -> int:
+        """Requests (and pins) holding the block (``int`` >= 0; 0: free, or the null block).
+
+        Settable, as vLLM code sets it to retain both ends of a copy-on-write copy (``ValueError``
+        for a negative count).
+        """
         return self._pool.ref_cnt(self.block_id)
 
     @ref_cnt.setter
@@ -61,12 +67,18 @@ class KVCacheBlock:
 
     @property
     def block_hash(self) -> bytes | None:
+        """The block's cache key: ``BlockHashWithGroupId`` bytes (the block hash, 32 bytes for
+        sha256 or 16 for xxhash, then the 4-byte group id), or None when it is not cached.
+        """
         return self._pool.block_hash(self.block_id)
 
     _block_hash = block_hash
 
     @property
     def block_hash_num_tokens(self) -> int | None:
+        """Tokens of the request the key covers (``int``: a full block ends there; fewer for a
+        partial block's key), or None without a key.
+        """
         return self._pool.block_hash_num_tokens(self.block_id)
 
     _block_hash_num_tokens = block_hash_num_tokens
@@ -81,10 +93,14 @@ class KVCacheBlock:
 
     @property
     def is_null(self) -> bool:
+        """True for block 0, the null block (never allocated, cached or freed)."""
         return self.block_id == 0
 
     @property
     def prev_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        """The block before this one in the free queue (the queue's head end when it is first),
+        or None when the block is not in the free queue.
+        """
         prev, _, linked = self._pool.queue_neighbours(self.block_id)
         if not linked:
             return None
@@ -92,6 +108,9 @@ class KVCacheBlock:
 
     @property
     def next_free_block(self) -> "KVCacheBlock | _QueueEnd | None":
+        """The block after this one in the free queue (the queue's tail end when it is last), or
+        None when the block is not in the free queue.
+        """
         _, nxt, linked = self._pool.queue_neighbours(self.block_id)
         if not linked:
             return None
@@ -174,17 +193,23 @@ class FreeKVCacheBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks in the free queue (``int``; the null block is never in it)."""
         return self._pool.get_num_free_blocks()
 
     @property
     def fake_free_list_head(self) -> _QueueEnd:
+        """The queue's head sentinel (vLLM's ``fake_free_list_head``): its ``next_free_block`` is
+        the next block to allocate.
+        """
         return self._pool._queue_head
 
     @property
     def fake_free_list_tail(self) -> _QueueEnd:
+        """The queue's tail sentinel: its ``prev_free_block`` is the block freed last."""
         return self._pool._queue_tail
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks in queue order, head (next to allocate) first."""
         return [self._pool._view(b) for b in self._pool.free_queue_ids()]
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None = None) -> Iterator[KVCacheBlock]:
@@ -205,15 +230,27 @@ class FreeKVCacheBlockQueue:
         return [self._pool._view(b) for b in self._pool._queue_popleft_n(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
+        """Take ``block`` out of the free queue (no reference count changes), as vLLM's queue
+        does when a cached block gets a hit. Raises ``RuntimeError`` if it is not in the queue.
+        """
         self._pool._queue_remove(block.block_id)
 
     def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the queue's tail (evicted last); no reference count changes. Raises
+        ``RuntimeError`` for a block already in the queue or the null block.
+        """
         self._pool._queue_insert([block.block_id], False)
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the tail in order (the last evicted last); no reference count
+        changes. Raises ``RuntimeError`` for a block already in the queue or the null block.
+        """
         self._pool._queue_insert(_ids(blocks), False)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the head in order (``blocks[0]`` allocated first); errors as
+        :meth:`append_n`.
+        """
         self._pool._queue_insert(_ids(blocks), True)
 
 
@@ -305,9 +342,13 @@ class BlockHashToBlockMap:
         return None if b is None else self._pool._view(b)
 
     def contain(self, key: bytes, block_id: int) -> bool:
+        """True if block ``block_id`` is cached under ``key`` (``BlockHashWithGroupId`` bytes)."""
         return block_id in self._pool.lookup_key_all(key)
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        """Cache ``block`` under ``key`` (``BlockHashWithGroupId`` bytes), beside any block
+        already there (vLLM keeps duplicates).
+        """
         self._pool.map_insert(key, block.block_id)
 
     def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
@@ -315,6 +356,7 @@ class BlockHashToBlockMap:
         return self._pool._view(block_id) if self._pool.map_pop(key, block_id) else None
 
     def items(self) -> list[tuple[bytes, list[int]]]:
+        """``[(key, [block_id, ...])]``: every cache key and the blocks under it."""
         return list(self._pool.cached_items().items())
 
     def __contains__(self, key: bytes) -> bool:
@@ -449,18 +491,30 @@ class BlockPool(_core.BlockPoolCore):
 
     @property
     def null_block(self) -> KVCacheBlock:
+        """Block 0, the null block: the placeholder of a table entry with no KV (skipped
+        sliding-window blocks, Mamba's unused slots); never allocated, cached or freed.
+        """
         return self._view(0)
 
     @property
     def free_block_queue(self) -> FreeKVCacheBlockQueue:
+        """vLLM's ``FreeKVCacheBlockQueue`` face of the free queue (a new view per read; the
+        queue itself lives in Rust).
+        """
         return FreeKVCacheBlockQueue(self)
 
     @property
     def cached_block_hash_to_block(self) -> BlockHashToBlockMap:
+        """vLLM's ``BlockHashToBlockMap`` face of the cache map (key -> blocks; a new view per
+        read).
+        """
         return BlockHashToBlockMap(self)
 
     @property
     def cached_block_hashes_by_block(self) -> _SecondaryKeys:
+        """``{block_id: set of keys}`` for every cached block: the keys each block is cached under
+        (a mapping view read from Rust).
+        """
         return _SecondaryKeys(self)
 
     @property
@@ -471,6 +525,7 @@ class BlockPool(_core.BlockPoolCore):
 
     @property
     def num_gpu_blocks_total(self) -> int:
+        """``num_gpu_blocks``: every block of the pool, the null block included."""
         return self.num_gpu_blocks
 
     # -- vLLM's BlockPool API ----------------------------------------------------------------

@@ -550,9 +550,14 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                                 progress=None if progress is None else (lambda d, b=base: progress(b + d)),
                                 retention=pol, pin_tokens=args.pin_tokens, ttl_s=args.ttl_s)
     wall_s = time.perf_counter() - t0
+    plot_axis: dict[str, Any] = {}
+    if sizing is not None:
+        # the x axis in the budgets asked for (ticks at their blocks, labelled as given)
+        plot_axis = {"tick_labels": dict(zip(capacities, cap_labels)),
+                     "x_label": f"KV-cache memory budget ({args.model}, {args.block_size}-token blocks)"}
     if args.json:
         if args.plot:
-            plot_sweep(series, args.plot, args.title, curves)
+            plot_sweep(series, args.plot, args.title, curves, **plot_axis)
         doc: dict[str, Any] = {"block_size": args.block_size, "hash_algo": args.hash_algo, "impl": args.impl,
                                "method": "curve" if use_curve else "replay", "warmup": args.warmup,
                                "wall_s": wall_s, "plot": args.plot, "capacities": capacities,
@@ -604,7 +609,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     out.print(f"computed in {wall_s:.2f} s", style="dim")
     if args.plot:
         # after the tables: the results are shown even if the plot then fails
-        plot_sweep(series, args.plot, args.title, curves)
+        plot_sweep(series, args.plot, args.title, curves, **plot_axis)
         out.print(f"wrote {args.plot}")
     return 0
 
@@ -891,10 +896,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+#: Options whose values may look negative (``--capacities -1GiB``): argparse reads such a value
+#: as an unknown option ("expected at least one argument"); glued to the option
+#: (``--capacities=-1GiB``), it reaches the option's own check and message.
+_NEGATIVE_VALUE_OPTIONS = ("--capacities",)
+
+
+def _glue_negative_values(argv: list[str]) -> list[str]:
+    """``argv`` with each :data:`_NEGATIVE_VALUE_OPTIONS` option and the values after it that
+    argparse would take for options (``-1GiB``, ``-5``) given as one ``--option=a,b`` word;
+    a command line without such a value is returned as it is."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        values: list[str] = []
+        j = i + 1
+        if word in _NEGATIVE_VALUE_OPTIONS:
+            while j < len(argv) and (not argv[j].startswith("-") or argv[j][1:2].isdigit() or argv[j][1:2] == "."):
+                values.append(argv[j])
+                j += 1
+        if any(v.startswith("-") for v in values):
+            out.append(f"{word}={','.join(values)}")
+            i = j
+        else:
+            out.append(word)
+            i += 1
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     from .replay.errors import ReplayError
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _glue_negative_values(list(sys.argv[1:] if argv is None else argv))
     try:
         if argv[:1] == ["demo"]:
             from .worker.demo_args import build_parser as demo_parser
@@ -914,7 +948,11 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(argv)
         return int(args.func(args))
     except ReplayError as e:  # exit status 2: the command's input or settings, 3: the run's
-        if e.exit_code == 2:
+        from .replay.errors import SettingError
+
+        if isinstance(e, SettingError):  # a setting named as its option (--num-blocks)
+            print(_usage_message(e.option_message, _command_of(argv)), end="", file=sys.stderr)
+        elif e.exit_code == 2:
             print(_usage_message(str(e), _command_of(argv)), end="", file=sys.stderr)
         else:
             print(f"kvblock: error: {e}", file=sys.stderr)

@@ -156,9 +156,13 @@ class KVCacheBlocks(IdsBackedBlocks):
         return [b for b in self._ids[0] if self._pool.block_hash(b) is None]
 
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        """Per group, the ids of the blocks without a block hash (null blocks left out): the
+        blocks not cached yet.
+        """
         return [[b for b in g if b != 0 and self._pool.block_hash(b) is None] for g in self._ids]
 
     def new_empty(self) -> "KVCacheBlocks":
+        """A ``KVCacheBlocks`` with the same number of groups, each empty."""
         return KVCacheBlocks._from_ids(self._pool, tuple(() for _ in self._ids))
 
     def __len__(self) -> int:
@@ -180,6 +184,10 @@ def _check_flags(**flags: Any) -> None:
             raise TypeError(f"{name}: must be a bool, got {type(value).__name__} {value!r}")
 
 
+#: The most blocks a pool holds (block ids are int32).
+_MAX_BLOCKS = 2**31 - 1
+
+
 def _check_num_blocks(num_blocks: Any) -> None:
     """``num_blocks`` is an int > 0 (the error names it as the caller passed it, not the
     pool's ``num_gpu_blocks``)."""
@@ -187,6 +195,8 @@ def _check_num_blocks(num_blocks: Any) -> None:
         raise TypeError(f"num_blocks: must be an int, got {type(num_blocks).__name__}")
     if num_blocks <= 0:
         raise ValueError(f"num_blocks: must be > 0 (block 0 is the null block), got {num_blocks}")
+    if num_blocks > _MAX_BLOCKS:
+        raise ValueError(f"num_blocks: {num_blocks} exceeds the int32 block-id range (at most {_MAX_BLOCKS})")
 
 
 def _check_own_arguments(
@@ -389,6 +399,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         verify_hits: bool = False,
     ) -> "KVCacheManager":
         _check_num_blocks(num_blocks)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float, np.integer, np.floating)):
+            raise TypeError(f"watermark: a fraction of the blocks (a float in [0, 1]), got {type(watermark).__name__}")
         if not 0 <= watermark <= 1:  # NaN too
             raise ValueError(f"watermark: a fraction of the blocks, must be in [0, 1], got {watermark}")
         _check_flags(
@@ -560,6 +572,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return self.block_pool.get_usage()
 
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """True if ``request`` reads the prefix cache: caching is on and its
+        ``skip_reading_prefix_cache`` is false (vLLM's rule; stats count only such requests).
+        """
         return self.enable_caching and not request.skip_reading_prefix_cache
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:

@@ -10,6 +10,7 @@ only the blocks that the new tokens complete (spec §1.7).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -47,6 +48,9 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
+        """True for the ``FINISHED_*`` statuses (those after ``PREEMPTED``), as vLLM's
+        ``RequestStatus.is_finished``.
+        """
         return status > RequestStatus.PREEMPTED
 
 
@@ -61,10 +65,12 @@ class LoRARequest:
 
     @property
     def adapter_id(self) -> int:
+        """``lora_int_id`` (vLLM's ``LoRARequest.adapter_id``)."""
         return self.lora_int_id
 
     @property
     def name(self) -> str:
+        """``lora_name`` (vLLM's ``LoRARequest.name``)."""
         return self.lora_name
 
 
@@ -108,8 +114,9 @@ class SamplingParams:
 
 
 def validate_cache_salt(cache_salt: Any) -> None:
-    """Raise ``ValueError`` unless ``cache_salt`` is None or what vLLM's API accepts: a
-    non-empty ``str`` of at most 128 characters without ``@``, ``/``, ``\\`` or NUL.
+    """Raise unless ``cache_salt`` is None or what vLLM's API accepts: a non-empty ``str`` of
+    at most 128 characters without ``@``, ``/``, ``\\`` or NUL (``TypeError`` for another
+    type, ``ValueError`` otherwise).
 
     vLLM's engine core accepts anything and treats ``""`` as no salt, which silently isolates
     nothing (CASES.md C06); kvblock applies the API rule by default.
@@ -117,7 +124,7 @@ def validate_cache_salt(cache_salt: Any) -> None:
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt: must be a str, got {type(cache_salt).__name__}")
+        raise TypeError(f"cache_salt: must be a str or None, got {type(cache_salt).__name__}")
     if not cache_salt:
         raise ValueError("cache_salt: must not be empty (an empty salt would isolate nothing)")
     if len(cache_salt) > MAX_CACHE_SALT_LEN:
@@ -130,6 +137,49 @@ def validate_cache_salt(cache_salt: Any) -> None:
 
 
 _check_salt = validate_cache_salt
+
+
+def _check_max_tokens(max_tokens: Any, arg: str) -> None:
+    """``max_tokens``: None or an int >= 0 (vLLM's ``SamplingParams`` refuses < 1)."""
+    if max_tokens is None:
+        return
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+        raise TypeError(f"{arg}: must be an int or None, got {type(max_tokens).__name__}")
+    if max_tokens < 0:
+        raise ValueError(f"{arg}: must be >= 0, got {max_tokens}")
+
+
+def _check_scalars(lora_request: Any, priority: Any, arrival_time: Any, max_tokens: Any) -> None:
+    """The constructor's scalar arguments, each named in its error: a ``lora_request`` with
+    vLLM's ``lora_name`` (a :class:`LoRARequest`, or vLLM's), a ``priority`` that is a number
+    and not NaN (schedulers sort by it), an ``arrival_time`` that is None or a finite number
+    of seconds, a ``max_tokens`` that is None or an int >= 0."""
+    if lora_request is not None and not hasattr(lora_request, "lora_name"):
+        raise TypeError(
+            f"lora_request: expected a LoRARequest (with lora_name) or None, got {type(lora_request).__name__}"
+        )
+    if isinstance(priority, bool) or not isinstance(priority, (int, float, np.integer, np.floating)):
+        raise TypeError(f"priority: must be a number, got {type(priority).__name__}")
+    if priority != priority:  # NaN
+        raise ValueError("priority: must not be NaN (requests are ordered by it)")
+    if arrival_time is not None:
+        if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float, np.integer, np.floating)):
+            raise TypeError(f"arrival_time: must be a number of seconds or None, got {type(arrival_time).__name__}")
+        if not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time: must be finite, got {arrival_time}")
+    _check_max_tokens(max_tokens, "max_tokens")
+
+
+def _check_mm_within_prompt(mm_features: Sequence[Any] | None, num_prompt_tokens: int) -> None:
+    """Each multimodal placeholder lies within the prompt (vLLM's processor places them in
+    it; one past the end would give blocks extra keys for tokens that are not there)."""
+    for i, f in enumerate(mm_features or ()):
+        pos = f.mm_position
+        if pos.offset + pos.length > num_prompt_tokens:
+            raise ValueError(
+                f"mm_features[{i}]: the placeholder at offset {pos.offset}, length {pos.length} runs past the "
+                f"prompt's {num_prompt_tokens} tokens"
+            )
 
 
 def _mm_features(mm_features: Iterable[Any] | None) -> list[MultiModalFeatureSpec] | None:
@@ -298,6 +348,7 @@ class Request:
     ) -> None:
         if validate_cache_salt:
             _check_salt(cache_salt)
+        _check_scalars(lora_request, priority, arrival_time, max_tokens)
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
@@ -307,6 +358,11 @@ class Request:
         self.lora_request = lora_request
         self.cache_salt = cache_salt
         self.mm_features = _mm_features(mm_features)
+        if prompt_embeds is not None and getattr(prompt_embeds, "ndim", 2) != 2:
+            raise ValueError(
+                f"prompt_embeds: expected a [num_tokens, hidden] 2-D tensor or array, got "
+                f"{prompt_embeds.ndim}-D"
+            )
         self.prompt_embeds = prompt_embeds
         self._prompt_embeds_per_block_hashes: dict[tuple[int, int], bytes] = {}
         if prompt_token_ids is None:
@@ -330,6 +386,7 @@ class Request:
                 f"prompt_embeds: {len(prompt_embeds)} rows for {self.num_prompt_tokens} prompt token ids "
                 f"(they must have the same length)"
             )
+        _check_mm_within_prompt(self.mm_features, self.num_prompt_tokens)
         self._output_token_ids: list[int] = []
         self.prompt_is_token_ids = _is_token_ids(prompt_is_token_ids, self.num_prompt_tokens)
         if self.prompt_is_token_ids is None:
@@ -341,6 +398,7 @@ class Request:
             ]
         if max_tokens is None:
             max_tokens = getattr(sampling_params, "max_tokens", None)
+            _check_max_tokens(max_tokens, "sampling_params.max_tokens")
         self.max_tokens = max_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -380,6 +438,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens appended so far (``int``; ``num_tokens - num_prompt_tokens``)."""
         return len(self._output_token_ids)
 
     @property
@@ -394,6 +453,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        """True once ``status`` is a ``FINISHED_*`` status (a property here; vLLM's ``Request``
+        has a method). A finished request gets no blocks from kvblock's own
+        :class:`~kvblock.KVCacheManager` (``ValueError``).
+        """
         return RequestStatus.is_finished(self.status)
 
     # -- updates -----------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class KVCacheSpec:
 
     @property
     def sliding_window(self) -> int | None:  # overridden by sliding-window specs
+        """The attention window in tokens (``int``) for sliding-window specs, else None."""
         return None
 
     def _core(self) -> dict[str, Any]:
@@ -173,6 +174,7 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def dcp_sharded(self) -> bool:
+        """False: a Mamba state is not spread over decode-context-parallel ranks."""
         return False
 
     def _core(self) -> dict[str, Any]:
@@ -204,6 +206,7 @@ class CircularBufferSpec(KVCacheSpec):
 
     @property
     def prefix_cacheable(self) -> bool:
+        """False: a ring block is never prefix-cached."""
         return False
 
 

@@ -47,12 +47,17 @@ class DictIndex:
 
     # -- instances ----------------------------------------------------------------------------
     def add_instance(self, name: str) -> None:
+        """Register instance ``name`` (a no-op if it is registered)."""
         self._instances.setdefault(name, None)
 
     def instances(self) -> list[str]:
+        """The registered instance names, in registration order."""
         return list(self._instances)
 
     def clear_instance(self, name: str) -> int:
+        """Drop every block ``name`` holds, keeping it registered; returns the (block, instance)
+        pairs removed. Raises ``KeyError`` for an unknown instance.
+        """
         if name not in self._instances:
             raise KeyError(f"unknown instance {name!r}")
         removed = 0
@@ -71,6 +76,9 @@ class DictIndex:
         return removed
 
     def remove_instance(self, name: str) -> int:
+        """Forget instance ``name`` and its blocks; returns the (block, instance) pairs removed.
+        Raises ``KeyError`` for an unknown instance.
+        """
         removed = self.clear_instance(name)
         del self._instances[name]
         return removed
@@ -95,6 +103,10 @@ class DictIndex:
         return self.apply_events(name, events)
 
     def apply_events(self, name: str, events: Sequence[KVCacheEvent], now_ms: int = 0) -> tuple[int, int, int, int]:
+        """Apply ``kvblock.events`` / vLLM event structs from instance ``name`` (registered if
+        new); ``(stored, removed, cleared, skipped)`` as :meth:`apply`. ``now_ms`` is accepted
+        for ``PrefixIndex``'s signature and not used (no expiry here).
+        """
         self.add_instance(name)
         stored = removed = cleared = skipped = 0
         for ev in events:
@@ -159,10 +171,17 @@ class DictIndex:
         return removed
 
     def store(self, name: str, block_hashes: Sequence[Any], parent_block_hash: Any = None, medium: str | None = "GPU") -> int:
+        """Instance ``name`` (registered if new) holds ``block_hashes`` (a chain) on ``medium``,
+        the first under ``parent_block_hash``; returns the pairs added (net). Hashes: ``int``
+        in [0, 2**64) or digest ``bytes`` (``TypeError`` / ``ValueError`` otherwise).
+        """
         self.add_instance(name)
         return self._store(name, block_hashes, parent_block_hash, medium)[0]
 
     def remove(self, name: str, block_hashes: Sequence[Any], medium: str | None = "GPU") -> int:
+        """Instance ``name`` no longer holds ``block_hashes`` on ``medium``; returns the pairs
+        removed. Hash errors as :meth:`store`.
+        """
         self.add_instance(name)
         return self._remove(name, block_hashes, medium)
 
@@ -213,7 +232,9 @@ class DictIndex:
         return out
 
     def num_pairs(self) -> int:
+        """The (block, holder) pairs held (a block held on two media counts twice)."""
         return sum(len(s) for table in self.blocks.values() for node in table.values() for s in node.values())
 
     def num_nodes(self) -> int:
+        """The distinct (medium, block, parent) nodes held."""
         return sum(len(node) for table in self.blocks.values() for node in table.values())

@@ -272,6 +272,9 @@ class RedisPrefixIndex:
 
     @property
     def registry_key(self) -> str:
+        """The Redis key of the instance registry (``kvb:{namespace}:instances``, a hash tag so
+        a cluster keeps the namespace's keys in one slot).
+        """
         return f"kvb:{{{self.namespace}}}:instances"
 
     # -- script calls -------------------------------------------------------------------------
@@ -347,6 +350,9 @@ class RedisPrefixIndex:
 
     # -- writer -------------------------------------------------------------------------------
     def add_instance(self, instance: str) -> None:
+        """Register ``instance`` in Redis and in the local mirror. Raises
+        :class:`~kvblock.cluster.IndexUnavailable` when Redis cannot be reached.
+        """
         self._tag(instance)
         self.mirror.add_instance(instance)
 
@@ -596,5 +602,6 @@ class RedisPrefixIndex:
         return self.mirror.num_pairs()
 
     def close(self) -> None:
+        """Close the Redis client this index opened (a no-op if none is open)."""
         if self._client is not None:
             self._client.close()

@@ -52,6 +52,7 @@ class SpeculationStats:
     live: int = 0
 
     def to_dict(self) -> dict[str, int]:
+        """The counters as a JSON-serialisable ``dict[str, int]``."""
         return asdict(self)
 
 
@@ -99,6 +100,9 @@ class SpeculativeIndex:
 
     @property
     def wants_instances(self) -> bool:
+        """Whether the wrapped index wants the instance list passed to its lookups (as the
+        Redis index does).
+        """
         return bool(getattr(self.index, "wants_instances", False))
 
     # -- events (the engines' word decides every entry) ---------------------------------------
@@ -128,14 +132,21 @@ class SpeculativeIndex:
         return st
 
     def clear_instance(self, instance: str) -> int:
+        """Drop the instance's speculative entries and clear it in the index; returns the pairs
+        the index removed (``KeyError`` for an unknown instance, as the index raises).
+        """
         self._drop_all(instance)
         return int(self.index.clear_instance(instance))
 
     def remove_instance(self, instance: str) -> int:
+        """Drop the instance's speculative entries and remove it from the index; returns the
+        pairs the index removed (``KeyError`` for an unknown instance).
+        """
         self._drop_all(instance)
         return int(self.index.remove_instance(instance))
 
     def add_instance(self, instance: str) -> Any:
+        """Register ``instance`` in the wrapped index (its answer is returned)."""
         return self.index.add_instance(instance)
 
     def _drop_all(self, instance: str) -> None:

@@ -12,7 +12,7 @@
 
 from .backends import IMPLS, get_impl
 from .config import SimConfig
-from .errors import ReplayError, TraceFormatError, UnservableRequestsError
+from .errors import ReplayError, SettingError, TraceFormatError, UnservableRequestsError
 from .loader import load_trace
 from .result import ReplayResult, Unservable
 from .simulator import Replayer, replay
@@ -22,6 +22,7 @@ from .workloads import WORKLOADS, builtin_workload
 __all__ = [
     "IMPLS",
     "ReplayError",
+    "SettingError",
     "ReplayResult",
     "Replayer",
     "SchedulerDefaults",

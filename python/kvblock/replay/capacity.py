@@ -192,7 +192,7 @@ def capacity_sweep(
                                     int(curve.max_blocks_needed), [tuple(r) for r in curve.inexact_ranges()]))
         for p in policies:
             name = trace.name if p == "lru" else f"{trace.name} ({p})"
-            series = SweepSeries(name, trace.source, block_size)
+            series = SweepSeries(name, trace.source, block_size, policy=p)
             if p == "lru":
                 todo = sorted({n for n in resolved if not curve.exact_at(n)} - replayed.keys())
                 replayed.update(zip(todo, reqs.simulate(todo, "lru", w, nthreads)) if todo else ())

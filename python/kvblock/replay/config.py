@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ..hashing import ALGORITHMS
 from .backends import IMPLS
-from .errors import ReplayError
+from .errors import ReplayError, SettingError
 from .trace import SchedulerDefaults, Trace
 
 __all__ = ["DEFAULTS", "SimConfig"]
@@ -57,6 +60,15 @@ def check_engine_memory(instances: int, num_blocks: int | None) -> None:
             f"pools (about {ENGINE_BYTES_PER_BLOCK} bytes a block), more than the {avail / gib:,.1f} GiB available: "
             f"use fewer --instances or fewer --num-blocks")
 
+def _int_field(name: str, value: Any, none_ok: bool = False) -> None:
+    """A ``SimConfig`` int field: an int (not a bool), or None where that means unlimited."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # numpy ints too
+        what = "an int or None" if none_ok else "an int"
+        raise SettingError(name, f"{{name}} must be {what}, got {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """How to replay a workload.
@@ -97,40 +109,67 @@ class SimConfig:
     ttl_s: float = 300.0
     pin_tokens: int | None = None
 
-    def validate(self) -> "SimConfig":
-        """Return self if every setting is valid.
+    def __post_init__(self) -> None:
+        self._check()
 
-        Raises:
-            ReplayError: a non-positive size, budget, step or scale, fewer than 2 blocks (the
-                null block plus one), an unknown hash algorithm or implementation.
-        """
+    def _check(self) -> None:
+        """Check every field (see :meth:`validate`)."""
+        _int_field("num_blocks", self.num_blocks, none_ok=True)
+        _int_field("block_size", self.block_size)
+        _int_field("max_running", self.max_running)
+        _int_field("token_budget", self.token_budget, none_ok=True)
+        _int_field("pin_tokens", self.pin_tokens, none_ok=True)
+        for name in ("step_ms", "time_scale", "ttl_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise SettingError(name, f"{{name}} must be a number, got {type(value).__name__}")
+        for name in ("ideal", "chunked_prefill", "asap", "fingerprint"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise SettingError(name, f"{{name}} must be a bool, got {type(getattr(self, name)).__name__}")
+        for name in ("hash_algo", "impl", "retention"):
+            if not isinstance(getattr(self, name), str):
+                raise SettingError(name, f"{{name}} must be a str, got {type(getattr(self, name)).__name__}")
         if self.block_size <= 0:
-            raise ReplayError(f"--block-size must be > 0, got {self.block_size}")
+            raise SettingError("block_size", f"{{name}} must be > 0, got {self.block_size}")
         if self.block_size > MAX_NUM_BLOCKS:
-            raise ReplayError(f"--block-size must be <= {MAX_NUM_BLOCKS:,} tokens, got {self.block_size:,}")
+            raise SettingError("block_size", f"{{name}} must be <= {MAX_NUM_BLOCKS:,} tokens, got {self.block_size:,}")
         if self.num_blocks is not None and self.num_blocks < 2:
-            raise ReplayError(
-                f"--num-blocks must be >= 2 (block 0 is vLLM's null block), got {self.num_blocks}"
+            raise SettingError(
+                "num_blocks", f"{{name}} must be >= 2 (block 0 is vLLM's null block), got {self.num_blocks}"
             )
         if self.num_blocks is not None and self.num_blocks > MAX_NUM_BLOCKS:
-            raise ReplayError(
-                f"--num-blocks must be <= {MAX_NUM_BLOCKS:,} (int32 block ids), got {self.num_blocks:,}"
+            raise SettingError(
+                "num_blocks", f"{{name}} must be <= {MAX_NUM_BLOCKS:,} (int32 block ids), got {self.num_blocks:,}"
             )
         if self.hash_algo not in ALGORITHMS:
-            raise ReplayError(f"unknown --hash-algo {self.hash_algo!r}; choose from {', '.join(ALGORITHMS)}")
+            raise SettingError("hash_algo", f"unknown {{name}} {self.hash_algo!r}; choose from {', '.join(ALGORITHMS)}")
         if self.impl not in IMPLS:
-            raise ReplayError(f"unknown --impl {self.impl!r}; choose from {', '.join(IMPLS)}")
+            raise SettingError("impl", f"unknown {{name}} {self.impl!r}; choose from {', '.join(IMPLS)}")
         if self.max_running < 1:
-            raise ReplayError(f"--max-running must be >= 1, got {self.max_running}")
+            raise SettingError("max_running", f"{{name}} must be >= 1, got {self.max_running}")
         if self.token_budget is not None and self.token_budget < 1:
-            raise ReplayError(f"--token-budget must be >= 1 (or 0 for unlimited), got {self.token_budget}")
+            raise SettingError(
+                "token_budget", f"{{name}} must be >= 1 (or 0 for unlimited), got {self.token_budget}"
+            )
         if not (self.step_ms > 0 and math.isfinite(self.step_ms)):
-            raise ReplayError(f"--step-ms must be a finite number > 0, got {self.step_ms}")
+            raise SettingError("step_ms", f"{{name}} must be a finite number > 0, got {self.step_ms}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
-            raise ReplayError(f"--time-scale must be a finite number > 0, got {self.time_scale}")
+            raise SettingError("time_scale", f"{{name}} must be a finite number > 0, got {self.time_scale}")
         from .retention import RetentionPolicy
 
         RetentionPolicy(self.retention, self.block_size, self.pin_tokens, self.ttl_s)  # checks them
+
+    def validate(self) -> "SimConfig":
+        """Return self: every field is checked when the config is built (also by
+        :func:`dataclasses.replace`), so a ``SimConfig`` that exists is valid.
+
+        Raises (when built):
+            SettingError: a field of the wrong type, a non-positive size, budget, step or
+                scale, fewer than 2 blocks (the null block plus one), an unknown hash
+                algorithm or implementation, an unknown retention policy, a non-positive
+                ``ttl_s`` or ``pin_tokens``; the message names the field.
+        """
+        self._check()
         return self
 
     def with_defaults(self, defaults: SchedulerDefaults, explicit: set[str]) -> "SimConfig":

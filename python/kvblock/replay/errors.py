@@ -8,7 +8,7 @@ traceback. Programming errors keep their own exception types.
 
 from __future__ import annotations
 
-__all__ = ["ReplayError", "TraceFormatError", "UnservableRequestsError"]
+__all__ = ["ReplayError", "SettingError", "TraceFormatError", "UnservableRequestsError"]
 
 
 class ReplayError(Exception):
@@ -19,6 +19,30 @@ class ReplayError(Exception):
     """
 
     exit_code = 2
+
+
+class SettingError(ReplayError, ValueError):
+    """A :class:`~kvblock.replay.SimConfig` field that is not valid, raised when the config
+    is built: ``str(e)`` names the field (``num_blocks: must be >= 2 ...``); the ``kvblock``
+    command prints :attr:`option_message`, which names its option (``--num-blocks must be
+    >= 2 ...``). A ``ValueError`` too, as a Python caller expects of a bad argument.
+
+    Attributes:
+        field: the field's name (``"num_blocks"``).
+        template: the message with ``{name}`` where the field or option is named.
+    """
+
+    def __init__(self, field: str, template: str) -> None:
+        self.field, self.template = field, template
+        super().__init__(template.format(name=field))
+
+    @property
+    def option_message(self) -> str:
+        """The message naming the command-line option (``--num-blocks``)."""
+        return self.template.format(name="--" + self.field.replace("_", "-"))
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.field, self.template))
 
 
 class TraceFormatError(ReplayError):
@@ -36,6 +60,10 @@ class TraceFormatError(ReplayError):
             f"{path}:{line}: {reason} (pass --skip-bad-lines to skip such lines)"
         )
 
+    def __reduce__(self) -> tuple[type, tuple[str, int, str]]:
+        # pickled by its constructor's arguments (``args`` holds the message only)
+        return (type(self), (self.path, self.line, self.reason))
+
 
 class UnservableRequestsError(ReplayError):
     """Requests that need more KV-cache blocks than the whole cache holds.
@@ -52,3 +80,6 @@ class UnservableRequestsError(ReplayError):
     def __init__(self, message: str, count: int) -> None:
         self.count = count
         super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return (type(self), (str(self), self.count))

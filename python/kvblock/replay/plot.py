@@ -8,7 +8,7 @@ hollow marker at an "∞" tick to the right and a dotted line at that trace's up
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from .._optional import install_hint
 from .errors import ReplayError
 from .sweep import SweepSeries
 
-__all__ = ["check_plot_target", "plot_sweep", "series_style"]
+__all__ = ["check_plot_target", "default_title", "plot_sweep", "series_style"]
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _LINESTYLES = ("-", "--", "-.", ":")
@@ -85,12 +85,28 @@ def check_plot_target(path: str) -> None:
         raise ReplayError(f"cannot write plot {path}: {e.strerror or e}") from None
 
 
+#: How the default title names each eviction policy.
+_POLICY_NAMES = {"lru": "LRU", "fifo": "FIFO", "optimal": "optimal"}
+
+
+def default_title(series: Sequence[SweepSeries]) -> str:
+    """``"Hit rate vs cache capacity (vLLM APC, LRU, optimal, FIFO)"``: the policies plotted,
+    in the series' order."""
+    policies = list(dict.fromkeys(_POLICY_NAMES.get(s.policy, s.policy) for s in series)) or ["LRU"]
+    return f"Hit rate vs cache capacity (vLLM APC, {', '.join(policies)})"
+
+
 def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = None,
-               curves: Sequence[Any] = ()) -> None:
+               curves: Sequence[Any] = (), *, tick_labels: Mapping[int | None, str] | None = None,
+               x_label: str | None = None) -> None:
     """Draw hit rate against capacity for every series and save it to ``path`` (PNG, SVG or
     PDF by extension). ``curves``: one-pass LRU curves
     (:class:`kvblock.replay.capacity.CapacityCurve`), drawn as thin lines over every capacity
-    where they are exact (above each trace's largest request).
+    where they are exact (above each trace's largest request). ``title``: default
+    :func:`default_title` (names the policies plotted). ``tick_labels``: a label per capacity
+    (blocks; None: unlimited), e.g. the memory budgets ``kvblock sweep --model`` was given
+    (``{512: "1GiB"}``), shown on the x axis instead of block counts, with ``x_label`` as the
+    axis title (default: the block counts' title).
 
     Raises:
         ReplayError: matplotlib is not installed, there is nothing to plot, or the file
@@ -136,6 +152,8 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
     def label(x: float, _pos: int) -> str:
         if has_inf and x == x_inf:
             return "∞"
+        if tick_labels and int(x) == x and int(x) in tick_labels:
+            return tick_labels[int(x)]
         return f"{x / 1e6:g}M" if x >= 1e6 else f"{x / 1e3:g}k" if x >= 1e3 else f"{x:g}"
 
     ax.set_xticks(ticks)
@@ -144,9 +162,9 @@ def plot_sweep(series: Sequence[SweepSeries], path: str, title: str | None = Non
     ax.set_xlim(lo / 1.5, (x_inf if has_inf else hi) * 1.5)
     ax.set_ylim(0, 100)
     block = series[0].block_size
-    ax.set_xlabel(f"cache capacity (blocks of {block} tokens)")
+    ax.set_xlabel(x_label or f"cache capacity (blocks of {block} tokens)")
     ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
-    ax.set_title(title or "Hit rate vs cache capacity (vLLM APC, LRU)")
+    ax.set_title(title or default_title(series))
     ax.grid(True, which="major", alpha=0.35)
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()

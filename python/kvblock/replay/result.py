@@ -34,6 +34,7 @@ class Unservable:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable ``dict``: ``request_id``, ``line``, ``blocks_needed``, ``reason``."""
         return {"request_id": self.request_id, "line": self.line, "blocks_needed": self.blocks_needed,
                 "reason": self.reason}
 
@@ -134,10 +135,12 @@ class ReplayResult:
 
     @property
     def peak_blocks_in_use(self) -> int:
+        """The most blocks in use at any step (``int``; 0 for an empty replay)."""
         return int(self.usage.max()) if self.usage.size else 0
 
     @property
     def mean_blocks_in_use(self) -> float:
+        """Blocks in use averaged over the steps (``float``; 0.0 for an empty replay)."""
         return float(self.usage.mean()) if self.usage.size else 0.0
 
     def usage_series(self, points: int = SERIES_POINTS) -> list[list[int]]:

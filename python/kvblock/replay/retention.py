@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import ReplayError
+from .errors import SettingError
 
 __all__ = ["POLICIES", "RetentionPolicy", "SimClock"]
 
@@ -55,16 +55,18 @@ class RetentionPolicy:
         ttl_s: the ``ttl`` policy's seconds.
 
     Raises:
-        ReplayError: an unknown policy, a non-positive ``ttl_s`` or ``pin_tokens``.
+        SettingError: an unknown policy, a non-positive ``ttl_s`` or ``pin_tokens`` (a
+            :class:`ReplayError` naming the field, or its option on the command line).
     """
 
     def __init__(self, name: str, block_size: int, pin_tokens: int | None = None, ttl_s: float = 300.0) -> None:
+        # SettingError: the field's name in Python, the option's on the command line
         if name not in POLICIES:
-            raise ReplayError(f"unknown --retention {name!r}; choose from {', '.join(POLICIES)}")
+            raise SettingError("retention", f"unknown {{name}} {name!r}; choose from {', '.join(POLICIES)}")
         if not ttl_s > 0:
-            raise ReplayError(f"--ttl-s must be > 0, got {ttl_s}")
+            raise SettingError("ttl_s", f"{{name}} must be > 0, got {ttl_s}")
         if pin_tokens is not None and pin_tokens < block_size:
-            raise ReplayError(f"--pin-tokens must be at least one block ({block_size}), got {pin_tokens}")
+            raise SettingError("pin_tokens", f"{{name}} must be at least one block ({block_size}), got {pin_tokens}")
         self.name = name
         self.block_size = block_size
         self.pin_blocks = (DEFAULT_PIN_TOKENS if pin_tokens is None else pin_tokens) // block_size

@@ -74,9 +74,13 @@ class SweepSeries:
     source: str
     block_size: int
     points: list[SweepPoint] = field(default_factory=list)
+    #: The eviction policy of the series (``"lru"``, ``"optimal"``, ``"fifo"``, ``"priority"``...).
+    policy: str = "lru"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "source": self.source, "block_size": self.block_size,
+        """A JSON-serialisable ``dict``: ``name``, ``policy``, ``source``, ``block_size`` and the
+        ``points`` (:meth:`SweepPoint.to_dict`, in capacity order)."""
+        return {"name": self.name, "policy": self.policy, "source": self.source, "block_size": self.block_size,
                 "points": [p.to_dict() for p in self.points]}
 
 
@@ -114,7 +118,7 @@ def sweep(
     base = 0
     for trace in traces:
         name = trace.name if retention == "lru" else f"{trace.name} ({retention})"
-        series = SweepSeries(name, trace.source, block_size)
+        series = SweepSeries(name, trace.source, block_size, policy=retention)
         for cap in capacities:
             cfg = SimConfig(num_blocks=cap, block_size=block_size, hash_algo=hash_algo, impl=impl, ideal=True,
                             retention=retention, pin_tokens=pin_tokens, ttl_s=ttl_s).validate()

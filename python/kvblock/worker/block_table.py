@@ -1113,22 +1113,29 @@ class MultiGroupBlockTable:
             bt.add_row(ids, row_idx)
 
     def clear_row(self, row_idx: int) -> None:
+        """:meth:`BlockTable.clear_row` on every group's table (``IndexError`` out of range)."""
         for bt in self.block_tables:
             bt.clear_row(row_idx)
 
     def move_row(self, src: int, tgt: int) -> None:
+        """:meth:`BlockTable.move_row` on every group's table (``IndexError`` out of range)."""
         for bt in self.block_tables:
             bt.move_row(src, tgt)
 
     def swap_row(self, src: int, tgt: int) -> None:
+        """:meth:`BlockTable.swap_row` on every group's table (``IndexError`` out of range)."""
         for bt in self.block_tables:
             bt.swap_row(src, tgt)
 
     def commit_block_table(self, num_reqs: int) -> None:
+        """:meth:`BlockTable.commit_block_table` on every group's table (``ValueError`` for
+        ``num_reqs`` outside ``[0, max_num_reqs]``).
+        """
         for bt in self.block_tables:
             bt.commit_block_table(num_reqs)
 
     def clear(self) -> None:
+        """:meth:`BlockTable.clear` on every group's table."""
         for bt in self.block_tables:
             bt.clear()
 

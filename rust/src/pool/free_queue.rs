@@ -45,7 +45,9 @@ impl FreeQueue {
         }
         let n = num_blocks as u32;
         let (head, tail) = (n, n + 1);
-        let mut links = Error::try_vec("the free queue", num_blocks + 2, Link::NONE)?;
+        // two links past the blocks (the head and tail sentinels): the error names the blocks
+        let mut links = Error::try_vec("the free queue", num_blocks + 2, Link::NONE)
+            .map_err(|_| Error::Memory(format!("cannot allocate the free queue for {num_blocks} blocks")))?;
         for b in 0..n {
             links[b as usize] =
                 Link { prev: if b == 0 { head } else { b - 1 }, next: if b + 1 == n { tail } else { b + 1 } };

@@ -99,6 +99,29 @@ named!(count -> usize:
     block_size_count = "block_size",
 );
 named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
+named!(uint64 -> u64: now_ms = "now_ms", ttl_ms = "ttl_ms");
+named!(opt_str -> Option<String>: medium = "medium");
+
+/// [`int64`] narrowed to `[0, 2**63)`: a negative value is a `ValueError` naming the argument
+/// (PyO3's own `u64` conversion says "can't convert negative int to unsigned").
+pub fn uint64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u64> {
+    let v = int64(obj, arg)?;
+    u64::try_from(v).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
+}
+
+/// A `str` or `None` argument; anything else is a `TypeError` naming it.
+pub fn opt_str(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<String>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    match obj.cast::<PyString>() {
+        Ok(s) => utf8(s, arg).map(|s| Some(s.to_owned())),
+        Err(_) => {
+            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+            Err(type_err(arg, format!("expected str or None, got {ty}")))
+        }
+    }
+}
 named!(opt_int64 -> Option<i64>: end = "end");
 
 /// A str argument as UTF-8: a lone surrogate (which UTF-8 cannot encode) is a `ValueError`

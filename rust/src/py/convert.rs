@@ -135,6 +135,16 @@ fn nouns(arg: &str) -> (&'static str, &'static str) {
     }
 }
 
+/// What a sequence argument `arg` holds, in messages: "int token ids", or "ints" (block ids,
+/// counts).
+fn sequence_noun(arg: &str) -> &'static str {
+    if arg.ends_with("token_ids") {
+        "int token ids"
+    } else {
+        "ints"
+    }
+}
+
 /// A buffer of small integers `T`, widened to `U`.
 fn widened<T: pyo3::buffer::Element + Copy, U: From<T>>(
     py: Python<'_>,
@@ -259,12 +269,12 @@ pub fn extract_token_range(obj: &Bound<'_, PyAny>, arg: &str, start: usize, end:
         });
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(type_err(arg, format!("expected a sequence of int {}, got {}", nouns(arg).0, type_name(obj))));
+        return Err(type_err(arg, format!("expected a sequence of {}, got {}", sequence_noun(arg), type_name(obj))));
     }
     let seq: Vec<Bound<'_, PyAny>> = match obj.try_iter() {
         Ok(it) => it.collect::<PyResult<_>>()?,
         Err(_) => {
-            return Err(type_err(arg, format!("expected a sequence of int {}, got {}", nouns(arg).0, type_name(obj))))
+            return Err(type_err(arg, format!("expected a sequence of {}, got {}", sequence_noun(arg), type_name(obj))))
         }
     };
     let end = check(seq.len())?;

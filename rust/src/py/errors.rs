@@ -6,8 +6,10 @@ use pyo3::exceptions::{
 };
 use pyo3::PyErr;
 
+// `kvblock`: the class's `__module__`, where it is exported (pickle finds it there, and
+// tracebacks print `kvblock.StaleHitError`)
 pyo3::create_exception!(
-    _core,
+    kvblock,
     StaleHitError,
     PyValueError,
     "Hit blocks passed to allocate_slots were evicted and handed out again after get_computed_blocks \

@@ -102,65 +102,106 @@ impl PyPrefixIndex {
         })
     }
 
+    /// Tokens per block of the events indexed (`int`), or None: any block size.
     #[getter]
     fn block_size(&self) -> Option<i64> {
         self.inner.block_size()
     }
 
+    /// The KV-cache group indexed (`int`; events without `group_idx` are group 0).
     #[getter]
     fn group_idx(&self) -> i64 {
         self.inner.group()
     }
 
+    /// `add_instance(name: str) -> int`: register instance `name` (an engine) and return its
+    /// id (the index into `match_dense`'s answer; the same id if already registered; ids of
+    /// removed instances are reused). Raises `ValueError` for a name UTF-8 cannot encode.
     fn add_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<u32> {
         let name = utf8(name, "name")?;
         self.inner.add_instance(name).py_err()
     }
 
+    /// `remove_instance(name: str) -> int`: forget instance `name` and every block it holds;
+    /// returns the (block, instance) pairs removed. Raises `KeyError` for an unknown
+    /// instance, changing nothing.
     fn remove_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<usize> {
         let name = utf8(name, "name")?;
         self.names.clear();
         self.inner.remove_instance(name).py_err()
     }
 
+    /// `clear_instance(name: str) -> int`: drop every block instance `name` holds (as an
+    /// `AllBlocksCleared` from it would), keeping it registered; returns the (block, instance)
+    /// pairs removed. Raises `KeyError` for an unknown instance, changing nothing.
     fn clear_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<usize> {
         let name = utf8(name, "name")?;
         self.inner.clear_instance(name).py_err()
     }
 
-    fn touch(&mut self, name: &Bound<'_, PyString>, now_ms: u64) -> PyResult<()> {
+    /// `touch(name: str, now_ms: int) -> None`: record that instance `name` was heard from
+    /// at `now_ms` (milliseconds on the caller's clock; the later of this and the last time
+    /// is kept), for :meth:`expire`. Raises `ValueError` naming `now_ms` for a negative time.
+    fn touch(
+        &mut self,
+        name: &Bound<'_, PyString>,
+        #[pyo3(from_py_with = super::args::now_ms)] now_ms: u64,
+    ) -> PyResult<()> {
         let name = utf8(name, "name")?;
         self.inner.touch(name, now_ms).py_err()
     }
 
-    fn expire(&mut self, now_ms: u64, ttl_ms: u64) -> Vec<String> {
+    /// `expire(now_ms: int, ttl_ms: int) -> list[str]`: remove the instances last heard from
+    /// (by `apply` or `touch`) before `now_ms - ttl_ms` (milliseconds), with their blocks;
+    /// returns their names. Raises `ValueError` naming `now_ms` / `ttl_ms` for a negative
+    /// value, changing nothing.
+    fn expire(
+        &mut self,
+        #[pyo3(from_py_with = super::args::now_ms)] now_ms: u64,
+        #[pyo3(from_py_with = super::args::ttl_ms)] ttl_ms: u64,
+    ) -> Vec<String> {
         self.names.clear();
         self.inner.expire(now_ms, ttl_ms)
     }
 
+    /// `instances() -> list[str]`: the registered instance names, by id.
     fn instances(&self) -> Vec<String> {
         self.inner.instances().into_iter().map(str::to_owned).collect()
     }
 
+    /// `instance_id(name: str) -> int | None`: the id of instance `name` (its position in
+    /// `match_dense`'s answer), None if it is not registered.
     fn instance_id(&self, name: &Bound<'_, PyString>) -> PyResult<Option<u32>> {
         Ok(self.inner.instance_id(utf8(name, "name")?))
     }
 
+    /// `instance_name(id: int) -> str | None`: the name of instance id `id`, None if no
+    /// instance has it.
     fn instance_name(&self, id: u32) -> Option<String> {
         self.inner.instance_name(id).map(str::to_owned)
     }
 
+    /// `instance_pairs(name: str) -> int`: the (block, instance) pairs instance `name` holds,
+    /// over all media. Raises `KeyError` for an unknown instance.
     fn instance_pairs(&self, name: &Bound<'_, PyString>) -> PyResult<usize> {
         let name = utf8(name, "name")?;
         self.inner.instance_pairs(name).py_err()
     }
 
+    /// `apply(name: str, payload: bytes, now_ms: int = 0) -> (stored, removed, cleared,
+    /// skipped)`: decode the msgpack bytes of one vLLM `KVEventBatch` (`bytes`, `bytearray`
+    /// or `memoryview`) published by instance `name` and apply its events; `name` is
+    /// registered if new and marked heard from at `now_ms` (milliseconds, for `expire`).
+    /// Returns the counts of blocks stored, blocks removed, clears and events skipped
+    /// (another group or block size). Atomic: a malformed payload raises `ValueError` and
+    /// changes nothing; a payload that is not bytes is a `TypeError`; a negative `now_ms` a
+    /// `ValueError` naming it.
     #[pyo3(signature = (name, payload, now_ms=0))]
     fn apply(
         &mut self,
         name: &Bound<'_, PyString>,
         payload: &Bound<'_, PyAny>,
-        now_ms: u64,
+        #[pyo3(from_py_with = super::args::now_ms)] now_ms: u64,
     ) -> PyResult<(usize, usize, usize, usize)> {
         let name = utf8(name, "name")?;
         let st = if let Ok(b) = payload.cast::<PyBytes>() {
@@ -177,12 +218,20 @@ impl PyPrefixIndex {
 
     #[pyo3(signature = (name, block_hashes, parent_block_hash=None, medium=Some("GPU".to_string())))]
     #[pyo3(text_signature = "($self, /, name, block_hashes, parent_block_hash=None, medium='GPU')")]
+    /// `store(name, block_hashes, parent_block_hash=None, medium='GPU') -> int`: instance
+    /// `name` now holds `block_hashes` (a chain, in order) on `medium`, the first chained
+    /// from `parent_block_hash` (None: a chain's first block), as one `BlockStored` event.
+    /// Hashes are vLLM's 64-bit event ints (`int` in [0, 2**64), a uint64 array) or digests
+    /// (`bytes`, reduced to their last 8 bytes, big-endian). Returns the blocks stored.
+    /// Raises `TypeError` / `ValueError` naming `block_hashes` / `parent_block_hash` for a
+    /// hash of another type or out of range, `TypeError` naming `medium` for a medium that is
+    /// not a str or None; nothing changes then.
     fn store(
         &mut self,
         name: &Bound<'_, PyString>,
         block_hashes: &Bound<'_, PyAny>,
         parent_block_hash: Option<&Bound<'_, PyAny>>,
-        medium: Option<String>,
+        #[pyo3(from_py_with = super::args::medium)] medium: Option<String>,
     ) -> PyResult<usize> {
         let name = utf8(name, "name")?;
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
@@ -192,11 +241,14 @@ impl PyPrefixIndex {
 
     #[pyo3(signature = (name, block_hashes, medium=Some("GPU".to_string())))]
     #[pyo3(text_signature = "($self, /, name, block_hashes, medium='GPU')")]
+    /// `remove(name, block_hashes, medium='GPU') -> int`: instance `name` no longer holds
+    /// `block_hashes` on `medium` (one `BlockRemoved` event); returns the (block, instance)
+    /// pairs removed. Hashes and errors as in `store`.
     fn remove(
         &mut self,
         name: &Bound<'_, PyString>,
         block_hashes: &Bound<'_, PyAny>,
-        medium: Option<String>,
+        #[pyo3(from_py_with = super::args::medium)] medium: Option<String>,
     ) -> PyResult<usize> {
         let name = utf8(name, "name")?;
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
@@ -204,11 +256,18 @@ impl PyPrefixIndex {
     }
 
     #[pyo3(name = "match", signature = (block_hashes, medium=None))]
+    /// `match(block_hashes, medium=None) -> dict[str, int]`: the longest cached prefix, in
+    /// blocks, of every instance with a hit (instances without one are left out), walking
+    /// the request's chain from its first block (instance `i` matches `k` blocks if it holds
+    /// each block `j < k` under block `j - 1`). `block_hashes`: a sequence of `int` / `bytes`
+    /// hashes or a uint64 array (as in `store`); `medium`: count only blocks on that medium
+    /// (None: any). Raises `TypeError` / `ValueError` naming `block_hashes` for a bad hash,
+    /// `TypeError` naming `medium` for one that is not a str or None.
     fn match_<'py>(
         &mut self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
-        medium: Option<String>,
+        #[pyo3(from_py_with = super::args::medium)] medium: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
         // the hits only, in id order (the dict's order, as before)
@@ -234,11 +293,17 @@ impl PyPrefixIndex {
     }
 
     #[pyo3(signature = (block_hashes, medium=None, out=None))]
+    /// `match_dense(block_hashes, medium=None, out=None) -> uint32 array [id_bound()]`:
+    /// `match`'s prefix lengths (blocks) by instance id (`instance_id(name)`), zeros
+    /// included; the fast form. `out`: a writable contiguous uint32 array of at least
+    /// `id_bound()` entries to fill (and return) instead of a new array (entries past
+    /// `id_bound()` are zeroed); `ValueError` naming `out` otherwise. Hash and medium errors
+    /// as in `match`.
     fn match_dense<'py>(
         &mut self,
         py: Python<'py>,
         block_hashes: &Bound<'py, PyAny>,
-        medium: Option<String>,
+        #[pyo3(from_py_with = super::args::medium)] medium: Option<String>,
         out: Option<Bound<'py, PyArray1<u32>>>,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         hashes_of(block_hashes, "block_hashes", &mut self.hashes)?;
@@ -311,29 +376,45 @@ impl PyPrefixIndex {
         Ok(PyBytes::new(py, &data))
     }
 
+    /// `id_bound() -> int`: one past the largest instance id in use (the length of
+    /// `match_dense`'s answer).
     fn id_bound(&self) -> usize {
         self.inner.id_bound()
     }
 
     #[pyo3(signature = (name, medium=Some("GPU".to_string())))]
     #[pyo3(text_signature = "($self, /, name, medium='GPU')")]
-    fn blocks_of(&self, name: &Bound<'_, PyString>, medium: Option<String>) -> PyResult<Vec<(u64, u32)>> {
+    /// `blocks_of(name, medium='GPU') -> list[(hash, parent_tag)]`: every block instance
+    /// `name` holds on `medium` (None: blocks published without a medium), as (64-bit event
+    /// int, 32-bit parent tag: see `parent_tag`). Raises `KeyError` for an unknown instance,
+    /// `TypeError` naming `medium` for one that is not a str or None.
+    fn blocks_of(
+        &self,
+        name: &Bound<'_, PyString>,
+        #[pyo3(from_py_with = super::args::medium)] medium: Option<String>,
+    ) -> PyResult<Vec<(u64, u32)>> {
         let name = utf8(name, "name")?;
         self.inner.blocks_of(name, medium.as_deref()).py_err()
     }
 
+    /// `media() -> list[str | None]`: the media seen so far (None: events without one).
     fn media(&self) -> Vec<Option<String>> {
         self.inner.media().to_vec()
     }
 
+    /// `num_pairs() -> int`: the (block, holder) pairs held (a block one instance holds on
+    /// two media counts twice).
     fn num_pairs(&self) -> usize {
         self.inner.num_pairs()
     }
 
+    /// `num_nodes() -> int`: the distinct (medium, block, parent) nodes held.
     fn num_nodes(&self) -> usize {
         self.inner.num_nodes()
     }
 
+    /// `memory_bytes() -> int`: heap bytes of the index (its tables, the holder sets, the
+    /// chain depths a capped index keeps and the instance registry).
     fn memory_bytes(&self) -> usize {
         self.inner.memory_bytes()
     }
@@ -370,8 +451,13 @@ impl PyPrefixIndex {
         (e.pairs, e.nodes, e.sweeps)
     }
 
-    /// Tier-weighted prefixes: `{name: (weighted_blocks, blocks)}` for every instance with
-    /// a hit on a positively weighted medium (see `PrefixIndex::match_weighted`).
+    /// `match_weighted(block_hashes, weights: dict[str | None, float]) -> dict[str, (float,
+    /// int)]`: tier-weighted prefixes, `{name: (credit, blocks)}` for every instance with a
+    /// hit on a positively weighted medium: the credit (in blocks) is its prefix on the best
+    /// tier at that tier's weight plus what the next tier extends it by at the next weight,
+    /// and so on; `blocks` the prefix over every medium of positive weight. Raises
+    /// `TypeError` naming `weights` for a key that is not a str / None or a weight that is not
+    /// a number, `ValueError` for a weight that is not finite and >= 0.
     fn match_weighted<'py>(
         &mut self,
         py: Python<'py>,
@@ -409,6 +495,8 @@ impl PyPrefixIndex {
         Ok(d)
     }
 
+    /// `totals() -> (stored, removed, cleared, skipped)`: `apply`'s counts summed over every
+    /// batch applied.
     fn totals(&self) -> (usize, usize, usize, usize) {
         let t = self.inner.totals();
         (t.stored, t.removed, t.cleared, t.skipped)

@@ -128,6 +128,9 @@ pub struct PoolState {
     /// Every `tagged` call keeps its tag even if it buffers no event (a HiSparse manager's
     /// pool: a publication may buffer its host events in a later call; see `kept_tags`).
     keep_every_tag: bool,
+    /// The KV-cache groups of the managers built on this pool (the most of any), None for a
+    /// pool no manager uses: the id API's `group_id` must be below it.
+    num_groups: Option<u32>,
 }
 
 impl PoolState {
@@ -186,6 +189,23 @@ impl PoolState {
     /// publications may buffer their events in a later call).
     pub fn keep_every_tag(&mut self) {
         self.keep_every_tag = true;
+    }
+
+    /// A manager of `n` KV-cache groups is built on this pool (see `num_groups`).
+    pub fn set_num_groups(&mut self, n: u32) {
+        self.num_groups = Some(self.num_groups.map_or(n, |m| m.max(n)));
+    }
+
+    /// The id API's `group_id` on a pool a manager uses: below its number of groups, else a
+    /// `ValueError` naming it (a standalone pool takes any group id: each is a namespace).
+    fn check_group(&self, group_id: u32) -> PyResult<()> {
+        match self.num_groups {
+            Some(n) if group_id >= n => Err(value_err(
+                "group_id",
+                format!("{group_id} is out of range: the pool's manager has {n} KV-cache group(s)"),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Set the tags kept past `take_raw_events` (the HiSparse publications still owed);
@@ -279,7 +299,14 @@ impl PyBlockPool {
         inner.set_num_hash_lookahead_tokens(num_hash_lookahead_tokens as usize);
         Ok(PyBlockPool {
             state: GilCell::new(
-                PoolState { inner, tags: HashMap::new(), next_tag: 0, kept_tags: Vec::new(), keep_every_tag: false },
+                PoolState {
+                    inner,
+                    tags: HashMap::new(),
+                    next_tag: 0,
+                    kept_tags: Vec::new(),
+                    keep_every_tag: false,
+                    num_groups: None,
+                },
                 "BlockPoolCore",
             ),
         })
@@ -291,16 +318,19 @@ impl PyBlockPool {
         self.state.with(py, |me| me.inner.num_blocks())
     }
 
+    /// True if freed full blocks stay cached (prefix caching on).
     #[getter]
     fn enable_caching(&self, py: Python<'_>) -> PyResult<bool> {
         self.state.with(py, |me| me.inner.enable_caching())
     }
 
+    /// Tokens per hashed block (the size block hashes and cache keys are made at).
     #[getter]
     fn hash_block_size(&self, py: Python<'_>) -> PyResult<usize> {
         self.state.with(py, |me| me.inner.hash_block_size())
     }
 
+    /// True if the pool records KV cache events (`take_events`).
     #[getter]
     fn enable_kv_cache_events(&self, py: Python<'_>) -> PyResult<bool> {
         self.state.with(py, |me| me.inner.events_enabled())
@@ -476,7 +506,8 @@ impl PyBlockPool {
     /// list of bytes (at least `num_full_blocks` of them; the hash before the first cached one
     /// is the events' parent); `block_size`: tokens per block for events (default: the pool's
     /// `hash_block_size`). Raises ValueError / TypeError, changing nothing, for bad ids, the
-    /// null block, hashes of the wrong type or length, too few hashes or negative counts.
+    /// null block, a block that already holds a key (cached before), hashes of the wrong type
+    /// or length, too few hashes or negative counts.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
     #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the GIL token
     fn cache_ids(
@@ -493,6 +524,7 @@ impl PyBlockPool {
         if block_size == Some(0) {
             return Err(value_err("block_size", "must be > 0"));
         }
+        me.check_group(group_id)?;
         let (first, end) = (num_cached_blocks, num_full_blocks);
         if first >= end {
             return Ok(());
@@ -513,7 +545,12 @@ impl PyBlockPool {
             .collect::<crate::error::Result<Vec<_>>>()
             .py_err()?;
         let bs = block_size.unwrap_or(me.inner.hash_block_size());
-        me.inner.cache_full_blocks(&ids, first, end, &hs, bs, group_id, None, 0).py_err()
+        match me.inner.cache_full_blocks(&ids, first, end, &hs, bs, group_id, None, 0) {
+            // a block already keyed (vLLM asserts; on the id API it is bad input): checked
+            // before anything changed
+            Err(crate::error::Error::Assertion(m)) => Err(value_err("block_ids", m)),
+            r => r.py_err(),
+        }
     }
 
     /// The longest cached prefix of `block_hashes` in group `group_id`: the hit block ids,
@@ -521,7 +558,7 @@ impl PyBlockPool {
     /// `find_longest_cache_hit` for one full-attention group. No reference counts change.
     /// `block_hashes`: a list of bytes. Raises TypeError for a non-list or a non-bytes hash,
     /// ValueError for an empty hash or one over 32 bytes, or a negative `max_blocks` /
-    /// `group_id`.
+    /// `group_id`, or (on the pool of a manager) a `group_id` past the manager's groups.
     #[pyo3(signature = (block_hashes, group_id=0, max_blocks=None))]
     fn lookup_prefix<'py>(
         &self,
@@ -531,6 +568,7 @@ impl PyBlockPool {
         #[pyo3(from_py_with = super::args::max_blocks)] max_blocks: Option<usize>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let me = self.state.borrow(py)?;
+        me.check_group(group_id)?;
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let n = max_blocks.unwrap_or(usize::MAX).min(seq.len());
         let mut out = Vec::new();
@@ -554,6 +592,7 @@ impl PyBlockPool {
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let me = self.state.borrow(py)?;
+        me.check_group(group_id)?;
         let seq = block_hashes.cast::<PyList>().map_err(|_| type_err("block_hashes", "expected a list of bytes"))?;
         let mut out = Vec::with_capacity(seq.len());
         for i in 0..seq.len() {

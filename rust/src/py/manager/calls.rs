@@ -262,7 +262,10 @@ impl PyManager {
     /// blocks of another shape than the manager's groups or not in the pool, and (vLLM's
     /// error, without vLLM's leak) when external tokens need more blocks than are free;
     /// `TypeError` / `ValueError` for a malformed `request.block_hashes` entry the call would
-    /// read; `AssertionError` where vLLM asserts (hit blocks for a running request).
+    /// read; `AssertionError` where vLLM asserts (hit blocks for a running request). On
+    /// kvblock's own API (not vLLM's, which allocates it a new table), `ValueError` for a
+    /// request this manager holds no table for that has computed tokens (freed) or is
+    /// finished: its KV is gone.
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false, reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
     #[pyo3(
         text_signature = "($self, /, request, num_new_tokens, num_new_computed_tokens=0, new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=())"
@@ -337,8 +340,8 @@ impl PyManager {
     /// of all admitted requests concatenated (request by request, group by group).
     /// Prefix-cache stats are the caller's to record (`record_prefix_cache_stats`).
     ///
-    /// Every request must be waiting: unknown to this manager, listed once, with
-    /// `num_computed_tokens == 0` and at least one token. All requests are checked (these
+    /// Every request must be waiting: unknown to this manager, listed once, not finished,
+    /// with `num_computed_tokens == 0` and at least one token. All requests are checked (these
     /// rules, their fields and every block hash) before any is admitted, so a `ValueError` or
     /// `TypeError` leaves the manager and pool unchanged.
     #[pyo3(signature = (requests, num_lookahead_tokens=0, has_scheduled_reqs=true))]
@@ -394,6 +397,8 @@ impl PyManager {
                 if !seen.insert(id) {
                     return Err(value_err("requests", format!("request {:?} is listed twice", request_id_str(&v.id)?)));
                 }
+                // a finished request gets no blocks (kvblock's own API)
+                me.check_new_request(&r, &v)?;
                 let reads = me.reads_cache(&r)?;
                 let hashes = if me.inner.enable_caching { me.hashes(&r)? } else { PyHashes::empty(py) };
                 hashes.check(0, v.num_tokens / me.inner.coord.hash_block_size)?;
@@ -475,7 +480,9 @@ impl PyManager {
     /// (`[len(requests), groups]` for several groups; -1 where the pool could not supply the
     /// blocks, as `allocate_slots` returning None) and the new block ids of all requests
     /// concatenated, int32. Every request and argument is checked (fields, counts, listed
-    /// once, the hashes it would cache) before any change.
+    /// once, the hashes it would cache; on kvblock's own API, that a request this manager
+    /// holds no table for has no computed tokens and is not finished) before any change: a
+    /// `ValueError` / `TypeError` leaves the whole batch undone.
     #[pyo3(signature = (requests, num_new_tokens=None, num_lookahead_tokens=0))]
     fn allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
@@ -543,6 +550,9 @@ impl PyManager {
                             v.num_tokens, me.inner.max_model_len
                         ),
                     ));
+                }
+                if me.inner.coord.slot(id).is_none() {
+                    me.check_new_request(&r, &v)?;
                 }
                 let hashes = if me.inner.enable_caching { me.hashes(&r)? } else { PyHashes::empty(py) };
                 let (lo, hi) = me.inner.cache_read_range(&v.as_view(0)?, Some(&args_of(i)), hashes.0.len());

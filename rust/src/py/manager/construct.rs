@@ -264,6 +264,8 @@ impl PyManager {
             let mut p = block_pool.get().state.borrow_mut(py)?;
             p.inner.enable_retention(default_prio, decay_granularity_s).py_err()?;
         }
+        // the id API (`lookup_prefix`, `cache_ids`) refuses a group id past this manager's
+        block_pool.get().state.borrow_mut(py)?.set_num_groups(inner.coord.num_groups() as u32);
         let state = ManagerState {
             pool: block_pool.unbind(),
             inner,

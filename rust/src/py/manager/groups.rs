@@ -542,7 +542,11 @@ impl PyManager {
         Ok(me.inner.finalize_partial_tail_offloads(&id, v.num_computed, v.num_in_flight_tokens))
     }
 
-    /// `new_step_starts`.
+    /// `new_step_starts() -> None`: tell the manager a scheduler step begins (vLLM's
+    /// `KVCacheManager.new_step_starts`, called once per step before its allocations): every
+    /// group resets its per-step state (what it cached this step), and the live requests'
+    /// per-request state is read ahead so the step's no-op calls find it in cache. Changes no
+    /// block, table or reference count; raises nothing.
     fn new_step_starts(&self, py: Python<'_>) -> PyResult<()> {
         let mut guard = self.state.borrow_mut(py)?;
         let me = &mut *guard;

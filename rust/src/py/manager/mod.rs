@@ -342,6 +342,8 @@ impl PyManager {
         self.state.with(py, |me| me.inner.coord.managers.first().map_or(0, |m| m.cfg.block_size))
     }
 
+    /// The longest sequence a request may reach, in tokens (`max_model_len`;
+    /// `kvblock.KVCacheManager` without one: 2**40): slots past it are not allocated.
     #[getter]
     fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
         self.state.with(py, |me| me.inner.max_model_len)
@@ -354,6 +356,8 @@ impl PyManager {
         Ok(self.state.borrow(py)?.pool.clone_ref(py))
     }
 
+    /// Blocks kept free when admitting waiting or preempted requests (`int(watermark *
+    /// num_blocks)`).
     #[getter]
     fn watermark_blocks(&self, py: Python<'_>) -> PyResult<usize> {
         self.state.with(py, |me| me.inner.watermark_blocks)

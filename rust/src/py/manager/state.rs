@@ -33,6 +33,49 @@ impl ManagerState {
         self.content(request, 0, hashes.0.len().min(max_len / h))
     }
 
+    /// kvblock's own API: a request this manager holds no block table for must be new. One
+    /// with computed tokens (`request.num_computed_tokens > 0`: freed, or decoded after
+    /// `free`) or finished (`request.is_finished`, a property or a method, where the request has it) is refused
+    /// with a `ValueError` naming it: allocating it would cache blocks nobody computed under
+    /// its hashes (and announce them in `BlockStored`). vLLM's callers are not checked (vLLM
+    /// allocates such a request a new table).
+    pub(super) fn check_new_request(&self, request: &Bound<'_, PyAny>, v: &ReqView<'_>) -> PyResult<()> {
+        if !self.inner.caller.is_kvblock() {
+            return Ok(());
+        }
+        let id = request_id_str(&v.id)?;
+        if v.num_computed > 0 {
+            return Err(value_err(
+                "request",
+                format!(
+                    "request {id:?} holds no blocks in this manager but has {} computed tokens (freed or \
+                     finished?): its KV is gone; admit it again from num_computed_tokens = 0",
+                    v.num_computed
+                ),
+            ));
+        }
+        let py = request.py();
+        let finished = match request.getattr(Field::IsFinished.interned(py)) {
+            // vLLM's is a method, kvblock's `Request` has a property
+            Ok(m) if m.is_callable() => m.call0()?.is_truthy()?,
+            Ok(m) => m.is_truthy()?,
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => false,
+            Err(e) => return Err(e),
+        };
+        if finished {
+            let status = match request.getattr(Field::Status.interned(py)) {
+                // an enum member by its name (an IntEnum's str is its int)
+                Ok(s) => s.getattr("name").unwrap_or(s).str().map(|s| s.to_string()).unwrap_or_else(|_| "?".into()),
+                Err(_) => "finished".into(),
+            };
+            return Err(value_err(
+                "request",
+                format!("request {id:?} is finished ({status}): a finished request gets no blocks"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuse a lookup by block hashes alone while verify on hit is on (it could not verify).
     pub(super) fn hashes_only_lookup(&self, what: &str) -> PyResult<()> {
         if self.inner.verify.is_some() {
@@ -189,6 +232,9 @@ impl ManagerState {
             Some(slot) if me.slots.slot_has_id(request, slot, &v.id) => Some(slot),
             _ => me.inner.coord.slot(request_id_str(&v.id)?),
         };
+        if known.is_none() {
+            me.check_new_request(request, &v)?;
+        }
         let ret = me.new_request_retention(request, &v)?;
         let hashes = if me.inner.enable_caching { me.hashes(request)? } else { PyHashes::empty(py) };
         let content = {
