@@ -45,8 +45,6 @@ def undocumented(module_name: str) -> list[str]:
 #: its docstring lands): the Router's (kvblock/cluster/router.py) and the vLLM drop-in's
 #: (kvblock/vllm/), whose methods are vLLM's own API.
 PENDING_METHODS = {
-    "kvblock.cluster.router.Router.add_instance",
-    "kvblock.cluster.router.Router.load",
     "kvblock.vllm.config.Path.on_kvblock",
     "kvblock.vllm.manager.KVCacheManager.create_kv_cache_blocks",
     "kvblock.vllm.manager.KVCacheManager.evict_blocks",
