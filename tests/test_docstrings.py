@@ -41,24 +41,9 @@ def undocumented(module_name: str) -> list[str]:
     return missing
 
 
-#: Public methods still without a docstring, in files other sessions own (remove an entry when
-#: its docstring lands): the Router's (kvblock/cluster/router.py) and the vLLM drop-in's
-#: (kvblock/vllm/), whose methods are vLLM's own API.
-PENDING_METHODS = {
-    "kvblock.vllm.config.Path.on_kvblock",
-    "kvblock.vllm.manager.KVCacheManager.create_kv_cache_blocks",
-    "kvblock.vllm.manager.KVCacheManager.evict_blocks",
-    "kvblock.vllm.manager.KVCacheManager.get_block_ids",
-    "kvblock.vllm.manager.KVCacheManager.get_block_ids_for_computed_tokens",
-    "kvblock.vllm.manager.KVCacheManager.make_prefix_cache_stats",
-    "kvblock.vllm.manager.KVCacheManager.pop_blocks_for_free",
-    "kvblock.vllm.manager.KVCacheManager.record_prefix_cache_stats",
-    "kvblock.vllm.manager.KVCacheManager.reset_prefix_cache",
-    "kvblock.vllm.manager.KVCacheManager.truncate_computed_blocks",
-    "kvblock.vllm.manager.KVCacheManager.usage",
-    "kvblock.vllm.metrics.KVCacheMetricsCollector.block_metrics",
-    "kvblock.vllm.metrics.KVCacheMetricsCollector.sample_rate",
-}
+#: Public methods allowed without a docstring of their own (none: every public method and
+#: computed attribute documents itself).
+PENDING_METHODS: set[str] = set()
 
 
 def _is_method(attr) -> bool:

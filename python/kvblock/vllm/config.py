@@ -37,6 +37,8 @@ class Path:
 
     @property
     def on_kvblock(self) -> bool:
+        """True when kvblock manages the configuration (False: vLLM's own manager, for
+        ``reason``)."""
         return self.manager == "kvblock"
 
     def __str__(self) -> str:

@@ -235,9 +235,13 @@ class KVCacheManager(_core.KVCacheManagerCore):
     # -- stats ---------------------------------------------------------------------------------
     @property
     def usage(self) -> float:
+        """vLLM's ``usage``: the fraction of the pool's blocks in use, in [0, 1] (the null
+        block not counted)."""
         return self.block_pool.get_usage()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """vLLM's: the prefix-cache stats recorded since the last call (a fresh
+        ``PrefixCacheStats`` takes their place), or None when ``log_stats`` is off."""
         if not self.log_stats:
             return None
         stats = self.prefix_cache_stats
@@ -265,6 +269,9 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return self.probe(request, request.num_tokens - 1)
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """vLLM's: count one lookup of ``request.num_tokens`` tokens that hit ``num_hits``
+        (tokens), as a preempted request's when it was preempted; nothing when ``log_stats``
+        is off or the request does not read the cache."""
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
         assert self.prefix_cache_stats is not None
@@ -326,6 +333,10 @@ class KVCacheManager(_core.KVCacheManagerCore):
 
     # -- the rest of vLLM's API ----------------------------------------------------------------
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """vLLM's: remove the request's block tables and return their blocks in the order
+        ``free`` would release them (tail first, every group), without freeing them; the
+        caller frees them (``block_pool.free_blocks``). With HiSparse, the host tier's blocks
+        are spilled first, as vLLM's coordinator does."""
         if self._hisparse_host_free_blocks is not None:
             from .hisparse import pop_blocks_for_free
 
@@ -334,9 +345,16 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return [view(b) for b in self._pop_blocks_for_free(request)]
 
     def evict_blocks(self, block_ids: set[int]) -> None:
+        """vLLM's: drop the cached hashes of ``block_ids`` (ints; uncached blocks are
+        skipped, blocks in use stay allocated), as when a connector reports their KV lost.
+        An id past the pool is vLLM's ``AssertionError``, nothing evicted (see
+        ``BlockPool.evict_blocks``)."""
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached block (each pool, HiSparse's host pool too); False,
+        and nothing changed, while any block other than the null block is in use. Marks the
+        stats reset when ``log_stats`` is on."""
         if self._hisparse_host_free_blocks is not None:
             # the host pool too, as vLLM's coordinator resets every group's pool
             from .hisparse import reset_prefix_cache
@@ -371,9 +389,14 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return events
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """vLLM's: the request's block ids, one list per KV-cache group (empty lists for an
+        unknown request)."""
         return tuple(self._block_ids(request_id))
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """vLLM's: per group, the request's block ids covering its first
+        ``num_computed_tokens`` tokens (attention groups cut at ``cdiv(num_computed_tokens,
+        block_size)``; Mamba, cross-attention and encoder-only groups whole)."""
         out: list[list[int]] = []
         for group, ids in zip(self.kv_cache_config.kv_cache_groups, self._block_ids(request_id)):
             spec = group.kv_cache_spec
@@ -384,6 +407,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return tuple(out)
 
     def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """vLLM's: a ``KVCacheBlocks`` of ``blocks`` (per group, ``KVCacheBlock``s or block
+        ids of this pool); the shared empty one when every group is empty."""
         if not any(blocks):
             return self.empty_kv_cache_blocks
         if all(all(isinstance(b, KVCacheBlock) for b in g) for g in blocks):
@@ -391,6 +416,8 @@ class KVCacheManager(_core.KVCacheManagerCore):
         return KVCacheBlocks._from_ids(self.block_pool, tuple([b if isinstance(b, int) else b.block_id for b in g] for g in blocks))
 
     def truncate_computed_blocks(self, blocks: KVCacheBlocks, num_computed_tokens: int) -> KVCacheBlocks:
+        """vLLM's: a lookup's ``blocks`` cut to what ``num_computed_tokens`` tokens need, per
+        group as its manager cuts them (groups that cache nothing stay empty)."""
         truncated: list[list[KVCacheBlock]] = []
         for group_blocks, manager, group in zip(
             blocks.blocks, self.coordinator.single_type_managers, self.kv_cache_config.kv_cache_groups, strict=True

@@ -254,6 +254,9 @@ class KVCacheMetricsCollector(VllmKVCacheMetricsCollector):
 
     @property  # type: ignore[override]
     def block_metrics(self) -> _BlockMetrics:  # type: ignore[override]
+        """vLLM's ``block_metrics`` (block id -> ``BlockMetricsState``) as a live view of
+        the residency the Rust pool records; assigning a dict replaces it (``KeyError`` for
+        an id not of this pool, nothing changed)."""
         return _BlockMetrics(_pool_of(self))
 
     @block_metrics.setter
@@ -284,6 +287,8 @@ class KVCacheMetricsCollector(VllmKVCacheMetricsCollector):
 
     @property  # type: ignore[override]
     def sample_rate(self) -> Any:  # type: ignore[override]
+        """vLLM's sampling rate of blocks, in [0, 1]; setting it on a collector attached to a
+        kvblock pool takes a real number (``TypeError`` otherwise) and applies it there."""
         return self.__dict__["_kvblock_sample_rate"]
 
     @sample_rate.setter
