@@ -68,6 +68,7 @@ py-test: install test-services
 # with every CPython fast path (rust/src/py/fast/) off: the same wheel, KVBLOCK_NO_FAST_PATHS=1.
 # Fewer lockstep examples and no pure-Python reference cases (about 3 minutes on 2 cores).
 NO_FAST_PATHS_TESTS := tests/test_hashing_api.py tests/test_hashing_golden.py tests/test_none_hash_roots.py \
+	tests/test_request_hasher_call.py \
 	tests/test_request_tokens.py tests/test_allocate_atomic.py tests/test_hybrid_api.py tests/test_cases.py \
 	tests/test_manager_lockstep.py tests/test_pool_lockstep.py tests/test_retention_lockstep.py \
 	tests/test_vllm_lockstep.py tests/test_vllm_lockstep_cases.py tests/test_vllm_request_reads.py tests/test_vllm_plugin.py

@@ -87,7 +87,8 @@ def test_the_fast_paths_live_in_one_room():
     """Everything that reads CPython internals by layout sits under ``rust/src/py/fast/``:
     no other binding file names the internals the fast paths use."""
     internals = ("_PyObject_GetDictPtr", "tp_version_tag", "PyMemberDescrObject", "d_member", "tp_alloc",
-                 "METH_FASTCALL", "PyDescr_NewMethod", "ob_item", ".add(24)", ".add(16)")
+                 "METH_FASTCALL", "PyDescr_NewMethod", "ob_item", ".add(24)", ".add(16)", "tp_vectorcall_offset",
+                 "Py_TPFLAGS_HAVE_VECTORCALL")
     fast = REPO / "rust" / "src" / "py" / "fast"
     found = [f"{p.relative_to(REPO)}: {name}" for p in sorted((REPO / "rust" / "src" / "py").rglob("*.rs"))
              if fast not in p.parents for name in internals if name in p.read_text()]

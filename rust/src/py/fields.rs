@@ -133,7 +133,8 @@ impl RequestFields {
     /// True if `request`'s type is exactly the registered request type.
     #[inline(always)]
     pub fn is_exact_type(&self, request: &Bound<'_, PyAny>) -> bool {
-        self.ty.as_ref().is_some_and(|ty| request.get_type().is(ty.bind(request.py())))
+        // the type pointers compared (no new reference to the type taken)
+        self.ty.as_ref().is_some_and(|ty| request.get_type_ptr() == ty.as_ptr().cast::<ffi::PyTypeObject>())
     }
 
     /// Learn the slot offsets of `request_type` and which of its other fields are plain
@@ -201,8 +202,7 @@ impl RequestFields {
     #[inline(always)]
     pub fn get_borrowed(&self, request: &Bound<'_, PyAny>, field: Field) -> Option<*mut ffi::PyObject> {
         let i = field as usize;
-        let ty = self.ty.as_ref()?;
-        if !request.get_type().is(ty.bind(request.py())) {
+        if !self.is_exact_type(request) {
             return None;
         }
         let off = self.offsets[i];

@@ -9,6 +9,7 @@ use super::hashing::{extra_of, hash_blocks, with_hasher, PyHashFunction, HASH_BL
 use crate::hashing::digest_memo::DigestMemo;
 use crate::hashing::value::Value;
 use crate::hashing::{hash_chains, ChainJob, HashAlgo};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
@@ -79,6 +80,9 @@ pub struct PyRequestBlockHasher {
     /// a running request appends, nearly always to find no new full block, so those reads
     /// were most of the call.
     learned: std::sync::OnceLock<RequestFields>,
+    /// The instance's vectorcall entry (0 until its first call through `tp_call`; see
+    /// `fast/hasher_call.rs`), where the type's vectorcall offset points.
+    vectorcall: std::sync::atomic::AtomicUsize,
 }
 
 /// The digest memo's doorkeeper key for a block: the first 8 bytes of its digest (every
@@ -102,6 +106,44 @@ struct NewBlocks<'py> {
 }
 
 impl PyRequestBlockHasher {
+    /// `hasher(request)`: the request's newly completed blocks' hashes (a new list, empty when
+    /// none is complete).
+    pub(crate) fn hash_new_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let fields = self.fields_for(py, request)?;
+        if self.no_new_block(fields, request) {
+            return Ok(PyList::empty(py));
+        }
+        let NewBlocks { hashes, tokens, start, num_new } = self.new_blocks(fields, request)?;
+        if num_new == 0 {
+            return Ok(PyList::empty(py));
+        }
+        let bs = self.block_size;
+        let end = start + num_new * bs; // <= len(tokens)
+        let parent = self.parent(&hashes)?;
+        let has_extra = self.has_extra(fields, request)?;
+        if self.memoizes(start, has_extra) {
+            if let Ok(parent) = parent.cast::<PyBytes>() {
+                // owned ids only (a list's, or a copy of a buffer's, e.g. vLLM 0.34's
+                // TokenBuffer): a borrowed buffer could change while the chain hashes without
+                // the GIL, and the memo would key digests by the new values
+                if let Some(ids) = owned_i64_range(&tokens, "request._all_token_ids", start, end)? {
+                    return PyList::new(py, self.chain_with_memo(py, parent, &ids)?);
+                }
+            }
+        }
+        let extra = if has_extra {
+            Some(self.extra_keys.bind(py).call1((request, start, num_new, bs, self.lookahead))?)
+        } else {
+            None
+        };
+        let algo = self.hash_fn.bind(py).clone().into_any();
+        hash_blocks(py, &algo, &tokens, bs as i64, &parent, extra.as_ref(), start as i64, Some(end as i64))
+    }
+
     /// How to read `request`'s fields: `kvblock.Request`'s, or those of the request type this
     /// hasher has learnt, learning the first other type it meets (a type it cannot learn, or
     /// any later one, is read through `getattr`, as before).
@@ -125,6 +167,43 @@ impl PyRequestBlockHasher {
             Ok(f) => self.learned.get_or_init(|| f),
             Err(_) => fallback, // read through getattr: what a read fails with is raised there
         }
+    }
+
+    /// True if `request` has no newly completed block, found from its fields read in place
+    /// (a slot or the instance dict: no new references) with its hashes in a `list` and its
+    /// tokens in a `list` or any sized object (vLLM 0.34's `TokenBuffer`): the call vLLM makes
+    /// for nearly every appended token. False when that cannot be told so; then
+    /// [`PyRequestBlockHasher::new_blocks`] reads the fields again (and raises what a read
+    /// raises).
+    #[inline]
+    fn no_new_block(&self, fields: &RequestFields, request: &Bound<'_, PyAny>) -> bool {
+        let Some(hashes) = fields.get_borrowed(request, Field::BlockHashes) else { return false };
+        // SAFETY: borrowed pointers owned by the request, used before any Python code runs
+        // (the list's size is read first; `PyObject_Size` of the tokens may run code, after
+        // which only its result is used)
+        let (num_hashes, tokens) = unsafe {
+            if ffi::PyList_CheckExact(hashes) == 0 {
+                return false;
+            }
+            let Some(tokens) = fields.get_borrowed(request, Field::AllTokenIds) else { return false };
+            (ffi::Py_SIZE(hashes) as usize, tokens)
+        };
+        // SAFETY: as above; a list's size is read in place, any other object's through its
+        // length slot (an error is cleared: the full path reads it again and raises it)
+        let num_tokens = unsafe {
+            if ffi::PyList_CheckExact(tokens) != 0 {
+                ffi::Py_SIZE(tokens)
+            } else {
+                let n = ffi::PyObject_Size(tokens);
+                if n < 0 {
+                    ffi::PyErr_Clear();
+                    return false;
+                }
+                n
+            }
+        } as usize;
+        let start = num_hashes.saturating_mul(self.block_size);
+        num_tokens.saturating_sub(self.lookahead.saturating_add(start)) / self.block_size == 0
     }
 
     /// The request's block-hash list, token list and the range of newly completed blocks.
@@ -312,6 +391,7 @@ impl PyRequestBlockHasher {
             memo_slots: memo.capacity(),
             memo: GilCell::new(memo, "the digest memo"),
             learned: std::sync::OnceLock::new(),
+            vectorcall: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -355,33 +435,10 @@ impl PyRequestBlockHasher {
         Ok(())
     }
 
-    fn __call__<'py>(&self, py: Python<'py>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-        let fields = self.fields_for(py, request)?;
-        let NewBlocks { hashes, tokens, start, num_new } = self.new_blocks(fields, request)?;
-        if num_new == 0 {
-            return Ok(PyList::empty(py));
-        }
-        let bs = self.block_size;
-        let end = start + num_new * bs; // <= len(tokens)
-        let parent = self.parent(&hashes)?;
-        let has_extra = self.has_extra(fields, request)?;
-        if self.memoizes(start, has_extra) {
-            if let Ok(parent) = parent.cast::<PyBytes>() {
-                // owned ids only (a list's, or a copy of a buffer's, e.g. vLLM 0.34's
-                // TokenBuffer): a borrowed buffer could change while the chain hashes without
-                // the GIL, and the memo would key digests by the new values
-                if let Some(ids) = owned_i64_range(&tokens, "request._all_token_ids", start, end)? {
-                    return PyList::new(py, self.chain_with_memo(py, parent, &ids)?);
-                }
-            }
-        }
-        let extra = if has_extra {
-            Some(self.extra_keys.bind(py).call1((request, start, num_new, bs, self.lookahead))?)
-        } else {
-            None
-        };
-        let algo = self.hash_fn.bind(py).clone().into_any();
-        hash_blocks(py, &algo, &tokens, bs as i64, &parent, extra.as_ref(), start as i64, Some(end as i64))
+    fn __call__<'py>(slf: &Bound<'py, Self>, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+        // later calls take the vectorcall entry (fast/hasher_call.rs), past this one's tuple
+        crate::py::fast::hasher_call::enable(slf, &slf.get().vectorcall);
+        slf.get().hash_new_blocks(slf.py(), request)
     }
 
     fn __repr__(&self) -> String {

@@ -6,6 +6,8 @@
 //!   decode-step calls, past PyO3's keyword matching;
 //! - [`block_ids_method`]: a `METH_FASTCALL` `KVCacheBlocks.get_block_ids` for the scheduler's
 //!   per-request `get_block_ids(allow_none=True)`;
+//! - [`hasher_call`]: the vectorcall protocol for `RequestBlockHasher`, which vLLM's `Request`
+//!   calls on every appended token;
 //! - [`slots`]: `__slots__` fields read and written by byte offset (`kvblock.Request`), and
 //!   `KVCacheBlocks` built with `tp_alloc`;
 //! - [`instance_dict`]: plain request attributes read from the instance `__dict__`
@@ -16,7 +18,7 @@
 //!
 //! **The switch:** `KVBLOCK_NO_FAST_PATHS=1` (any value but empty or `0`) in the environment
 //! when `kvblock._core` is imported turns them all off: fields are read with `getattr`, calls
-//! take PyO3's generated entries, ints and strings are read through the C API, and results
+//! take PyO3's generated entries (the request hasher its `tp_call`), ints and strings are read through the C API, and results
 //! are the same (`tests/test_fast_paths.py` runs one workload both ways; CI runs the manager,
 //! pool, request, hashing, lockstep and vLLM plugin tests with the switch on). It is read
 //! once per process; `kvblock._core.FAST_PATHS` says which way it went.
@@ -26,6 +28,7 @@
 
 pub mod block_ids_method;
 pub mod entry;
+pub mod hasher_call;
 pub mod instance_dict;
 pub mod ints;
 pub mod slot_cache;
