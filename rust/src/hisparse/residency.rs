@@ -719,6 +719,11 @@ impl Residency {
         let s = self.state_id(request);
         let mut budget = self.max_spill_pages.saturating_sub(self.spills_to_send.len());
         let first = self.states[&s].ready_prefix_pages.max(importing);
+        if first >= num_pages || budget == 0 {
+            return Ok(());
+        }
+        // the request's id and state are looked up once for all its pages
+        let shared = self.shared_id(request);
         for page in first..num_pages {
             if budget == 0 {
                 break;
@@ -727,10 +732,8 @@ impl Residency {
             if st.pending_pages.contains_key(&page) || st.valid_pages.contains(&page) {
                 continue;
             }
-            if self.resident_blocks(env, request, page).is_none() {
-                continue;
-            }
-            if self.plan_page_transfer(env, request, page, true, false)? {
+            let Some(blocks) = self.resident_blocks(env, request, page) else { continue };
+            if self.plan_transfer_of(env, &shared, s, page, blocks, true, false)? {
                 budget -= 1;
             }
         }
@@ -749,17 +752,34 @@ impl Residency {
         if self.states[&s].pending_pages.contains_key(&page) {
             return Ok(false);
         }
+        let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(false) };
+        let shared = self.shared_id(request);
+        self.plan_transfer_of(env, &shared, s, page, blocks, after_forward, restore)
+    }
+
+    /// [`Residency::plan_page_transfer`] of a page with no spill pending, whose device blocks
+    /// (one per resident group) are `blocks`, of the request `request` whose state is `s`:
+    /// false, planning nothing, when the request holds no host block for the page.
+    #[allow(clippy::too_many_arguments)] // the page's request, state and blocks, looked up once by the callers
+    fn plan_transfer_of(
+        &mut self,
+        env: &mut impl Env,
+        request: &Arc<str>,
+        s: u64,
+        page: usize,
+        blocks: Vec<u32>,
+        after_forward: bool,
+        restore: bool,
+    ) -> Result<bool> {
         let Some(&host_block) = env.table(self.layout.host_group, request).and_then(|t| t.get(page)) else {
             return Ok(false);
         };
         if host_block == NULL_BLOCK {
             return Ok(false);
         }
-        let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(false) };
         env.host().touch(&[host_block], true)?;
-        for &b in &blocks {
-            env.device().touch(&[b], true)?;
-        }
+        // one call for the page's blocks (distinct: one per resident group), in order
+        env.device().touch(&blocks, true)?;
         let id = self.next_spill_id;
         self.next_spill_id += 1;
         self.spills_to_send.push(Transfer {
@@ -773,7 +793,7 @@ impl Residency {
             id,
             PendingSpill {
                 transfer_id: id,
-                request: self.shared_id(request),
+                request: Arc::clone(request),
                 page,
                 state: s,
                 host_block,
@@ -1070,13 +1090,10 @@ impl Residency {
         let apply: Vec<u64> =
             self.pending.values().filter(|p| !p.enqueue_applied && done(p)).map(|p| p.transfer_id).collect();
         for id in apply {
-            let blocks = self.pending[&id].resident_blocks.clone();
-            for b in blocks {
-                env.device().free_blocks(&[b], true)?;
-            }
-            if let Some(p) = self.pending.get_mut(&id) {
-                p.enqueue_applied = true;
-            }
+            let Some(p) = self.pending.get_mut(&id) else { continue };
+            // one call for the page's blocks (distinct: one per resident group), in order
+            env.device().free_blocks(&p.resident_blocks, true)?;
+            p.enqueue_applied = true;
         }
         let completed: Vec<u64> =
             self.pending.values().filter(|p| p.enqueue_applied && done(p)).map(|p| p.transfer_id).collect();
