@@ -176,6 +176,41 @@ impl Readers {
     }
 }
 
+/// A value per device block id, in a vector indexed by the id (grown on demand): the
+/// residency reads it for every block the device pool reuses, where a hashed lookup costs
+/// cache misses on its control bytes and its bucket.
+#[derive(Clone, Debug, Default)]
+struct ByBlock<V>(Vec<V>);
+
+impl<V: Default> ByBlock<V> {
+    fn with_blocks(num_blocks: usize) -> Self {
+        ByBlock(std::iter::repeat_with(V::default).take(num_blocks).collect())
+    }
+
+    fn get(&self, b: u32) -> Option<&V> {
+        self.0.get(b as usize)
+    }
+
+    /// Block `b`'s value, if the vector reaches it (a block past it holds the default).
+    fn get_mut(&mut self, b: u32) -> Option<&mut V> {
+        self.0.get_mut(b as usize)
+    }
+
+    /// Block `b`'s value, the vector grown to reach it.
+    fn entry(&mut self, b: u32) -> &mut V {
+        let i = b as usize;
+        if i >= self.0.len() {
+            self.0.resize_with(i + 1, V::default);
+        }
+        &mut self.0[i]
+    }
+
+    /// Block `b`'s value, the default left in its place.
+    fn take(&mut self, b: u32) -> V {
+        self.get_mut(b).map(std::mem::take).unwrap_or_default()
+    }
+}
+
 fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
@@ -200,10 +235,11 @@ pub struct Residency {
     spills_to_send: Vec<Transfer>,
     next_spill_id: u64,
     /// Unpinned device block -> the (request, page) pairs still reading it.
-    owners: HashMap<u32, Readers>,
+    owners: ByBlock<Readers>,
     /// Published host key -> the device blocks holding that page, one per resident group.
     copies: HashMap<Key, Vec<u32>>,
-    copy_by_block: HashMap<u32, Key>,
+    /// Device block -> the published host key whose copy it holds.
+    copy_by_block: ByBlock<Option<Key>>,
     resident_requests: HashSet<String>,
     pending_imports: HashMap<String, usize>,
     /// Host copy-on-write endpoints by destination host block, until the worker ran them.
@@ -244,11 +280,16 @@ impl Residency {
             let hot_cost: usize = layout.hot_groups.iter().map(|&(_, n)| n).sum();
             transition_watermark = hot_cost.max(layout.num_blocks / 10);
         }
+        // the per-block books, sized for the device pool up front (bounded: past that they
+        // grow on demand); none without resident groups
+        let num_blocks = if layout.resident_groups.is_empty() { 0 } else { layout.num_blocks.min(1 << 16) };
         Ok(Residency {
             block_size,
             max_spill_pages,
             transition_watermark,
             changes: vec![HashMap::new(); layout.resident_groups.len()],
+            owners: ByBlock::with_blocks(num_blocks),
+            copy_by_block: ByBlock::with_blocks(num_blocks),
             hot_required: vec![HashSet::new(); layout.hot_groups.len()],
             layout,
             states: HashMap::new(),
@@ -257,9 +298,7 @@ impl Residency {
             pending: BTreeMap::new(),
             spills_to_send: Vec::new(),
             next_spill_id: 0,
-            owners: HashMap::new(),
             copies: HashMap::new(),
-            copy_by_block: HashMap::new(),
             resident_requests: HashSet::new(),
             pending_imports: HashMap::new(),
             retained_copies: BTreeMap::new(),
@@ -513,7 +552,9 @@ impl Residency {
     fn drop_copy(&mut self, key: &Key) {
         if let Some(blocks) = self.copies.remove(key) {
             for b in blocks {
-                self.copy_by_block.remove(&b);
+                if let Some(k) = self.copy_by_block.get_mut(b) {
+                    *k = None;
+                }
             }
         }
     }
@@ -526,7 +567,7 @@ impl Residency {
         let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(()) };
         self.drop_copy(&key);
         for &b in &blocks {
-            self.copy_by_block.insert(b, key);
+            *self.copy_by_block.entry(b) = Some(key);
         }
         self.copies.insert(key, blocks);
         Ok(())
@@ -599,7 +640,7 @@ impl Residency {
         }
         let Some(blocks) = self.unpinnable_blocks(env, request, page) else { return Ok(false) };
         for b in blocks {
-            self.owners.entry(b).or_default().insert(request, page);
+            self.owners.entry(b).insert(request, page);
             env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
         }
         let st = self.st(s);
@@ -621,10 +662,10 @@ impl Residency {
     /// reading them loses the page.
     pub fn on_blocks_reused(&mut self, env: &impl Env, blocks: &[u32]) {
         for &b in blocks {
-            if let Some(key) = self.copy_by_block.get(&b).copied() {
+            if let Some(key) = self.copy_by_block.get(b).copied().flatten() {
                 self.drop_copy(&key);
             }
-            for (request, page) in self.owners.remove(&b).unwrap_or_default().0 {
+            for (request, page) in self.owners.take(b).0 {
                 self.lose_page(env, &request, page);
             }
         }
@@ -635,7 +676,7 @@ impl Residency {
         let Some(&s) = self.by_request.get(request) else { return };
         for k in 0..self.layout.resident_groups.len() {
             if let Some(b) = self.drop_resident_page(env, k, request, page) {
-                if let Some(o) = self.owners.get_mut(&b) {
+                if let Some(o) = self.owners.get_mut(b) {
                     o.remove(request, page);
                 }
             }
@@ -1203,7 +1244,7 @@ impl Residency {
                 dropped.push(page);
             }
             for &(b, page) in &disowned {
-                if let Some(o) = self.owners.get_mut(&b) {
+                if let Some(o) = self.owners.get_mut(b) {
                     o.remove(request, page);
                 }
             }
