@@ -176,6 +176,40 @@ impl Readers {
     }
 }
 
+/// How many resident groups' blocks a [`CopyBlocks`] holds without an allocation.
+const INLINE_BLOCKS: usize = 3;
+
+/// The device blocks holding one published host page, one per resident group (`copies`'
+/// values): inline for up to [`INLINE_BLOCKS`] groups, so reading or dropping a copy touches
+/// only its map bucket; boxed past that. Reads as a slice of block ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopyBlocks {
+    Inline { len: u8, ids: [u32; INLINE_BLOCKS] },
+    Boxed(Box<[u32]>),
+}
+
+impl From<&[u32]> for CopyBlocks {
+    fn from(blocks: &[u32]) -> Self {
+        if blocks.len() <= INLINE_BLOCKS {
+            let mut ids = [0; INLINE_BLOCKS];
+            ids[..blocks.len()].copy_from_slice(blocks);
+            CopyBlocks::Inline { len: blocks.len() as u8, ids }
+        } else {
+            CopyBlocks::Boxed(blocks.into())
+        }
+    }
+}
+
+impl std::ops::Deref for CopyBlocks {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match self {
+            CopyBlocks::Inline { len, ids } => &ids[..*len as usize],
+            CopyBlocks::Boxed(b) => b,
+        }
+    }
+}
+
 /// A value per device block id, in a vector indexed by the id (grown on demand): the
 /// residency reads it for every block the device pool reuses, where a hashed lookup costs
 /// cache misses on its control bytes and its bucket.
@@ -237,7 +271,7 @@ pub struct Residency {
     /// Unpinned device block -> the (request, page) pairs still reading it.
     owners: ByBlock<Readers>,
     /// Published host key -> the device blocks holding that page, one per resident group.
-    copies: HashMap<Key, Vec<u32>>,
+    copies: HashMap<Key, CopyBlocks>,
     /// Device block -> the published host key whose copy it holds.
     copy_by_block: ByBlock<Option<Key>>,
     resident_requests: HashSet<String>,
@@ -355,7 +389,7 @@ impl Residency {
         &self.spills_to_send
     }
     /// `copies`: published host key -> device copies.
-    pub fn copies(&self) -> &HashMap<Key, Vec<u32>> {
+    pub fn copies(&self) -> &HashMap<Key, CopyBlocks> {
         &self.copies
     }
     /// `hot_required` of hot group `k` (index among the hot groups).
@@ -551,10 +585,14 @@ impl Residency {
 
     fn drop_copy(&mut self, key: &Key) {
         if let Some(blocks) = self.copies.remove(key) {
-            for b in blocks {
-                if let Some(k) = self.copy_by_block.get_mut(b) {
-                    *k = None;
-                }
+            self.forget_copy_blocks(&blocks);
+        }
+    }
+
+    fn forget_copy_blocks(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if let Some(k) = self.copy_by_block.get_mut(b) {
+                *k = None;
             }
         }
     }
@@ -565,11 +603,22 @@ impl Residency {
         }
         let Some(key) = env.host_ref().block_key(host_block)? else { return Ok(()) };
         let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(()) };
-        self.drop_copy(&key);
-        for &b in &blocks {
+        let blocks = CopyBlocks::from(blocks.as_slice());
+        // the key's earlier copy is dropped (its blocks forgotten) before the new one is kept
+        // (one lookup of the key)
+        let old = match self.copies.entry(key) {
+            hashbrown::hash_map::Entry::Occupied(mut o) => Some(std::mem::replace(o.get_mut(), blocks.clone())),
+            hashbrown::hash_map::Entry::Vacant(v) => {
+                v.insert(blocks.clone());
+                None
+            }
+        };
+        if let Some(old) = old {
+            self.forget_copy_blocks(&old);
+        }
+        for &b in blocks.iter() {
             *self.copy_by_block.entry(b) = Some(key);
         }
-        self.copies.insert(key, blocks);
         Ok(())
     }
 
@@ -605,7 +654,7 @@ impl Residency {
             }
             let Some(key) = env.host_ref().block_key(hb)? else { continue };
             let Some(blocks) = self.copies.get(&key).cloned() else { continue };
-            for (k, b) in blocks.into_iter().enumerate().take(self.layout.resident_groups.len()) {
+            for (k, b) in blocks.iter().copied().enumerate().take(self.layout.resident_groups.len()) {
                 if self.adopt_resident_page(env, k, request, page, b) {
                     env.device().touch(&[b], true)?;
                     let st = self.st(s);

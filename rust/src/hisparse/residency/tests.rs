@@ -265,7 +265,7 @@ fn publication_follows_the_clean_prefix_and_records_device_copies() {
     assert_eq!(env.published.last().unwrap(), &("a".to_string(), 48));
     assert!(r.request_state("a").unwrap().publication.is_none());
     assert_eq!(r.copies().len(), 3);
-    assert_eq!(r.copies()[&TestEnv::key(1)], vec![2]);
+    assert_eq!(*r.copies()[&TestEnv::key(1)], [2]);
     // a second request hits the host prefix: its pages come back device-resident
     env.tables.insert((HOST, "b".into()), vec![1, 2]);
     env.host.touch(&[1, 2], true).unwrap();

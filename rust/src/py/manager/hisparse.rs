@@ -322,7 +322,7 @@ impl PyManager {
     /// `copies` as `[(host key bytes, device block ids per resident group)]`, sorted.
     fn _hisparse_copies(&self, py: Python<'_>) -> PyResult<Vec<(Vec<u8>, Vec<u32>)>> {
         self.residency(py, |r, _| {
-            let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.clone())).collect();
+            let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.to_vec())).collect();
             v.sort();
             Ok(v)
         })
