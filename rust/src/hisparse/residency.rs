@@ -129,7 +129,7 @@ pub struct PendingSpill {
     /// it run; a readmitted request has a new one).
     pub state: u64,
     pub host_block: u32,
-    pub resident_blocks: Vec<u32>,
+    pub resident_blocks: CopyBlocks,
     pub restore: bool,
     pub expected_worker_completions: usize,
     pub worker_completions: usize,
@@ -554,8 +554,19 @@ impl Residency {
         env.table(self.layout.host_group, request).map(|t| t.to_vec())
     }
 
-    fn resident_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<Vec<u32>> {
-        (0..self.layout.resident_groups.len()).map(|k| self.get_resident_page(env, k, request, page)).collect()
+    /// The device blocks page `page` of `request` is read from, one per resident group; None
+    /// if a group reads it from the host (or has no such page).
+    fn resident_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<CopyBlocks> {
+        let n = self.layout.resident_groups.len();
+        if n > INLINE_BLOCKS {
+            let v: Option<Vec<u32>> = (0..n).map(|k| self.get_resident_page(env, k, request, page)).collect();
+            return v.map(|v| CopyBlocks::Boxed(v.into()));
+        }
+        let mut ids = [0; INLINE_BLOCKS];
+        for (k, id) in ids.iter_mut().enumerate().take(n) {
+            *id = self.get_resident_page(env, k, request, page)?;
+        }
+        Some(CopyBlocks::Inline { len: n as u8, ids })
     }
 
     // ---- admission -------------------------------------------------------------------------
@@ -603,7 +614,6 @@ impl Residency {
         }
         let Some(key) = env.host_ref().block_key(host_block)? else { return Ok(()) };
         let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(()) };
-        let blocks = CopyBlocks::from(blocks.as_slice());
         // the key's earlier copy is dropped (its blocks forgotten) before the new one is kept
         // (one lookup of the key)
         let old = match self.copies.entry(key) {
@@ -857,7 +867,7 @@ impl Residency {
         request: &Arc<str>,
         s: u64,
         page: usize,
-        blocks: Vec<u32>,
+        blocks: CopyBlocks,
         after_forward: bool,
         restore: bool,
     ) -> Result<bool> {
@@ -875,7 +885,7 @@ impl Residency {
         self.spills_to_send.push(Transfer {
             transfer_id: id,
             host_block_id: host_block,
-            resident_block_ids: blocks.clone(),
+            resident_block_ids: blocks.to_vec(),
             after_forward,
             restore,
         });
@@ -1283,9 +1293,12 @@ impl Residency {
                 if b == NULL_BLOCK {
                     continue;
                 }
+                // every page below the clean prefix is clean (`ready_prefix_pages` only ever
+                // covers pages of `valid_pages`)
+                let clean = page < st.ready_prefix_pages || st.valid_pages.contains(&page);
                 if st.unpinned_pages.contains(&page) {
                     disowned.push((b, page));
-                } else if st.valid_pages.contains(&page) && !st.pending_pages.contains_key(&page) {
+                } else if clean && !st.pending_pages.contains_key(&page) {
                     unpin.push(b);
                 } else {
                     continue;
@@ -1301,10 +1314,9 @@ impl Residency {
                 env.device().unpin_blocks(&unpin, RESIDENCY_WATCHER)?;
             }
             if !dropped.is_empty() {
-                let overlay = self.overlay_mut(k, request);
-                for &page in &dropped {
-                    overlay.insert(page, NULL_BLOCK);
-                }
+                // the pages came tail first: built in one sorted pass, then merged
+                let mut drops: BTreeMap<usize, u32> = dropped.iter().rev().map(|&p| (p, NULL_BLOCK)).collect();
+                self.overlay_mut(k, request).append(&mut drops);
             }
             unpin.clear();
             dropped.clear();

@@ -292,7 +292,7 @@ impl PyResidency {
                     p.request.to_string(),
                     p.page,
                     p.host_block,
-                    p.resident_blocks.clone(),
+                    p.resident_blocks.to_vec(),
                     p.restore,
                     p.expected_worker_completions,
                     p.worker_completions,
