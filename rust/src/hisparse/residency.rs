@@ -790,11 +790,12 @@ impl Residency {
     /// `advance_scheduled`: per scheduled `(request, tokens computed once the step ends)`,
     /// plan the write-back of its sealed pages (the last `num_reprefillable_tokens` are not
     /// final) and update its residency.
-    pub fn advance_scheduled(&mut self, env: &mut impl Env, requests: &[(String, usize)]) -> Result<()> {
+    pub fn advance_scheduled<S: AsRef<str>>(&mut self, env: &mut impl Env, requests: &[(S, usize)]) -> Result<()> {
         if self.layout.resident_groups.is_empty() {
             return Ok(());
         }
         for (request, n) in requests {
+            let request = request.as_ref();
             let n = n.saturating_sub(self.layout.num_reprefillable_tokens);
             self.plan_prefix_materialization(env, request, n)?;
             self.update_residency(env, request)?;
@@ -1021,13 +1022,14 @@ impl Residency {
     /// `build_row_mirrors`: per scheduled `(request, computed, scheduled)`, the row spans to
     /// mirror from the device pages into their host blocks (pages with no device copy or no
     /// host block are skipped, their neighbours kept).
-    pub fn build_row_mirrors(&self, env: &impl Env, requests: &[(String, usize, usize)]) -> Vec<RowMirror> {
+    pub fn build_row_mirrors<S: AsRef<str>>(&self, env: &impl Env, requests: &[(S, usize, usize)]) -> Vec<RowMirror> {
         let mut out = Vec::new();
         if self.layout.resident_groups.is_empty() {
             return out;
         }
         let bs = self.block_size;
         for (request, computed, scheduled) in requests {
+            let request = request.as_ref();
             let Some(host) = env.table(self.layout.host_group, request) else { continue };
             if self.layout.resident_groups.iter().any(|&g| env.table(g, request).is_none()) {
                 continue;
@@ -1053,14 +1055,19 @@ impl Residency {
     }
 
     /// `all_context_pages_resident`: every scheduled request reads only device pages.
-    pub fn all_context_pages_resident(&mut self, env: &impl Env, requests: &[(String, usize, usize)]) -> bool {
+    pub fn all_context_pages_resident<S: AsRef<str>>(
+        &mut self,
+        env: &impl Env,
+        requests: &[(S, usize, usize)],
+    ) -> bool {
         let Some(&first) = self.layout.resident_groups.first() else { return false };
         for (request, computed, scheduled) in requests {
+            let request = request.as_ref();
             let pages = cdiv(computed + scheduled, self.block_size);
             if env.table(first, request).map_or(0, |t| t.len()) < pages {
                 return false;
             }
-            if self.resident_requests.contains(request.as_str()) {
+            if self.resident_requests.contains(request) {
                 continue;
             }
             if (0..self.layout.resident_groups.len())
@@ -1068,17 +1075,22 @@ impl Residency {
             {
                 return false;
             }
-            self.resident_requests.insert(request.clone());
+            self.resident_requests.insert(request.to_string());
         }
         true
     }
 
     /// `take_residency_updates`: per request, its stale pages and the pages appended since the
     /// last update (requests with nothing new are left out).
-    pub fn take_residency_updates(&mut self, env: &impl Env, requests: &[String]) -> Vec<(String, ResidencyUpdate)> {
+    pub fn take_residency_updates<S: AsRef<str>>(
+        &mut self,
+        env: &impl Env,
+        requests: &[S],
+    ) -> Vec<(String, ResidencyUpdate)> {
         let mut out = Vec::new();
         let Some(&first) = self.layout.resident_groups.first() else { return out };
         for request in requests {
+            let request = request.as_ref();
             let s = self.state_id(request);
             let num_pages = env.table(first, request).map_or(0, |t| t.len());
             let st = &self.states[&s];
@@ -1101,7 +1113,7 @@ impl Residency {
             let st = self.st(s);
             st.stale_pages.clear();
             st.synced_pages = num_pages;
-            out.push((request.clone(), ResidencyUpdate { pages, block_ids }));
+            out.push((request.to_string(), ResidencyUpdate { pages, block_ids }));
         }
         out
     }

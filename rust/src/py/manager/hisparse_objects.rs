@@ -54,13 +54,19 @@ fn new_instance<'py>(cls: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
 }
 
 /// `[(request_id, num_computed_tokens, num_scheduled_tokens), ...]` from any iterable of
-/// 3-item rows (ints or objects with `__index__`).
-pub(super) fn request_rows(requests: &Bound<'_, PyAny>) -> PyResult<Vec<(String, usize, usize)>> {
+/// 3-item rows (a str id; ints or objects with `__index__`), the ids kept as the caller's str
+/// objects (read with [`row_ids`], no copy).
+pub(super) fn request_rows<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<(Bound<'py, PyString>, usize, usize)>> {
     let mut out = Vec::new();
     for row in requests.try_iter()? {
-        out.push(row?.extract::<(String, usize, usize)>()?);
+        out.push(row?.extract::<(Bound<'py, PyString>, usize, usize)>()?);
     }
     Ok(out)
+}
+
+/// The rows of [`request_rows`] with their ids as `&str` (borrowed from the str objects).
+pub(super) fn row_ids<'a>(rows: &'a [(Bound<'_, PyString>, usize, usize)]) -> PyResult<Vec<(&'a str, usize, usize)>> {
+    rows.iter().map(|(id, c, n)| Ok((id.to_str()?, *c, *n))).collect()
 }
 
 #[pymethods]
@@ -76,7 +82,8 @@ impl PyManager {
         fast: bool,
         requests: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let requests = request_rows(requests)?;
+        let rows = request_rows(requests)?;
+        let requests = row_ids(&rows)?;
         let mirrors = self.residency(py, |r, e| Ok(r.build_row_mirrors(e, &requests)))?;
         let names =
             [pyo3::intern!(py, "source_starts"), pyo3::intern!(py, "destination_start"), pyo3::intern!(py, "num_rows")];
@@ -155,10 +162,11 @@ impl PyManager {
         fast: bool,
         request_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let mut ids = Vec::new();
+        let mut objs = Vec::new();
         for r in request_ids.try_iter()? {
-            ids.push(r?.extract::<String>()?);
+            objs.push(r?.extract::<Bound<'py, PyString>>()?);
         }
+        let ids = objs.iter().map(|o| o.to_str()).collect::<PyResult<Vec<&str>>>()?;
         let updates = self.residency(py, |r, e| Ok(r.take_residency_updates(e, &ids)))?;
         let out = PyDict::new(py);
         for (rid, u) in updates {
