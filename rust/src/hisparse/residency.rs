@@ -1212,12 +1212,17 @@ impl Residency {
         let mut requests: Vec<Arc<str>> = Vec::new();
         for id in completed {
             let Some(p) = self.pending.remove(&id) else { continue };
-            self.st(p.state).pending_pages.remove(&p.page);
-            if self.by_request.get(&*p.request) == Some(&p.state) {
+            // the request's live state (nothing below frees or admits a request)
+            let live = self.by_request.get(&*p.request) == Some(&p.state);
+            let st = self.st(p.state);
+            st.pending_pages.remove(&p.page);
+            if live {
+                // a restored page stays as it was; a written one is clean now
+                let clean = !p.restore || st.valid_pages.contains(&p.page);
                 if !p.restore {
-                    self.st(p.state).valid_pages.insert(p.page);
+                    st.valid_pages.insert(p.page);
                 }
-                if self.states[&p.state].valid_pages.contains(&p.page) {
+                if clean {
                     self.page_became_clean(env, &p.request, p.state, p.page)?;
                     if p.restore {
                         self.record_copy(env, &p.request, p.page, p.host_block)?;
@@ -1233,7 +1238,7 @@ impl Residency {
                 self.publish_detached(env, &p.request, p.state)?;
             }
             env.host().free_blocks(&[p.host_block], true)?;
-            if self.by_request.get(&*p.request) != Some(&p.state) {
+            if !live {
                 self.collect_state(p.state); // a live request's state stays
             }
         }
