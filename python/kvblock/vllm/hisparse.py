@@ -390,29 +390,37 @@ def group_mixins(manager_cls: type) -> tuple[type, ...]:
     return ()
 
 
-def _plain_frozen_dataclass(cls: type, names: tuple[str, ...]) -> bool:
-    """Whether ``cls`` is a dataclass with exactly the fields ``names`` (in order), instances
-    with a ``__dict__`` and no ``__post_init__``: then :func:`_spill` and the core fill
-    the instance's ``__dict__`` themselves (vLLM's generated ``__init__`` of a frozen dataclass
-    sets each field with ``object.__setattr__``, two thirds of the cost of building a row)."""
+def _plain_dataclass(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether ``cls`` is a plain dataclass with exactly the fields ``names`` (in order):
+    instances with a ``__dict__``, ``object.__new__``, the generated ``__init__``, no
+    ``__post_init__``, and (not frozen) no ``__setattr__`` of its own. Then :func:`_spill` and
+    the core make the instance with ``object.__new__`` and set its fields themselves (vLLM's
+    generated ``__init__`` sets each field with ``object.__setattr__``, frozen or not, two
+    thirds of the cost of building a row through the class)."""
+    params = getattr(cls, "__dataclass_params__", None)
     return (
         dataclasses.is_dataclass(cls)
+        and params is not None
+        and params.init
         and tuple(f.name for f in dataclasses.fields(cls)) == names
         and "__slots__" not in vars(cls)
         and not hasattr(cls, "__post_init__")
+        and cls.__new__ is object.__new__
+        and (params.frozen or cls.__setattr__ is object.__setattr__)
     )
 
 
 _new_instance = object.__new__
 _SPILL_FIELDS = ("transfer_id", "host_block_id", "resident_block_ids", "after_forward", "restore")
 _FAST_SPILL = {
-    True: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS),
-    False: _plain_frozen_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS[:3] + _SPILL_FIELDS[4:]),
+    True: _plain_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS),
+    False: _plain_dataclass(_vht.SparseKVPageTransfer, _SPILL_FIELDS[:3] + _SPILL_FIELDS[4:]),
 }
-_FAST_MIRROR = _plain_frozen_dataclass(_vht.SparseKVRowMirror, ("source_starts", "destination_start", "num_rows"))
-_FAST_UPDATE = _plain_frozen_dataclass(_vht.SparseKVResidencyUpdate, ("pages", "block_ids"))
-# (fast, after_forward) for the core's SparseKVPageTransfer builder
-_TRANSFER_FLAGS = (_FAST_SPILL[RELEASE.hisparse_after_forward], RELEASE.hisparse_after_forward)
+_FAST_MIRROR = _plain_dataclass(_vht.SparseKVRowMirror, ("source_starts", "destination_start", "num_rows"))
+_FAST_UPDATE = _plain_dataclass(_vht.SparseKVResidencyUpdate, ("pages", "block_ids"))
+_FAST_COMMAND = _plain_dataclass(_vht.SparseKVOffloadCommand, ("page_transfers",))
+# (fast, after_forward, command_fast) for the core's SparseKVOffloadCommand builder
+_TRANSFER_FLAGS = (_FAST_SPILL[RELEASE.hisparse_after_forward], RELEASE.hisparse_after_forward, _FAST_COMMAND)
 
 
 def _spill(t: Sequence[Any]) -> Any:

@@ -129,7 +129,7 @@ pub struct PendingSpill {
     /// it run; a readmitted request has a new one).
     pub state: u64,
     pub host_block: u32,
-    pub resident_blocks: Vec<u32>,
+    pub resident_blocks: CopyBlocks,
     pub restore: bool,
     pub expected_worker_completions: usize,
     pub worker_completions: usize,
@@ -176,6 +176,75 @@ impl Readers {
     }
 }
 
+/// How many resident groups' blocks a [`CopyBlocks`] holds without an allocation.
+const INLINE_BLOCKS: usize = 3;
+
+/// The device blocks holding one published host page, one per resident group (`copies`'
+/// values): inline for up to [`INLINE_BLOCKS`] groups, so reading or dropping a copy touches
+/// only its map bucket; boxed past that. Reads as a slice of block ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopyBlocks {
+    Inline { len: u8, ids: [u32; INLINE_BLOCKS] },
+    Boxed(Box<[u32]>),
+}
+
+impl From<&[u32]> for CopyBlocks {
+    fn from(blocks: &[u32]) -> Self {
+        if blocks.len() <= INLINE_BLOCKS {
+            let mut ids = [0; INLINE_BLOCKS];
+            ids[..blocks.len()].copy_from_slice(blocks);
+            CopyBlocks::Inline { len: blocks.len() as u8, ids }
+        } else {
+            CopyBlocks::Boxed(blocks.into())
+        }
+    }
+}
+
+impl std::ops::Deref for CopyBlocks {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match self {
+            CopyBlocks::Inline { len, ids } => &ids[..*len as usize],
+            CopyBlocks::Boxed(b) => b,
+        }
+    }
+}
+
+/// A value per device block id, in a vector indexed by the id (grown on demand): the
+/// residency reads it for every block the device pool reuses, where a hashed lookup costs
+/// cache misses on its control bytes and its bucket.
+#[derive(Clone, Debug, Default)]
+struct ByBlock<V>(Vec<V>);
+
+impl<V: Default> ByBlock<V> {
+    fn with_blocks(num_blocks: usize) -> Self {
+        ByBlock(std::iter::repeat_with(V::default).take(num_blocks).collect())
+    }
+
+    fn get(&self, b: u32) -> Option<&V> {
+        self.0.get(b as usize)
+    }
+
+    /// Block `b`'s value, if the vector reaches it (a block past it holds the default).
+    fn get_mut(&mut self, b: u32) -> Option<&mut V> {
+        self.0.get_mut(b as usize)
+    }
+
+    /// Block `b`'s value, the vector grown to reach it.
+    fn entry(&mut self, b: u32) -> &mut V {
+        let i = b as usize;
+        if i >= self.0.len() {
+            self.0.resize_with(i + 1, V::default);
+        }
+        &mut self.0[i]
+    }
+
+    /// Block `b`'s value, the default left in its place.
+    fn take(&mut self, b: u32) -> V {
+        self.get_mut(b).map(std::mem::take).unwrap_or_default()
+    }
+}
+
 fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
@@ -200,10 +269,11 @@ pub struct Residency {
     spills_to_send: Vec<Transfer>,
     next_spill_id: u64,
     /// Unpinned device block -> the (request, page) pairs still reading it.
-    owners: HashMap<u32, Readers>,
+    owners: ByBlock<Readers>,
     /// Published host key -> the device blocks holding that page, one per resident group.
-    copies: HashMap<Key, Vec<u32>>,
-    copy_by_block: HashMap<u32, Key>,
+    copies: HashMap<Key, CopyBlocks>,
+    /// Device block -> the published host key whose copy it holds.
+    copy_by_block: ByBlock<Option<Key>>,
     resident_requests: HashSet<String>,
     pending_imports: HashMap<String, usize>,
     /// Host copy-on-write endpoints by destination host block, until the worker ran them.
@@ -244,11 +314,16 @@ impl Residency {
             let hot_cost: usize = layout.hot_groups.iter().map(|&(_, n)| n).sum();
             transition_watermark = hot_cost.max(layout.num_blocks / 10);
         }
+        // the per-block books, sized for the device pool up front (bounded: past that they
+        // grow on demand); none without resident groups
+        let num_blocks = if layout.resident_groups.is_empty() { 0 } else { layout.num_blocks.min(1 << 16) };
         Ok(Residency {
             block_size,
             max_spill_pages,
             transition_watermark,
             changes: vec![HashMap::new(); layout.resident_groups.len()],
+            owners: ByBlock::with_blocks(num_blocks),
+            copy_by_block: ByBlock::with_blocks(num_blocks),
             hot_required: vec![HashSet::new(); layout.hot_groups.len()],
             layout,
             states: HashMap::new(),
@@ -257,9 +332,7 @@ impl Residency {
             pending: BTreeMap::new(),
             spills_to_send: Vec::new(),
             next_spill_id: 0,
-            owners: HashMap::new(),
             copies: HashMap::new(),
-            copy_by_block: HashMap::new(),
             resident_requests: HashSet::new(),
             pending_imports: HashMap::new(),
             retained_copies: BTreeMap::new(),
@@ -316,7 +389,7 @@ impl Residency {
         &self.spills_to_send
     }
     /// `copies`: published host key -> device copies.
-    pub fn copies(&self) -> &HashMap<Key, Vec<u32>> {
+    pub fn copies(&self) -> &HashMap<Key, CopyBlocks> {
         &self.copies
     }
     /// `hot_required` of hot group `k` (index among the hot groups).
@@ -481,8 +554,19 @@ impl Residency {
         env.table(self.layout.host_group, request).map(|t| t.to_vec())
     }
 
-    fn resident_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<Vec<u32>> {
-        (0..self.layout.resident_groups.len()).map(|k| self.get_resident_page(env, k, request, page)).collect()
+    /// The device blocks page `page` of `request` is read from, one per resident group; None
+    /// if a group reads it from the host (or has no such page).
+    fn resident_blocks(&self, env: &impl Env, request: &str, page: usize) -> Option<CopyBlocks> {
+        let n = self.layout.resident_groups.len();
+        if n > INLINE_BLOCKS {
+            let v: Option<Vec<u32>> = (0..n).map(|k| self.get_resident_page(env, k, request, page)).collect();
+            return v.map(|v| CopyBlocks::Boxed(v.into()));
+        }
+        let mut ids = [0; INLINE_BLOCKS];
+        for (k, id) in ids.iter_mut().enumerate().take(n) {
+            *id = self.get_resident_page(env, k, request, page)?;
+        }
+        Some(CopyBlocks::Inline { len: n as u8, ids })
     }
 
     // ---- admission -------------------------------------------------------------------------
@@ -512,8 +596,14 @@ impl Residency {
 
     fn drop_copy(&mut self, key: &Key) {
         if let Some(blocks) = self.copies.remove(key) {
-            for b in blocks {
-                self.copy_by_block.remove(&b);
+            self.forget_copy_blocks(&blocks);
+        }
+    }
+
+    fn forget_copy_blocks(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if let Some(k) = self.copy_by_block.get_mut(b) {
+                *k = None;
             }
         }
     }
@@ -524,11 +614,21 @@ impl Residency {
         }
         let Some(key) = env.host_ref().block_key(host_block)? else { return Ok(()) };
         let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(()) };
-        self.drop_copy(&key);
-        for &b in &blocks {
-            self.copy_by_block.insert(b, key);
+        // the key's earlier copy is dropped (its blocks forgotten) before the new one is kept
+        // (one lookup of the key)
+        let old = match self.copies.entry(key) {
+            hashbrown::hash_map::Entry::Occupied(mut o) => Some(std::mem::replace(o.get_mut(), blocks.clone())),
+            hashbrown::hash_map::Entry::Vacant(v) => {
+                v.insert(blocks.clone());
+                None
+            }
+        };
+        if let Some(old) = old {
+            self.forget_copy_blocks(&old);
         }
-        self.copies.insert(key, blocks);
+        for &b in blocks.iter() {
+            *self.copy_by_block.entry(b) = Some(key);
+        }
         Ok(())
     }
 
@@ -564,7 +664,7 @@ impl Residency {
             }
             let Some(key) = env.host_ref().block_key(hb)? else { continue };
             let Some(blocks) = self.copies.get(&key).cloned() else { continue };
-            for (k, b) in blocks.into_iter().enumerate().take(self.layout.resident_groups.len()) {
+            for (k, b) in blocks.iter().copied().enumerate().take(self.layout.resident_groups.len()) {
                 if self.adopt_resident_page(env, k, request, page, b) {
                     env.device().touch(&[b], true)?;
                     let st = self.st(s);
@@ -599,7 +699,7 @@ impl Residency {
         }
         let Some(blocks) = self.unpinnable_blocks(env, request, page) else { return Ok(false) };
         for b in blocks {
-            self.owners.entry(b).or_default().insert(request, page);
+            self.owners.entry(b).insert(request, page);
             env.device().unpin_blocks(&[b], RESIDENCY_WATCHER)?;
         }
         let st = self.st(s);
@@ -621,10 +721,10 @@ impl Residency {
     /// reading them loses the page.
     pub fn on_blocks_reused(&mut self, env: &impl Env, blocks: &[u32]) {
         for &b in blocks {
-            if let Some(key) = self.copy_by_block.get(&b).copied() {
+            if let Some(key) = self.copy_by_block.get(b).copied().flatten() {
                 self.drop_copy(&key);
             }
-            for (request, page) in self.owners.remove(&b).unwrap_or_default().0 {
+            for (request, page) in self.owners.take(b).0 {
                 self.lose_page(env, &request, page);
             }
         }
@@ -635,7 +735,7 @@ impl Residency {
         let Some(&s) = self.by_request.get(request) else { return };
         for k in 0..self.layout.resident_groups.len() {
             if let Some(b) = self.drop_resident_page(env, k, request, page) {
-                if let Some(o) = self.owners.get_mut(&b) {
+                if let Some(o) = self.owners.get_mut(b) {
                     o.remove(request, page);
                 }
             }
@@ -690,11 +790,12 @@ impl Residency {
     /// `advance_scheduled`: per scheduled `(request, tokens computed once the step ends)`,
     /// plan the write-back of its sealed pages (the last `num_reprefillable_tokens` are not
     /// final) and update its residency.
-    pub fn advance_scheduled(&mut self, env: &mut impl Env, requests: &[(String, usize)]) -> Result<()> {
+    pub fn advance_scheduled<S: AsRef<str>>(&mut self, env: &mut impl Env, requests: &[(S, usize)]) -> Result<()> {
         if self.layout.resident_groups.is_empty() {
             return Ok(());
         }
         for (request, n) in requests {
+            let request = request.as_ref();
             let n = n.saturating_sub(self.layout.num_reprefillable_tokens);
             self.plan_prefix_materialization(env, request, n)?;
             self.update_residency(env, request)?;
@@ -719,6 +820,11 @@ impl Residency {
         let s = self.state_id(request);
         let mut budget = self.max_spill_pages.saturating_sub(self.spills_to_send.len());
         let first = self.states[&s].ready_prefix_pages.max(importing);
+        if first >= num_pages || budget == 0 {
+            return Ok(());
+        }
+        // the request's id and state are looked up once for all its pages
+        let shared = self.shared_id(request);
         for page in first..num_pages {
             if budget == 0 {
                 break;
@@ -727,10 +833,8 @@ impl Residency {
             if st.pending_pages.contains_key(&page) || st.valid_pages.contains(&page) {
                 continue;
             }
-            if self.resident_blocks(env, request, page).is_none() {
-                continue;
-            }
-            if self.plan_page_transfer(env, request, page, true, false)? {
+            let Some(blocks) = self.resident_blocks(env, request, page) else { continue };
+            if self.plan_transfer_of(env, &shared, s, page, blocks, true, false)? {
                 budget -= 1;
             }
         }
@@ -749,23 +853,40 @@ impl Residency {
         if self.states[&s].pending_pages.contains_key(&page) {
             return Ok(false);
         }
+        let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(false) };
+        let shared = self.shared_id(request);
+        self.plan_transfer_of(env, &shared, s, page, blocks, after_forward, restore)
+    }
+
+    /// [`Residency::plan_page_transfer`] of a page with no spill pending, whose device blocks
+    /// (one per resident group) are `blocks`, of the request `request` whose state is `s`:
+    /// false, planning nothing, when the request holds no host block for the page.
+    #[allow(clippy::too_many_arguments)] // the page's request, state and blocks, looked up once by the callers
+    fn plan_transfer_of(
+        &mut self,
+        env: &mut impl Env,
+        request: &Arc<str>,
+        s: u64,
+        page: usize,
+        blocks: CopyBlocks,
+        after_forward: bool,
+        restore: bool,
+    ) -> Result<bool> {
         let Some(&host_block) = env.table(self.layout.host_group, request).and_then(|t| t.get(page)) else {
             return Ok(false);
         };
         if host_block == NULL_BLOCK {
             return Ok(false);
         }
-        let Some(blocks) = self.resident_blocks(env, request, page) else { return Ok(false) };
         env.host().touch(&[host_block], true)?;
-        for &b in &blocks {
-            env.device().touch(&[b], true)?;
-        }
+        // one call for the page's blocks (distinct: one per resident group), in order
+        env.device().touch(&blocks, true)?;
         let id = self.next_spill_id;
         self.next_spill_id += 1;
         self.spills_to_send.push(Transfer {
             transfer_id: id,
             host_block_id: host_block,
-            resident_block_ids: blocks.clone(),
+            resident_block_ids: blocks.to_vec(),
             after_forward,
             restore,
         });
@@ -773,7 +894,7 @@ impl Residency {
             id,
             PendingSpill {
                 transfer_id: id,
-                request: self.shared_id(request),
+                request: Arc::clone(request),
                 page,
                 state: s,
                 host_block,
@@ -901,13 +1022,14 @@ impl Residency {
     /// `build_row_mirrors`: per scheduled `(request, computed, scheduled)`, the row spans to
     /// mirror from the device pages into their host blocks (pages with no device copy or no
     /// host block are skipped, their neighbours kept).
-    pub fn build_row_mirrors(&self, env: &impl Env, requests: &[(String, usize, usize)]) -> Vec<RowMirror> {
+    pub fn build_row_mirrors<S: AsRef<str>>(&self, env: &impl Env, requests: &[(S, usize, usize)]) -> Vec<RowMirror> {
         let mut out = Vec::new();
         if self.layout.resident_groups.is_empty() {
             return out;
         }
         let bs = self.block_size;
         for (request, computed, scheduled) in requests {
+            let request = request.as_ref();
             let Some(host) = env.table(self.layout.host_group, request) else { continue };
             if self.layout.resident_groups.iter().any(|&g| env.table(g, request).is_none()) {
                 continue;
@@ -933,14 +1055,19 @@ impl Residency {
     }
 
     /// `all_context_pages_resident`: every scheduled request reads only device pages.
-    pub fn all_context_pages_resident(&mut self, env: &impl Env, requests: &[(String, usize, usize)]) -> bool {
+    pub fn all_context_pages_resident<S: AsRef<str>>(
+        &mut self,
+        env: &impl Env,
+        requests: &[(S, usize, usize)],
+    ) -> bool {
         let Some(&first) = self.layout.resident_groups.first() else { return false };
         for (request, computed, scheduled) in requests {
+            let request = request.as_ref();
             let pages = cdiv(computed + scheduled, self.block_size);
             if env.table(first, request).map_or(0, |t| t.len()) < pages {
                 return false;
             }
-            if self.resident_requests.contains(request.as_str()) {
+            if self.resident_requests.contains(request) {
                 continue;
             }
             if (0..self.layout.resident_groups.len())
@@ -948,17 +1075,22 @@ impl Residency {
             {
                 return false;
             }
-            self.resident_requests.insert(request.clone());
+            self.resident_requests.insert(request.to_string());
         }
         true
     }
 
     /// `take_residency_updates`: per request, its stale pages and the pages appended since the
     /// last update (requests with nothing new are left out).
-    pub fn take_residency_updates(&mut self, env: &impl Env, requests: &[String]) -> Vec<(String, ResidencyUpdate)> {
+    pub fn take_residency_updates<S: AsRef<str>>(
+        &mut self,
+        env: &impl Env,
+        requests: &[S],
+    ) -> Vec<(String, ResidencyUpdate)> {
         let mut out = Vec::new();
         let Some(&first) = self.layout.resident_groups.first() else { return out };
         for request in requests {
+            let request = request.as_ref();
             let s = self.state_id(request);
             let num_pages = env.table(first, request).map_or(0, |t| t.len());
             let st = &self.states[&s];
@@ -981,7 +1113,7 @@ impl Residency {
             let st = self.st(s);
             st.stale_pages.clear();
             st.synced_pages = num_pages;
-            out.push((request.clone(), ResidencyUpdate { pages, block_ids }));
+            out.push((request.to_string(), ResidencyUpdate { pages, block_ids }));
         }
         out
     }
@@ -1070,25 +1202,27 @@ impl Residency {
         let apply: Vec<u64> =
             self.pending.values().filter(|p| !p.enqueue_applied && done(p)).map(|p| p.transfer_id).collect();
         for id in apply {
-            let blocks = self.pending[&id].resident_blocks.clone();
-            for b in blocks {
-                env.device().free_blocks(&[b], true)?;
-            }
-            if let Some(p) = self.pending.get_mut(&id) {
-                p.enqueue_applied = true;
-            }
+            let Some(p) = self.pending.get_mut(&id) else { continue };
+            // one call for the page's blocks (distinct: one per resident group), in order
+            env.device().free_blocks(&p.resident_blocks, true)?;
+            p.enqueue_applied = true;
         }
         let completed: Vec<u64> =
             self.pending.values().filter(|p| p.enqueue_applied && done(p)).map(|p| p.transfer_id).collect();
         let mut requests: Vec<Arc<str>> = Vec::new();
         for id in completed {
             let Some(p) = self.pending.remove(&id) else { continue };
-            self.st(p.state).pending_pages.remove(&p.page);
-            if self.by_request.get(&*p.request) == Some(&p.state) {
+            // the request's live state (nothing below frees or admits a request)
+            let live = self.by_request.get(&*p.request) == Some(&p.state);
+            let st = self.st(p.state);
+            st.pending_pages.remove(&p.page);
+            if live {
+                // a restored page stays as it was; a written one is clean now
+                let clean = !p.restore || st.valid_pages.contains(&p.page);
                 if !p.restore {
-                    self.st(p.state).valid_pages.insert(p.page);
+                    st.valid_pages.insert(p.page);
                 }
-                if self.states[&p.state].valid_pages.contains(&p.page) {
+                if clean {
                     self.page_became_clean(env, &p.request, p.state, p.page)?;
                     if p.restore {
                         self.record_copy(env, &p.request, p.page, p.host_block)?;
@@ -1104,7 +1238,7 @@ impl Residency {
                 self.publish_detached(env, &p.request, p.state)?;
             }
             env.host().free_blocks(&[p.host_block], true)?;
-            if self.by_request.get(&*p.request) != Some(&p.state) {
+            if !live {
                 self.collect_state(p.state); // a live request's state stays
             }
         }
@@ -1176,9 +1310,12 @@ impl Residency {
                 if b == NULL_BLOCK {
                     continue;
                 }
+                // every page below the clean prefix is clean (`ready_prefix_pages` only ever
+                // covers pages of `valid_pages`)
+                let clean = page < st.ready_prefix_pages || st.valid_pages.contains(&page);
                 if st.unpinned_pages.contains(&page) {
                     disowned.push((b, page));
-                } else if st.valid_pages.contains(&page) && !st.pending_pages.contains_key(&page) {
+                } else if clean && !st.pending_pages.contains_key(&page) {
                     unpin.push(b);
                 } else {
                     continue;
@@ -1186,7 +1323,7 @@ impl Residency {
                 dropped.push(page);
             }
             for &(b, page) in &disowned {
-                if let Some(o) = self.owners.get_mut(&b) {
+                if let Some(o) = self.owners.get_mut(b) {
                     o.remove(request, page);
                 }
             }
@@ -1194,10 +1331,9 @@ impl Residency {
                 env.device().unpin_blocks(&unpin, RESIDENCY_WATCHER)?;
             }
             if !dropped.is_empty() {
-                let overlay = self.overlay_mut(k, request);
-                for &page in &dropped {
-                    overlay.insert(page, NULL_BLOCK);
-                }
+                // the pages came tail first: built in one sorted pass, then merged
+                let mut drops: BTreeMap<usize, u32> = dropped.iter().rev().map(|&p| (p, NULL_BLOCK)).collect();
+                self.overlay_mut(k, request).append(&mut drops);
             }
             unpin.clear();
             dropped.clear();

@@ -292,7 +292,7 @@ impl PyResidency {
                     p.request.to_string(),
                     p.page,
                     p.host_block,
-                    p.resident_blocks.clone(),
+                    p.resident_blocks.to_vec(),
                     p.restore,
                     p.expected_worker_completions,
                     p.worker_completions,
@@ -305,7 +305,7 @@ impl PyResidency {
     /// `copies` as `{host key bytes: device block ids}`.
     fn copies(&self) -> PyResult<Vec<(Vec<u8>, Vec<u32>)>> {
         let r = self.res.lock().map_err(|_| value_err("residency", "poisoned"))?;
-        let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.clone())).collect();
+        let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.to_vec())).collect();
         v.sort();
         Ok(v)
     }

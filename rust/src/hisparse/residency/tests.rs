@@ -137,7 +137,7 @@ fn spill_then_clean_then_unpinned_then_lost() {
     let mut r = Residency::new(layout(32, 128, 8)).unwrap();
     let (host, dev) = admit(&mut env, "r", 4);
     assert_eq!((host.clone(), dev.clone()), (vec![1, 2, 3, 4], vec![1, 2, 3, 4]));
-    r.advance_scheduled(&mut env, &[("r".into(), 64)]).unwrap();
+    r.advance_scheduled(&mut env, &[("r", 64)]).unwrap();
     // every sealed page is planned: host and device blocks take a reference for the copy
     let spills = r.spills_to_send().to_vec();
     assert_eq!(
@@ -171,9 +171,9 @@ fn spill_then_clean_then_unpinned_then_lost() {
     assert_eq!(&q[q.len() - 2..], &[2, 1]);
     assert_eq!(r.get_residency_row(&env, 0, "r", 0), vec![1, 2, 3, 4]);
     // the worker learns the rows once
-    let u = r.take_residency_updates(&env, &["r".into()]);
+    let u = r.take_residency_updates(&env, &["r"]);
     assert_eq!(u, vec![("r".into(), ResidencyUpdate { pages: vec![0, 1, 2, 3], block_ids: vec![vec![1, 2, 3, 4]] })]);
-    assert!(r.take_residency_updates(&env, &["r".into()]).is_empty());
+    assert!(r.take_residency_updates(&env, &["r"]).is_empty());
     // the pool hands block 2 out: page 1 is lost, stale for the worker
     let n = env.device.num_free_blocks() - 1;
     let mut out = Vec::new();
@@ -185,7 +185,7 @@ fn spill_then_clean_then_unpinned_then_lost() {
     r.on_blocks_reused(&env, &fired);
     assert_eq!(r.get_residency_row(&env, 0, "r", 0), vec![1, 0, 3, 4]);
     assert_eq!(r.get_resident_page(&env, 0, "r", 1), None);
-    let u = r.take_residency_updates(&env, &["r".into()]);
+    let u = r.take_residency_updates(&env, &["r"]);
     assert_eq!(u, vec![("r".into(), ResidencyUpdate { pages: vec![1], block_ids: vec![vec![0]] })]);
     assert!(r.request_state("r").unwrap().unpinned_pages.contains(&0));
     env.device.check_invariants().unwrap();
@@ -247,7 +247,7 @@ fn a_hot_group_asked_directly_needs_a_region() {
     assert!(!r.has_hot(&env, 0, "r"));
     env.grow(HOT, "r", 2);
     assert!(r.has_hot(&env, 0, "r"));
-    r.advance_scheduled(&mut env, &[("r".into(), 64)]).unwrap();
+    r.advance_scheduled(&mut env, &[("r", 64)]).unwrap();
     complete_all(&mut r, &mut env);
     // pages 0 and 1 are clean and released (2 and 3 are the active tail)
     assert_eq!(r.request_state("r").unwrap().unpinned_pages.iter().copied().collect::<Vec<_>>(), vec![0, 1]);
@@ -258,14 +258,14 @@ fn publication_follows_the_clean_prefix_and_records_device_copies() {
     let mut env = TestEnv::new(32, 16);
     let mut r = Residency::new(layout(32, 128, 8)).unwrap();
     admit(&mut env, "a", 3);
-    r.advance_scheduled(&mut env, &[("a".into(), 48)]).unwrap();
+    r.advance_scheduled(&mut env, &[("a", 48)]).unwrap();
     r.publish_when_ready(&mut env, "a", 48).unwrap();
     assert_eq!(env.published, vec![("a".to_string(), 0)]); // nothing durable yet
     complete_all(&mut r, &mut env);
     assert_eq!(env.published.last().unwrap(), &("a".to_string(), 48));
     assert!(r.request_state("a").unwrap().publication.is_none());
     assert_eq!(r.copies().len(), 3);
-    assert_eq!(r.copies()[&TestEnv::key(1)], vec![2]);
+    assert_eq!(*r.copies()[&TestEnv::key(1)], [2]);
     // a second request hits the host prefix: its pages come back device-resident
     env.tables.insert((HOST, "b".into()), vec![1, 2]);
     env.host.touch(&[1, 2], true).unwrap();
@@ -282,7 +282,7 @@ fn a_finished_request_keeps_its_host_blocks_until_its_spills_complete() {
     let mut env = TestEnv::new(32, 16);
     let mut r = Residency::new(layout(32, 128, 8)).unwrap();
     admit(&mut env, "r", 2);
-    r.advance_scheduled(&mut env, &[("r".into(), 32)]).unwrap();
+    r.advance_scheduled(&mut env, &[("r", 32)]).unwrap();
     r.publish_when_ready(&mut env, "r", 32).unwrap();
     r.free(&mut env, "r", true).unwrap();
     assert!(r.request_state("r").is_none());
@@ -305,7 +305,7 @@ fn a_preempted_request_drops_its_publication_and_releases_clean_pages() {
     let mut env = TestEnv::new(32, 16);
     let mut r = Residency::new(layout(32, 128, 8)).unwrap();
     admit(&mut env, "r", 4);
-    r.advance_scheduled(&mut env, &[("r".into(), 64)]).unwrap();
+    r.advance_scheduled(&mut env, &[("r", 64)]).unwrap();
     complete_all(&mut r, &mut env);
     r.free(&mut env, "r", false).unwrap();
     // clean pages stay readable copies: released to the pool, still in the table's row

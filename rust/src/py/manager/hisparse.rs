@@ -67,10 +67,11 @@ impl PyManager {
     /// `advance_scheduled(requests)`: `(request_id, num_computed_tokens after the step)`
     /// rows, any iterable. `TypeError` for a malformed row; nothing changes then.
     fn _hisparse_advance_scheduled(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut rows = Vec::new();
+        let mut objs = Vec::new();
         for row in requests.try_iter()? {
-            rows.push(row?.extract::<(String, usize)>()?);
+            objs.push(row?.extract::<(Bound<'_, pyo3::types::PyString>, usize)>()?);
         }
+        let rows = objs.iter().map(|(id, n)| Ok((id.to_str()?, *n))).collect::<PyResult<Vec<(&str, usize)>>>()?;
         self.residency(py, |r, e| r.advance_scheduled(e, &rows))
     }
 
@@ -276,7 +277,8 @@ impl PyManager {
 
     /// `all_context_pages_resident([(request_id, num_computed_tokens, num_scheduled_tokens)])`.
     fn _hisparse_all_context_pages_resident(&self, py: Python<'_>, requests: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let requests = super::hisparse_objects::request_rows(requests)?;
+        let rows = super::hisparse_objects::request_rows(requests)?;
+        let requests = super::hisparse_objects::row_ids(&rows)?;
         self.residency(py, |r, e| Ok(r.all_context_pages_resident(e, &requests)))
     }
 
@@ -308,7 +310,7 @@ impl PyManager {
                         p.request.to_string(),
                         p.page,
                         p.host_block,
-                        p.resident_blocks.clone(),
+                        p.resident_blocks.to_vec(),
                         p.restore,
                         p.expected_worker_completions,
                         p.worker_completions,
@@ -322,7 +324,7 @@ impl PyManager {
     /// `copies` as `[(host key bytes, device block ids per resident group)]`, sorted.
     fn _hisparse_copies(&self, py: Python<'_>) -> PyResult<Vec<(Vec<u8>, Vec<u32>)>> {
         self.residency(py, |r, _| {
-            let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.clone())).collect();
+            let mut v: Vec<(Vec<u8>, Vec<u32>)> = r.copies().iter().map(|(k, b)| (k.to_bytes(), b.to_vec())).collect();
             v.sort();
             Ok(v)
         })

@@ -2,15 +2,18 @@
 //! `build_offload_command`, `take_residency_updates`), built here from the residency's rows
 //! so the coordinator view binds them straight to the core (no Python frame per call). The
 //! classes come from the caller (`vllm.v1.hisparse.types`); `fast` says the class is a
-//! plain frozen dataclass whose instance `__dict__` may be filled directly (what its
-//! generated `__init__` would store, field for field), else the class is called with keywords.
+//! plain dataclass (frozen or not) whose instance may be made by `object.__new__` and its
+//! fields set by `object.__setattr__` (what its generated `__init__` does, field for field),
+//! else the class is called with keywords.
 
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use super::*;
 
-/// An instance of `cls` with the fields `names` = `values`: `object.__new__(cls)` with its
-/// `__dict__` filled when `fast`, else `cls(**fields)`.
+/// An instance of `cls` with the fields `names` = `values`: when `fast`, `object.__new__(cls)`
+/// with each field set by `object.__setattr__` in field order (what a plain dataclass's
+/// generated `__init__` does, frozen or not, so the instance keeps its attributes as vLLM's
+/// would), both made through CPython's C API with no Python-level call; else `cls(**fields)`.
 fn new_record<'py, const N: usize>(
     cls: &Bound<'py, PyType>,
     fast: bool,
@@ -19,14 +22,12 @@ fn new_record<'py, const N: usize>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = cls.py();
     if fast {
-        static NEW: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-        let new = NEW.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-            Ok(py.get_type::<pyo3::types::PyAny>().getattr("__new__")?.unbind())
-        })?;
-        let obj = new.bind(py).call1((cls,))?;
-        let d = obj.getattr(pyo3::intern!(py, "__dict__"))?.cast_into::<PyDict>()?;
+        let obj = new_instance(cls)?;
         for (k, v) in names.into_iter().zip(values) {
-            d.set_item(k, v)?;
+            // SAFETY: three valid object pointers, the GIL held; -1 with an exception set on error
+            if unsafe { pyo3::ffi::PyObject_GenericSetAttr(obj.as_ptr(), k.as_ptr(), v.as_ptr()) } != 0 {
+                return Err(PyErr::fetch(py));
+            }
         }
         return Ok(obj);
     }
@@ -37,14 +38,35 @@ fn new_record<'py, const N: usize>(
     cls.call((), Some(&kwargs))
 }
 
+/// `object.__new__(cls)`: `object`'s `tp_new` with no arguments (the Python view passes
+/// `fast` only for a dataclass whose `__new__` is `object.__new__`).
+fn new_instance<'py>(cls: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
+    let py = cls.py();
+    // SAFETY: `PyBaseObject_Type` is CPython's static `object` type, only read here
+    let tp_new = unsafe { (*std::ptr::addr_of!(pyo3::ffi::PyBaseObject_Type)).tp_new };
+    let Some(tp_new) = tp_new else {
+        return Err(pyo3::exceptions::PyTypeError::new_err("object has no tp_new"));
+    };
+    let args = PyTuple::empty(py);
+    // SAFETY: `cls` is a type (a subtype of object), `args` a tuple, no keywords; the result
+    // is a new reference or NULL with an exception set
+    unsafe { Bound::from_owned_ptr_or_err(py, tp_new(cls.as_type_ptr(), args.as_ptr(), std::ptr::null_mut())) }
+}
+
 /// `[(request_id, num_computed_tokens, num_scheduled_tokens), ...]` from any iterable of
-/// 3-item rows (ints or objects with `__index__`).
-pub(super) fn request_rows(requests: &Bound<'_, PyAny>) -> PyResult<Vec<(String, usize, usize)>> {
+/// 3-item rows (a str id; ints or objects with `__index__`), the ids kept as the caller's str
+/// objects (read with [`row_ids`], no copy).
+pub(super) fn request_rows<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Vec<(Bound<'py, PyString>, usize, usize)>> {
     let mut out = Vec::new();
     for row in requests.try_iter()? {
-        out.push(row?.extract::<(String, usize, usize)>()?);
+        out.push(row?.extract::<(Bound<'py, PyString>, usize, usize)>()?);
     }
     Ok(out)
+}
+
+/// The rows of [`request_rows`] with their ids as `&str` (borrowed from the str objects).
+pub(super) fn row_ids<'a>(rows: &'a [(Bound<'_, PyString>, usize, usize)]) -> PyResult<Vec<(&'a str, usize, usize)>> {
+    rows.iter().map(|(id, c, n)| Ok((id.to_str()?, *c, *n))).collect()
 }
 
 #[pymethods]
@@ -60,7 +82,8 @@ impl PyManager {
         fast: bool,
         requests: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let requests = request_rows(requests)?;
+        let rows = request_rows(requests)?;
+        let requests = row_ids(&rows)?;
         let mirrors = self.residency(py, |r, e| Ok(r.build_row_mirrors(e, &requests)))?;
         let names =
             [pyo3::intern!(py, "source_starts"), pyo3::intern!(py, "destination_start"), pyo3::intern!(py, "num_rows")];
@@ -80,6 +103,9 @@ impl PyManager {
     /// transfer_cls(...), ...])` (vLLM's `SparseKVOffloadCommand` of `SparseKVPageTransfer`s:
     /// `transfer_id`, `host_block_id`, `resident_block_ids` a tuple, `after_forward` where
     /// `after_forward` says the release has it, `restore`); None without resident groups.
+    /// `fast` / `command_fast`: the transfer / command class is a plain dataclass (see
+    /// `new_record`).
+    #[pyo3(signature = (command_cls, transfer_cls, fast, after_forward, command_fast=false))]
     fn _hisparse_offload_command_object<'py>(
         &self,
         py: Python<'py>,
@@ -87,6 +113,7 @@ impl PyManager {
         transfer_cls: &Bound<'py, PyType>,
         fast: bool,
         after_forward: bool,
+        command_fast: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let Some(transfers) = self.residency(py, |r, _| Ok(r.take_offload_command()))? else {
             return Ok(py.None().into_bound(py));
@@ -120,9 +147,7 @@ impl PyManager {
             };
             out.append(obj)?;
         }
-        let kwargs = PyDict::new(py);
-        kwargs.set_item(pyo3::intern!(py, "page_transfers"), out)?;
-        command_cls.call((), Some(&kwargs))
+        new_record(command_cls, command_fast, [pyo3::intern!(py, "page_transfers")], [out.into_any()])
     }
 
     /// `take_residency_updates(request_ids)` (any iterable of str) as `{request_id:
@@ -137,10 +162,11 @@ impl PyManager {
         fast: bool,
         request_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let mut ids = Vec::new();
+        let mut objs = Vec::new();
         for r in request_ids.try_iter()? {
-            ids.push(r?.extract::<String>()?);
+            objs.push(r?.extract::<Bound<'py, PyString>>()?);
         }
+        let ids = objs.iter().map(|o| o.to_str()).collect::<PyResult<Vec<&str>>>()?;
         let updates = self.residency(py, |r, e| Ok(r.take_residency_updates(e, &ids)))?;
         let out = PyDict::new(py);
         for (rid, u) in updates {

@@ -179,6 +179,9 @@ enum CacheRead {
 /// event tags of the publications still owed (their host `BlockStored` events come later and
 /// read their request then). A no-op without HiSparse groups.
 fn sync_kept_tags(coord: &crate::manager::coordinator::Coordinator, pool: &mut crate::py::block_pool::PoolState) {
+    if !pool.inner.events_enabled() {
+        return; // no event tags are made (every tag is 0): none to keep
+    }
     if let Some(t) = coord.hisparse() {
         pool.set_kept_tags(t.publication_tags());
     }
