@@ -180,7 +180,7 @@ impl Readers {
 const INLINE_BLOCKS: usize = 3;
 
 /// The device blocks holding one published host page, one per resident group (`copies`'
-/// values): inline for up to [`INLINE_BLOCKS`] groups, so reading or dropping a copy touches
+/// values): inline for up to `INLINE_BLOCKS` (3) groups, so reading or dropping a copy touches
 /// only its map bucket; boxed past that. Reads as a slice of block ids.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CopyBlocks {
