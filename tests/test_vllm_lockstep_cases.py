@@ -404,8 +404,8 @@ def test_dead_request_address_taken_by_another_request_is_not_answered_from_the_
     a request object dies while the manager still holds its blocks (its id is still live), and another
     request object, with another id, takes its address, the newcomer must get vLLM's answer for
     an unknown request (new blocks), not the dead request's no-op; and the dead request's id
-    keeps its blocks. Run in a child process with C malloc (``vllm_address_reuse.py``), where
-    a freed request's address comes back to a new request within a few hundred tries."""
+    keeps its blocks. Run in a child process with C malloc (``vllm_address_reuse.py``), which
+    places the newcomer at the dead request's address on its first try (its docstring says how)."""
     import os
     import subprocess
     import sys

@@ -1,10 +1,17 @@
 """Run as a script (``PYTHONMALLOC=malloc``) by ``test_vllm_lockstep_cases``: a vLLM
 ``Request`` kvblock knows in its slot cache dies while the manager still holds its blocks, and
-another request, with another id, is made until it lands at the dead request's address (C
-malloc reuses a freed chunk of the same size soon; CPython's own allocator may never hand that
-address back to a request in the test process). vLLM's manager and kvblock's must then give the
-newcomer the same answer: blocks for an unknown request. Prints ``reused <tries>`` and exits 0
-when they agree."""
+another request, with another id, is made at the dead request's address. vLLM's manager and
+kvblock's must then give the newcomer the same answer: blocks for an unknown request. Prints
+``reused <tries>`` and exits 0 when they agree.
+
+The newcomer lands on the dead request's address by construction, not by luck: the victim's
+attributes are dropped first (which breaks the cycle through its block-hash partial), so the
+victim is freed at once by ``del``, its object chunk last. glibc's malloc hands the most
+recently freed chunk of a size back to the next allocation of that size, as long as its
+per-thread cache for the size has room (a full one sends the chunk to another list, behind the
+cached ones); so that cache is emptied first, by allocating requests that are kept until the
+end. The very next allocation after the victim's free is the newcomer's ``Request.__new__``;
+its ``__init__`` runs after."""
 
 from __future__ import annotations
 
@@ -15,49 +22,49 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 
 import test_vllm_lockstep_cases as T  # noqa: E402
+from vllm_oracle import get_request_block_hasher  # noqa: E402
 
 
-def _newcomer_at(address: int, tries: int) -> tuple[int, object]:
-    """Make requests (ids ``x<n>``, the victims' tokens) until one lands at ``address``:
-    (tries made, the request or None)."""
-    for n in range(1, tries + 1):
-        gc.collect()  # a vLLM Request is in a cycle (its block-hash partial): it dies here
-        x = T._request(f"x{n}", list(range(1, 7)), 4)
-        if id(x) == address:
-            return n, x
-        del x
-    return tries, None
+def _newcomer_at(address: int) -> Request | None:
+    """A ``Request`` allocated straight after the victim at ``address`` was freed, initialised
+    (id ``x``, the victim's tokens) when it landed there; None when it did not."""
+    x = Request.__new__(Request)  # the first allocation after the victim's free
+    if id(x) != address:
+        return None
+    hasher = get_request_block_hasher(4, sha256)
+    Request.__init__(x, "x", list(range(1, 7)), SamplingParams(max_tokens=64), None, block_hasher=hasher)
+    return x
 
 
 def main() -> int:
-    # a victim whose address never comes back (its chunk taken by another object first: about
-    # half of them on vLLM 0.34) is left holding its 2 blocks; 32 victims make a miss of all
-    # of them unlikely (8 missed in about one run in three)
     v, k = T._both([FullAttentionSpec(block_size=4, **T.A)], 256, 4, 4)
-    total = 0
-    for victim in range(32):
+    for victim in range(1, 33):
         rid = f"r{victim}"
         rv = T._request(rid, list(range(1, 7)), 4)
         T._decode_ready(v, rv)
         rk = T._request(rid, list(range(1, 7)), 4)
         T._decode_ready(k, rk)
         address, alive = id(rk), weakref.ref(rk)
-        gc.collect()
-        gc.freeze()  # the collections below walk only what is made since
+        gc.disable()  # no collection between the free and the newcomer's allocation
+        vars(rk).clear()  # the partial that refers back to it goes: ``del`` frees it now
+        drained = [Request.__new__(Request) for _ in range(64)]  # empties malloc's cache
         del rk
-        n, x = _newcomer_at(address, 4_000)
-        gc.unfreeze()
-        total += n
+        x = _newcomer_at(address)
+        gc.enable()
+        del drained
         if alive() is not None:
             print("the manager kept the dead request alive")
             return 1
         if x is not None:
             break
     else:
-        print(f"no dead request's address was reused in {total} tries")
+        print(f"no dead request's address was reused in {victim} tries")
         return 2
     # the newcomer in the very state of the dead request (prompt computed, one token
     # sampled), so that only its identity tells it apart: vLLM allocates its blocks
@@ -74,7 +81,7 @@ def main() -> int:
     if not [len(b) for b in k.get_block_ids(rid)] == [len(b) for b in v.get_block_ids(rid)] == [2]:
         print("the dead request's blocks changed")
         return 1
-    print(f"reused after {total} tries")
+    print(f"reused after {victim} tries")
     return 0
 
 
