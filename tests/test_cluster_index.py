@@ -222,6 +222,25 @@ def test_instance_name_that_is_not_utf8_is_a_value_error_naming_it(call):
     assert ix.instances() == ["e0"] and ix.match([1, 2]) == {"e0": 2}
 
 
+@pytest.mark.parametrize("call", [
+    lambda ix: ix.add_instance(""),
+    lambda ix: ix.store("", [1, 2]),
+    lambda ix: ix.apply("", encode_batch([BlockStored(block_hashes=[3], parent_block_hash=None, token_ids=[1, 2],
+                                                      block_size=2, lora_id=None, medium="GPU", lora_name=None)], ts=0.0)),
+    lambda ix: ix.touch("", 5),
+])
+def test_empty_instance_name_is_refused_changing_nothing(call):
+    """An instance needs a name (the index service allows 1-128 characters): registering
+    an empty one, directly or by its first event, is a ValueError naming ``name``."""
+    ix = PrefixIndex()
+    ix.store("e0", [1, 2])
+    before = (ix.instances(), ix.num_pairs(), ix.memory_bytes())
+    with pytest.raises(ValueError, match=r"^name: .*empty"):
+        call(ix)
+    assert (ix.instances(), ix.num_pairs(), ix.memory_bytes()) == before
+    assert ix.match([1, 2]) == {"e0": 2} and ix.match([3]) == {}
+
+
 def test_memory_bytes_counts_the_instance_table():
     ix = PrefixIndex()
     empty = ix.memory_bytes()

@@ -305,9 +305,13 @@ impl PrefixIndex {
     // -- instances ---------------------------------------------------------------------------
 
     /// The id of instance `name`, registering it if new (ids of removed instances are reused).
+    /// An empty name is refused (`ValueError` naming `name`), changing nothing.
     pub fn add_instance(&mut self, name: &str) -> Result<u32> {
         if let Some(id) = self.by_name.get(name) {
             return Ok(*id);
+        }
+        if name.is_empty() {
+            return Err(Error::value("name", "an instance name must not be empty"));
         }
         let id = match self.free_ids.pop() {
             Some(id) => id,

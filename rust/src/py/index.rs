@@ -116,7 +116,8 @@ impl PyPrefixIndex {
 
     /// `add_instance(name: str) -> int`: register instance `name` (an engine) and return its
     /// id (the index into `match_dense`'s answer; the same id if already registered; ids of
-    /// removed instances are reused). Raises `ValueError` for a name UTF-8 cannot encode.
+    /// removed instances are reused). Raises `ValueError` naming `name` for an empty name or
+    /// one UTF-8 cannot encode, changing nothing.
     fn add_instance(&mut self, name: &Bound<'_, PyString>) -> PyResult<u32> {
         let name = utf8(name, "name")?;
         self.inner.add_instance(name).py_err()
@@ -141,7 +142,8 @@ impl PyPrefixIndex {
 
     /// `touch(name: str, now_ms: int) -> None`: record that instance `name` was heard from
     /// at `now_ms` (milliseconds on the caller's clock; the later of this and the last time
-    /// is kept), for :meth:`expire`. Raises `ValueError` naming `now_ms` for a negative time.
+    /// is kept), for :meth:`expire`; `name` is registered if new. Raises `ValueError` naming
+    /// `now_ms` for a negative time, naming `name` for an empty name; nothing changes then.
     fn touch(
         &mut self,
         name: &Bound<'_, PyString>,
@@ -194,8 +196,8 @@ impl PyPrefixIndex {
     /// registered if new and marked heard from at `now_ms` (milliseconds, for `expire`).
     /// Returns the counts of blocks stored, blocks removed, clears and events skipped
     /// (another group or block size). Atomic: a malformed payload raises `ValueError` and
-    /// changes nothing; a payload that is not bytes is a `TypeError`; a negative `now_ms` a
-    /// `ValueError` naming it.
+    /// changes nothing; a payload that is not bytes is a `TypeError`; a negative `now_ms` or
+    /// an empty `name` a `ValueError` naming it.
     #[pyo3(signature = (name, payload, now_ms=0))]
     fn apply(
         &mut self,
