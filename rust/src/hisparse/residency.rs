@@ -144,6 +144,34 @@ pub struct RowMirror {
     pub num_rows: usize,
 }
 
+/// One [`RowMirror`] before its start list is built: the page's device block per resident
+/// group and the first row's offset in the page (a source start is `block * block_size +
+/// offset`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MirrorSpan {
+    pub blocks: CopyBlocks,
+    pub offset: usize,
+    pub destination_start: usize,
+    pub num_rows: usize,
+}
+
+impl MirrorSpan {
+    /// The source starts, one per resident group.
+    pub fn source_starts(&self, block_size: usize) -> impl ExactSizeIterator<Item = usize> + '_ {
+        let off = self.offset;
+        self.blocks.iter().map(move |&b| b as usize * block_size + off)
+    }
+
+    /// The span as a [`RowMirror`].
+    pub fn mirror(&self, block_size: usize) -> RowMirror {
+        RowMirror {
+            source_starts: self.source_starts(block_size).collect(),
+            destination_start: self.destination_start,
+            num_rows: self.num_rows,
+        }
+    }
+}
+
 /// What the worker lacks of one request's residency (vLLM's `SparseKVResidencyUpdate`): the
 /// pages and, per resident group, their block ids (the null block: read from the host).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -344,6 +372,11 @@ impl Residency {
     }
 
     // ---- read-only faces -------------------------------------------------------------------
+
+    /// The page size in tokens (the resident groups' block size).
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
 
     /// The configuration.
     pub fn layout(&self) -> &Layout {
@@ -1024,34 +1057,99 @@ impl Residency {
     /// host block are skipped, their neighbours kept).
     pub fn build_row_mirrors<S: AsRef<str>>(&self, env: &impl Env, requests: &[(S, usize, usize)]) -> Vec<RowMirror> {
         let mut out = Vec::new();
-        if self.layout.resident_groups.is_empty() {
-            return out;
-        }
-        let bs = self.block_size;
         for (request, computed, scheduled) in requests {
-            let request = request.as_ref();
-            let Some(host) = env.table(self.layout.host_group, request) else { continue };
-            if self.layout.resident_groups.iter().any(|&g| env.table(g, request).is_none()) {
-                continue;
-            }
-            let (mut pos, end) = (*computed, computed + scheduled);
-            while pos < end {
-                let (page, off) = (pos / bs, pos % bs);
-                let rows = (bs - off).min(end - pos);
-                pos += rows;
-                let Some(blocks) = self.resident_blocks(env, request, page) else { continue };
-                let Some(&hb) = host.get(page) else { continue };
-                if hb == NULL_BLOCK {
-                    continue;
-                }
-                out.push(RowMirror {
-                    source_starts: blocks.iter().map(|&b| b as usize * bs + off).collect(),
-                    destination_start: hb as usize * bs + off,
-                    num_rows: rows,
-                });
-            }
+            self.row_mirror_spans(env, request.as_ref(), *computed, *scheduled, |s| {
+                out.push(s.mirror(self.block_size));
+            });
         }
         out
+    }
+
+    /// The spans of [`Residency::build_row_mirrors`] for one scheduled row, in order, handed
+    /// to `f` without building their start lists: the request's host and resident tables
+    /// and overlays are looked up once, not per page.
+    pub fn row_mirror_spans(
+        &self,
+        env: &impl Env,
+        request: &str,
+        computed: usize,
+        scheduled: usize,
+        mut f: impl FnMut(MirrorSpan),
+    ) {
+        let n = self.layout.resident_groups.len();
+        if n == 0 {
+            return;
+        }
+        let Some(host) = env.table(self.layout.host_group, request) else { return };
+        if n > INLINE_BLOCKS {
+            // many resident groups: page by page through the general lookup
+            if self.layout.resident_groups.iter().any(|&g| env.table(g, request).is_none()) {
+                return;
+            }
+            self.spans_of(host, computed, scheduled, |page| self.resident_blocks(env, request, page), f);
+            return;
+        }
+        let mut tables: [&[u32]; INLINE_BLOCKS] = [&[]; INLINE_BLOCKS];
+        let mut overlays: [Option<&BTreeMap<usize, u32>>; INLINE_BLOCKS] = [None; INLINE_BLOCKS];
+        for (k, &g) in self.layout.resident_groups.iter().enumerate() {
+            let Some(t) = env.table(g, request) else { return };
+            tables[k] = t;
+        }
+        // overlays are read only once a page is found in every table (the common empty
+        // scheduled row reads none)
+        let mut overlays_read = false;
+        self.spans_of(
+            host,
+            computed,
+            scheduled,
+            |page| {
+                if !overlays_read {
+                    for (k, o) in overlays.iter_mut().enumerate().take(n) {
+                        *o = self.changes[k].get(request);
+                    }
+                    overlays_read = true;
+                }
+                let mut ids = [0; INLINE_BLOCKS];
+                for k in 0..n {
+                    let mut b = *tables[k].get(page)?;
+                    if let Some(c) = overlays[k] {
+                        b = c.get(&page).copied().unwrap_or(b);
+                    }
+                    if b == NULL_BLOCK {
+                        return None;
+                    }
+                    ids[k] = b;
+                }
+                Some(CopyBlocks::Inline { len: n as u8, ids })
+            },
+            &mut f,
+        );
+    }
+
+    /// Walk the pages of rows `computed..computed + scheduled`: each page whose resident
+    /// blocks `blocks_of` finds (None: a page read from the host, skipped) and whose host
+    /// block is set gives one span.
+    fn spans_of(
+        &self,
+        host: &[u32],
+        computed: usize,
+        scheduled: usize,
+        mut blocks_of: impl FnMut(usize) -> Option<CopyBlocks>,
+        mut f: impl FnMut(MirrorSpan),
+    ) {
+        let bs = self.block_size;
+        let (mut pos, end) = (computed, computed + scheduled);
+        while pos < end {
+            let (page, off) = (pos / bs, pos % bs);
+            let rows = (bs - off).min(end - pos);
+            pos += rows;
+            let Some(blocks) = blocks_of(page) else { continue };
+            let Some(&hb) = host.get(page) else { continue };
+            if hb == NULL_BLOCK {
+                continue;
+            }
+            f(MirrorSpan { blocks, offset: off, destination_start: hb as usize * bs + off, num_rows: rows });
+        }
     }
 
     /// `all_context_pages_resident`: every scheduled request reads only device pages.

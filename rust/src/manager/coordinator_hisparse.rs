@@ -94,14 +94,16 @@ impl Coordinator {
     ) -> Result<Option<R>> {
         let Coordinator { managers, reqs, hisparse, .. } = self;
         let Some(tier) = hisparse.as_deref_mut() else { return Ok(None) };
-        let out = {
+        let (out, memo) = {
             let (residency, mut env) = tier.split(managers, reqs, device);
             let fired = env.device_fired();
             if !fired.is_empty() {
                 residency.on_blocks_reused(&env, &fired);
             }
-            f(residency, &mut env)
+            let out = f(residency, &mut env);
+            (out, env.into_memo_buf())
         };
+        tier.keep_memo_buf(memo);
         tier.collect_publications(reqs);
         tier.move_events(device);
         out.map(Some)

@@ -59,6 +59,9 @@ pub struct HiSparseTier {
     hash_block_size: usize,
     /// KV events on (the device pool's `enable_kv_cache_events`, set by `bind_device`).
     host_events: bool,
+    /// The string of [`TierEnv`]'s slot memo, kept between calls with its capacity (no
+    /// allocation per call); its contents mean nothing between calls.
+    memo_buf: String,
 }
 
 impl std::fmt::Debug for HiSparseTier {
@@ -112,6 +115,7 @@ impl HiSparseTier {
             host_caching,
             hash_block_size: cfg.hash_block_size,
             host_events: false,
+            memo_buf: String::new(),
         }))
     }
 
@@ -211,6 +215,11 @@ impl HiSparseTier {
         }
     }
 
+    /// Take back the string of a [`TierEnv`]'s slot memo ([`TierEnv::into_memo_buf`]).
+    pub fn keep_memo_buf(&mut self, buf: String) {
+        self.memo_buf = buf;
+    }
+
     /// Move the host pool's buffered events into `device`'s queue, in recording order.
     pub fn move_events(&mut self, device: &mut BlockPool) {
         device.absorb_events(&mut self.host);
@@ -246,8 +255,8 @@ impl HiSparseTier {
         device: &'a mut BlockPool,
     ) -> (&'a mut Residency, TierEnv<'a>) {
         let host_group = self.residency.layout().host_group;
-        let HiSparseTier { host, residency, publications, .. } = self;
-        let memo = SlotMemo::default();
+        let HiSparseTier { host, residency, publications, memo_buf, .. } = self;
+        let memo = SlotMemo { id: RefCell::new(std::mem::take(memo_buf)), slot: Cell::new(None) };
         (residency, TierEnv { managers, reqs, device, host, publications, host_group, memo })
     }
 }
@@ -274,6 +283,11 @@ pub struct TierEnv<'a> {
 }
 
 impl TierEnv<'_> {
+    /// The slot memo's string, for [`HiSparseTier::keep_memo_buf`].
+    pub fn into_memo_buf(self) -> String {
+        self.memo.id.into_inner()
+    }
+
     fn slot(&self, request: &str) -> Option<usize> {
         if let Some(slot) = self.memo.slot.get() {
             if self.memo.id.borrow().as_str() == request {

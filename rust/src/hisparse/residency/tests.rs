@@ -350,3 +350,31 @@ fn readers_stay_sorted_and_unique() {
     let order: Vec<(&str, usize)> = r.0.iter().map(|(q, p)| (&**q, *p)).collect();
     assert_eq!(order, [("a", 7), ("b", 1)]);
 }
+
+#[test]
+fn row_mirror_spans_match_the_per_page_lookup() {
+    let mut env = TestEnv::new(32, 16);
+    let mut r = Residency::new(layout(32, 128, 8)).unwrap();
+    let (host, dev) = admit(&mut env, "r", 4);
+    // page 1 is read from the host (the overlay's null block), page 3 has no host block
+    assert_eq!(r.drop_resident_page(&env, 0, "r", 1), Some(dev[1]));
+    env.tables.get_mut(&(HOST, "r".to_string())).unwrap()[3] = NULL_BLOCK;
+    for (computed, scheduled) in [(8, 56), (0, 64), (17, 1), (20, 0), (60, 10), (0, 80)] {
+        let mut spans = Vec::new();
+        r.row_mirror_spans(&env, "r", computed, scheduled, |s| spans.push(s));
+        let mut per_page = Vec::new();
+        let host_table = env.table(HOST, "r").unwrap();
+        r.spans_of(host_table, computed, scheduled, |page| r.resident_blocks(&env, "r", page), |s| per_page.push(s));
+        assert_eq!(spans, per_page, "rows {computed}+{scheduled}");
+    }
+    let mirrors = r.build_row_mirrors(&env, &[("r", 8, 56), ("none", 0, 16)]);
+    let expected = vec![
+        RowMirror {
+            source_starts: vec![dev[0] as usize * BS + 8],
+            destination_start: host[0] as usize * BS + 8,
+            num_rows: 8,
+        },
+        RowMirror { source_starts: vec![dev[2] as usize * BS], destination_start: host[2] as usize * BS, num_rows: 16 },
+    ];
+    assert_eq!(mirrors, expected);
+}

@@ -9,6 +9,7 @@
 use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
 
 use super::*;
+use crate::hisparse::residency::MirrorSpan;
 
 /// An instance of `cls` with the fields `names` = `values`: when `fast`, `object.__new__(cls)`
 /// with each field set by `object.__setattr__` in field order (what a plain dataclass's
@@ -69,6 +70,61 @@ pub(super) fn row_ids<'a>(rows: &'a [(Bound<'_, PyString>, usize, usize)]) -> Py
     rows.iter().map(|(id, c, n)| Ok((id.to_str()?, *c, *n))).collect()
 }
 
+/// The one row of a tuple of one row (what vLLM's connector passes to `build_row_mirrors`),
+/// read as [`request_rows`] reads each row; None for any other input.
+fn single_row<'py>(requests: &Bound<'py, PyAny>) -> PyResult<Option<(Bound<'py, PyString>, usize, usize)>> {
+    let Ok(t) = requests.cast_exact::<PyTuple>() else { return Ok(None) };
+    if t.len() != 1 {
+        return Ok(None);
+    }
+    Ok(Some(t.get_borrowed_item(0)?.extract::<(Bound<'py, PyString>, usize, usize)>()?))
+}
+
+impl PyManager {
+    /// The row mirrors of `rows` as a tuple of `mirror_cls` (see
+    /// `_hisparse_row_mirror_objects`): the spans are read from the residency first (its
+    /// borrows released), then the objects made, each start list straight into its tuple.
+    fn row_mirror_objects<'py>(
+        &self,
+        py: Python<'py>,
+        mirror_cls: &Bound<'py, PyType>,
+        fast: bool,
+        rows: &[(&str, usize, usize)],
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        // a decode row has one span: kept inline, the rest in a vector
+        let (bs, first, rest) = self.residency(py, |r, e| {
+            let (mut first, mut rest) = (None, Vec::new());
+            for &(id, c, n) in rows {
+                r.row_mirror_spans(e, id, c, n, |s| match first {
+                    None => first = Some(s),
+                    Some(_) => rest.push(s),
+                });
+            }
+            Ok((r.block_size(), first, rest))
+        })?;
+        let Some(first) = first else { return Ok(PyTuple::empty(py)) };
+        let names =
+            [pyo3::intern!(py, "source_starts"), pyo3::intern!(py, "destination_start"), pyo3::intern!(py, "num_rows")];
+        let object = |m: &MirrorSpan| -> PyResult<Bound<'py, PyAny>> {
+            let values = [
+                PyTuple::new(py, m.source_starts(bs))?.into_any(),
+                m.destination_start.into_pyobject(py)?.into_any(),
+                m.num_rows.into_pyobject(py)?.into_any(),
+            ];
+            new_record(mirror_cls, fast, names, values)
+        };
+        if rest.is_empty() {
+            return PyTuple::new(py, [object(&first)?]);
+        }
+        let mut out = Vec::with_capacity(1 + rest.len());
+        out.push(object(&first)?);
+        for m in &rest {
+            out.push(object(m)?);
+        }
+        PyTuple::new(py, out)
+    }
+}
+
 #[pymethods]
 impl PyManager {
     /// `build_row_mirrors(requests)` (`[(request_id, num_computed_tokens,
@@ -82,21 +138,12 @@ impl PyManager {
         fast: bool,
         requests: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let rows = request_rows(requests)?;
-        let requests = row_ids(&rows)?;
-        let mirrors = self.residency(py, |r, e| Ok(r.build_row_mirrors(e, &requests)))?;
-        let names =
-            [pyo3::intern!(py, "source_starts"), pyo3::intern!(py, "destination_start"), pyo3::intern!(py, "num_rows")];
-        let mut out = Vec::with_capacity(mirrors.len());
-        for m in mirrors {
-            let values = [
-                PyTuple::new(py, m.source_starts)?.into_any(),
-                m.destination_start.into_pyobject(py)?.into_any(),
-                m.num_rows.into_pyobject(py)?.into_any(),
-            ];
-            out.push(new_record(mirror_cls, fast, names, values)?);
+        // the connector passes its rows one at a time, in a tuple: read that row in place
+        if let Some((id, c, n)) = single_row(requests)? {
+            return self.row_mirror_objects(py, mirror_cls, fast, &[(request_id_str(&id)?, c, n)]);
         }
-        PyTuple::new(py, out)
+        let rows = request_rows(requests)?;
+        self.row_mirror_objects(py, mirror_cls, fast, &row_ids(&rows)?)
     }
 
     /// `build_offload_command()`: the planned spills, taken, as `command_cls(page_transfers=[
