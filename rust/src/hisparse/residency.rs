@@ -273,6 +273,22 @@ impl<V: Default> ByBlock<V> {
     }
 }
 
+/// `table[start..]` with `overlay`'s blocks in place of the table's (vLLM's
+/// `get_residency_row`): the table copied once and the overlay's entries within it written
+/// over it, not one overlay lookup per page. Empty when `start` is past the table.
+pub fn overlaid_row(table: &[u32], overlay: Option<&BTreeMap<usize, u32>>, start: usize) -> Vec<u32> {
+    let Some(tail) = table.get(start..) else { return Vec::new() };
+    let mut row = tail.to_vec();
+    if let Some(o) = overlay {
+        if !row.is_empty() {
+            for (&p, &b) in o.range(start..table.len()) {
+                row[p - start] = b;
+            }
+        }
+    }
+    row
+}
+
 fn cdiv(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
@@ -486,8 +502,28 @@ impl Residency {
     /// the overlay applied (host-only pages as the null block).
     pub fn get_residency_row(&self, env: &impl Env, k: usize, request: &str, start: usize) -> Vec<u32> {
         let table = env.table(self.layout.resident_groups[k], request).unwrap_or(&[]);
-        let c = self.changes[k].get(request);
-        (start..table.len()).map(|i| c.and_then(|c| c.get(&i).copied()).unwrap_or(table[i])).collect()
+        overlaid_row(table, self.changes[k].get(request), start)
+    }
+
+    /// True if resident group `k`'s residency row of `request` (from page 0) reads a page
+    /// from the host (the null block), as `get_residency_row(request, 0).contains(null)`
+    /// without building the row.
+    fn row_reads_host(&self, env: &impl Env, k: usize, request: &str) -> bool {
+        let table = env.table(self.layout.resident_groups[k], request).unwrap_or(&[]);
+        let overlay = self.changes[k].get(request).filter(|o| !o.is_empty());
+        let Some(o) = overlay else { return table.contains(&NULL_BLOCK) };
+        // the table and the overlay's entries within it, merged in one pass
+        let mut changes = o.range(..table.len()).peekable();
+        table.iter().enumerate().any(|(i, &t)| {
+            let b = match changes.peek() {
+                Some(&(&p, &b)) if p == i => {
+                    changes.next();
+                    b
+                }
+                _ => t,
+            };
+            b == NULL_BLOCK
+        })
     }
 
     /// `drop_resident_page`: stop reading the page from the device; the block it was read
@@ -619,7 +655,12 @@ impl Residency {
         }
         let s = self.state_id(request);
         let st = self.st(s);
-        st.valid_pages.extend(0..n);
+        if st.valid_pages.is_empty() {
+            // a new request's clean prefix: built in one sorted pass, not page by page
+            st.valid_pages = (0..n).collect();
+        } else {
+            st.valid_pages.extend(0..n);
+        }
         st.ready_prefix_pages = st.ready_prefix_pages.max(n);
         st.pages_to_adopt = st.pages_to_adopt.max(n);
         st.copies_recorded_blocks = st.copies_recorded_blocks.max(n);
@@ -1168,9 +1209,7 @@ impl Residency {
             if self.resident_requests.contains(request) {
                 continue;
             }
-            if (0..self.layout.resident_groups.len())
-                .any(|k| self.get_residency_row(env, k, request, 0).contains(&NULL_BLOCK))
-            {
+            if (0..self.layout.resident_groups.len()).any(|k| self.row_reads_host(env, k, request)) {
                 return false;
             }
             self.resident_requests.insert(request.to_string());

@@ -90,13 +90,7 @@ pub fn resident_page(st: &ReqState, overlay: Option<&BTreeMap<usize, u32>>, page
 /// the overlay applied (host-only pages stay the null block).
 pub fn residency_row(st: &ReqState, overlay: Option<&BTreeMap<usize, u32>>, start: usize) -> Vec<u32> {
     let blocks: &[u32] = if st.present { &st.blocks } else { &[] };
-    let tail = blocks.get(start..).unwrap_or(&[]);
-    match overlay {
-        Some(o) if !o.is_empty() => {
-            tail.iter().enumerate().map(|(i, &b)| o.get(&(start + i)).copied().unwrap_or(b)).collect()
-        }
-        _ => tail.to_vec(),
-    }
+    crate::hisparse::residency::overlaid_row(blocks, overlay, start)
 }
 
 /// `HiSparseResidentManager.get_num_blocks_to_allocate`. An external import

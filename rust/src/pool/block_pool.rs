@@ -41,6 +41,69 @@ impl BlockMeta {
     const FREE: BlockMeta = BlockMeta { ref_cnt: 0, key_slot: NO_KEY, key_tokens: NO_TOKENS, generation: 0 };
 }
 
+/// The reuse watchers of [`BlockPool::unpin_blocks`], by block id: `(order of first
+/// registration, watcher id)`, order 0 for a block with none. A vector indexed by the id,
+/// sized for the pool on the first registration (empty until then), not a hash map:
+/// `get_new_blocks` asks for every block it hands out while any watcher is recorded.
+#[derive(Clone, Default)]
+struct Watchers {
+    by_block: Vec<(u64, u64)>,
+    /// Blocks with a watcher.
+    len: usize,
+}
+
+impl Watchers {
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size the table for `num_blocks` blocks (a no-op once sized). Errors: the allocation
+    /// failed ([`Error::Memory`]), nothing changed.
+    fn reserve(&mut self, num_blocks: usize) -> Result<()> {
+        if self.by_block.len() < num_blocks {
+            self.by_block = Error::try_vec("the reuse watchers", num_blocks, (0, 0))?;
+        }
+        Ok(())
+    }
+
+    /// Watch block `b` (below the size [`Watchers::reserve`] made) for `watcher`: a block
+    /// watched already keeps its order and takes the new watcher, a new one the next order.
+    fn register(&mut self, b: u32, watcher: u64, seq: &mut u64) {
+        if let Some(e) = self.by_block.get_mut(b as usize) {
+            if e.0 == 0 {
+                *seq += 1;
+                *e = (*seq, watcher);
+                self.len += 1;
+            } else {
+                e.1 = watcher;
+            }
+        }
+    }
+
+    /// Block `b`'s `(order, watcher)`, forgotten.
+    fn remove(&mut self, b: u32) -> Option<(u64, u64)> {
+        let e = self.by_block.get_mut(b as usize)?;
+        if e.0 == 0 {
+            return None;
+        }
+        self.len -= 1;
+        Some(std::mem::take(e))
+    }
+
+    /// The watched blocks and their `(order, watcher)`, by block id.
+    fn iter(&self) -> impl Iterator<Item = (u32, (u64, u64))> + '_ {
+        self.by_block.iter().enumerate().filter(|(_, e)| e.0 != 0).map(|(b, &e)| (b as u32, e))
+    }
+
+    /// Forget every watcher (the table keeps its size).
+    fn clear(&mut self) {
+        if self.len > 0 {
+            self.by_block.iter_mut().for_each(|e| *e = (0, 0));
+            self.len = 0;
+        }
+    }
+}
+
 /// The block pool.
 #[derive(Clone)]
 pub struct BlockPool {
@@ -55,7 +118,7 @@ pub struct BlockPool {
     /// `unpin_blocks` reuse watchers: block -> (order of first registration, caller's watcher
     /// id). vLLM keeps them in a dict: re-registering a block keeps its place, a fired one
     /// loses it; a reset fires them in that order.
-    watchers: HashMap<u32, (u64, u64)>,
+    watchers: Watchers,
     /// The next registration order of `watchers`.
     watcher_seq: u64,
     /// Watchers that fired (block, watcher id), for the caller to notify.
@@ -108,7 +171,7 @@ impl BlockPool {
             num_hash_lookahead_tokens: 0,
             meta: Error::try_vec("the block arena", num_blocks, BlockMeta::FREE)?,
             secondary: HashMap::new(),
-            watchers: HashMap::new(),
+            watchers: Watchers::default(),
             watcher_seq: 0,
             fired: Vec::new(),
             queue,
@@ -554,7 +617,7 @@ impl BlockPool {
         }
         if !self.watchers.is_empty() {
             for &b in &out[start..] {
-                if let Some((_, w)) = self.watchers.remove(&b) {
+                if let Some((_, w)) = self.watchers.remove(b) {
                     self.fired.push((b, w));
                 }
             }
@@ -741,6 +804,9 @@ impl BlockPool {
         if let Some(b) = short {
             return Err(Error::Assertion(format!("unpin_blocks: block {b} holds fewer references than released")));
         }
+        // the watchers' table is sized for the pool on the first registration, before anything
+        // changes (a failed allocation leaves the pool as it was)
+        self.watchers.reserve(self.num_blocks)?;
         self.release_watched(ids, watcher);
         Ok(())
     }
@@ -751,11 +817,7 @@ impl BlockPool {
         let mut released = Vec::new();
         for &b in ids {
             self.meta[b as usize].ref_cnt -= 1;
-            let seq = &mut self.watcher_seq;
-            self.watchers.entry(b).and_modify(|e| e.1 = watcher).or_insert_with(|| {
-                *seq += 1;
-                (*seq, watcher)
-            });
+            self.watchers.register(b, watcher, &mut self.watcher_seq);
             if self.meta[b as usize].ref_cnt == 0 {
                 released.push(b);
             }
@@ -812,7 +874,7 @@ impl BlockPool {
     /// The recorded reuse watchers, `(block, watcher id)` in the order the blocks were first
     /// registered (vLLM's `_reuse_watchers` dict order).
     pub fn watched_blocks(&self) -> Vec<(u32, u64)> {
-        let mut v: Vec<_> = self.watchers.iter().map(|(&b, &(order, w))| (order, b, w)).collect();
+        let mut v: Vec<_> = self.watchers.iter().map(|(b, (order, w))| (order, b, w)).collect();
         v.sort_unstable();
         v.into_iter().map(|(_, b, w)| (b, w)).collect()
     }
@@ -1091,7 +1153,8 @@ impl BlockPool {
         }
         self.map.clear();
         self.secondary.clear();
-        let mut w: Vec<(u64, u32, u64)> = self.watchers.drain().map(|(b, (seq, w))| (seq, b, w)).collect();
+        let mut w: Vec<(u64, u32, u64)> = self.watchers.iter().map(|(b, (seq, w))| (seq, b, w)).collect();
+        self.watchers.clear();
         w.sort_unstable();
         self.fired.extend(w.into_iter().map(|(_, b, w)| (b, w)));
         self.meta.iter_mut().for_each(|m| {

@@ -378,3 +378,44 @@ fn row_mirror_spans_match_the_per_page_lookup() {
     ];
     assert_eq!(mirrors, expected);
 }
+
+#[test]
+fn overlaid_rows_match_the_per_page_lookup() {
+    // vLLM's get_residency_row: table[start..] with each page's overlay entry, if any
+    let naive = |t: &[u32], o: Option<&BTreeMap<usize, u32>>, start: usize| -> Vec<u32> {
+        (start..t.len()).map(|i| o.and_then(|o| o.get(&i).copied()).unwrap_or(t[i])).collect()
+    };
+    let table: Vec<u32> = vec![NULL_BLOCK, 7, 8, NULL_BLOCK, 9, 10];
+    let overlays: Vec<BTreeMap<usize, u32>> = vec![
+        BTreeMap::new(),
+        [(1, NULL_BLOCK), (4, NULL_BLOCK)].into_iter().collect(),
+        [(0, 21), (3, 22)].into_iter().collect(),
+        // entries past the table are not part of the row
+        [(2, NULL_BLOCK), (6, 30), (40, 31)].into_iter().collect(),
+    ];
+    for t in [&table[..], &table[..3], &[][..]] {
+        for o in overlays.iter().map(Some).chain([None]) {
+            for start in 0..8 {
+                assert_eq!(overlaid_row(t, o, start), naive(t, o, start), "{t:?} {o:?} {start}");
+            }
+        }
+    }
+}
+
+#[test]
+fn all_context_pages_resident_reads_the_overlay() {
+    let mut env = TestEnv::new(64, 64);
+    let mut r = Residency::new(layout(64, 1024, 64)).unwrap();
+    let (_, blocks) = admit(&mut env, "a", 3);
+    let rows = [("a", 0usize, 3 * BS)];
+    assert!(r.all_context_pages_resident(&env, &rows));
+    // a dropped page reads from the host (the row has the null block there)
+    r.resident_requests.clear();
+    assert_eq!(r.drop_resident_page(&env, 0, "a", 1), Some(blocks[1]));
+    assert!(r.get_residency_row(&env, 0, "a", 0).contains(&NULL_BLOCK));
+    assert!(!r.all_context_pages_resident(&env, &rows));
+    // adopting a block for it makes every page resident again
+    assert!(r.adopt_resident_page(&env, 0, "a", 1, blocks[1]));
+    assert!(!r.get_residency_row(&env, 0, "a", 0).contains(&NULL_BLOCK));
+    assert!(r.all_context_pages_resident(&env, &rows));
+}
