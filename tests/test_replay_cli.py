@@ -135,6 +135,10 @@ def test_mooncake_trace_slice(capsys):
     (["sweep", "builtin:shared-prompt", "--capacities", "1k", "--bogus"], "unrecognized arguments: --bogus"),
     (["replay", "--num-blocks", "8GiB"], "expected a block count such as 1000, 10k or inf ("),
     (["replay", "--instances", "2", "--load-weight", "inf"], "--load-weight must be a finite number >= 0"),
+    # a guessed --trace (the trace is positional) was read as an abbreviation of
+    # --trace-block-size; options are not abbreviated
+    (["replay", "--trace", "t.jsonl"], "unrecognized arguments: --trace ("),
+    (["replay", "--num", "1k"], "unrecognized arguments: --num ("),
 ])
 def test_user_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = run_cli(capsys, *argv)

@@ -635,7 +635,12 @@ class _Version(argparse.Action):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error message (``kvblock: error: ...``, exit status 2)."""
+    """argparse with a one-line error message (``kvblock: error: ...``, exit status 2), and no
+    abbreviated options (a guessed ``--trace`` would otherwise be read as ``--trace-block-size``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, _usage_message(message, self.prog))
