@@ -866,3 +866,51 @@ def test_refused_adoption_of_a_partial_hybrid_hit_leaves_no_table():
     assert _state(k) == before
     assert all("r1" not in stm.req_to_blocks for stm in k.coordinator.single_type_managers)
     assert k.take_events() == []
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize("events", [False, True])
+def test_decode_steps_across_block_boundaries_take_vllms_blocks_until_the_pool_runs_out(groups, lookahead, events):
+    """kvblock answers a running request's block-boundary ``allocate_slots`` (every group full
+    attention, nothing newly full to cache, slots past its tables) by appending the blocks
+    itself, past the full path's reads and checks (``grow_at`` in ``py/manager/state.rs``).
+    Two requests decode side by side in a pool that cached a finished request's blocks: every
+    call returns vLLM's blocks (evicting the cached ones in vLLM's order) and leaves vLLM's
+    state, up to and past the step where the pool runs out (None, nothing changed). The
+    growth path answers the boundary calls with the fast paths on and KV events off, and no
+    call with events on (the full path makes their events)."""
+    specs = [FullAttentionSpec(block_size=4, **A) for _ in range(groups)]
+    v, k = _both(specs, 1 + 12 * groups, 4, 4, enable_kv_cache_events=events)
+    done_v, done_k = (_request("done", list(range(200, 212)), 4) for _ in range(2))
+    for m, r in ((v, done_v), (k, done_k)):  # a finished request leaves 3 cached blocks behind
+        assert m.allocate_slots(r, 12) is not None
+        m.free(r)
+    pairs = [tuple(_request(rid, list(range(1 + 10 * i, 6 + 10 * i)), 4) for _ in range(2)) for i, rid in
+             enumerate(("a", "b"))]
+    for rv, rk in pairs:
+        _same(v, k, lambda: v.allocate_slots(rv, 5), lambda: k.allocate_slots(rk, 5))
+        for r in (rv, rk):
+            r.num_computed_tokens = 5
+    refused = 0
+    for step in range(40):
+        for rv, rk in pairs:
+            got = _same(v, k, lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=lookahead),
+                        lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=lookahead))
+            if got is None:
+                refused += 1
+                continue
+            assert not isinstance(got, Exception)
+            for r in (rv, rk):
+                r.num_computed_tokens += 1
+                r.append_output_token_ids(300 + step)
+            _same(v, k, lambda: v.cache_blocks(rv, rv.num_computed_tokens),
+                  lambda: k.cache_blocks(rk, rk.num_computed_tokens))
+    assert refused > 0  # the pool ran out
+    if events:
+        assert v.take_events() == k.take_events()
+    grew = _CORE._growth_calls(k)
+    if _core.FAST_PATHS and not events:
+        assert grew > 0
+    else:
+        assert grew == 0

@@ -678,6 +678,7 @@ impl KVCacheManager {
     /// full block to cache or the inputs are strict, `num_in_flight_tokens` only for sliding
     /// window groups). The binding answers vLLM's decode steps this way, reading nothing but
     /// `request.num_computed_tokens` from the request.
+    #[link_section = ".text.kvblock_hot"]
     pub fn allocate_is_noop_at(
         &self,
         slot: usize,
@@ -686,16 +687,7 @@ impl KVCacheManager {
         num_in_flight_tokens: Option<usize>,
         a: &AllocArgs<'_>,
     ) -> Option<bool> {
-        if a.new_computed.is_some()
-            || a.num_new_tokens == 0
-            || a.num_new_computed_tokens != 0
-            || a.num_external_computed_tokens != 0
-            || a.num_encoder_tokens != 0
-            || a.full_sequence_must_fit
-            || a.reserved_blocks != 0
-            || !a.skip_zeroing_group_ids.is_empty()
-            || self.watermark_blocks != 0
-        {
+        if !self.running_step_args(a) {
             return Some(false);
         }
         if self.caller.is_kvblock() && num_tokens? > self.max_model_len {
@@ -773,7 +765,84 @@ impl KVCacheManager {
         self.cache_is_noop_at(slot, num_computed_tokens)
     }
 
+    /// True for the arguments of a running request's step (no hit blocks or external tokens
+    /// to adopt, no encoder tokens, no reserve, no whole-sequence fit, no zeroing skipped) on a
+    /// manager without a watermark: the calls [`KVCacheManager::allocate_is_noop_at`] and
+    /// [`KVCacheManager::growth_blocks_at`] answer.
+    #[inline(always)]
+    fn running_step_args(&self, a: &AllocArgs<'_>) -> bool {
+        a.new_computed.is_none()
+            && a.num_new_tokens != 0
+            && a.num_new_computed_tokens == 0
+            && a.num_external_computed_tokens == 0
+            && a.num_encoder_tokens == 0
+            && !a.full_sequence_must_fit
+            && a.reserved_blocks == 0
+            && a.skip_zeroing_group_ids.is_empty()
+            && self.watermark_blocks == 0
+    }
+
+    /// For an `allocate_slots` call [`KVCacheManager::allocate_is_noop_at`] found not to be a
+    /// no-op: when all the call would do is append new blocks to the request's tables (every
+    /// group plain full attention, the request in `slot` holding a table in each with no
+    /// partial hit, nothing newly full to cache, no verify on hit, and more slots asked for
+    /// than its tables cover: a decode step at a block boundary), the number of blocks it
+    /// takes over all groups, as `get_num_blocks_to_allocate` counts them. None for any other
+    /// call (the full path runs). `num_tokens` is the request's token count.
+    pub fn growth_blocks_at(
+        &self,
+        slot: usize,
+        num_computed_tokens: usize,
+        num_tokens: usize,
+        a: &AllocArgs<'_>,
+    ) -> Option<usize> {
+        if !self.plain_full_attention || self.verify.is_some() || a.delay_cache_blocks || !self.running_step_args(a) {
+            return None;
+        }
+        if self.caller.is_kvblock() && num_tokens > self.max_model_len {
+            return None; // the full path raises
+        }
+        let bs = self.coord.hash_block_size;
+        let total = num_computed_tokens.min(self.max_model_len);
+        let need_slot =
+            total.saturating_add(a.num_new_tokens).saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
+        let to_cache = total.saturating_add(a.num_new_tokens).min(num_tokens);
+        let mut need = 0;
+        for (gid, m) in self.coord.managers.iter().enumerate() {
+            let r = m.req(slot)?;
+            if !r.present || r.partial_hit.is_some() {
+                return None;
+            }
+            if self.enable_caching {
+                let c = r.num_cached?;
+                if c < self.coord.num_cacheable_tokens(to_cache, gid) / bs {
+                    return None; // a newly full block to cache
+                }
+            }
+            need += cdiv(need_slot, bs).saturating_sub(r.blocks.len());
+        }
+        (need > 0).then_some(need)
+    }
+
+    /// `allocate_slots` for a call [`KVCacheManager::growth_blocks_at`] answered (the caller
+    /// has checked that the pool holds that many free blocks): the new blocks appended to the
+    /// request's tables, per group, exactly as the full path takes them (its remaining steps
+    /// change nothing for such a call).
+    pub fn allocate_growth_at(
+        &mut self,
+        pool: &mut BlockPool,
+        slot: usize,
+        request_id: &str,
+        num_computed_tokens: usize,
+        a: &AllocArgs<'_>,
+    ) -> Result<Vec<Vec<u32>>> {
+        let num_tokens_main = num_computed_tokens.min(self.max_model_len).saturating_add(a.num_new_tokens);
+        let need_slot = num_tokens_main.saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
+        self.coord.allocate_new_blocks(pool, slot, request_id, need_slot, num_tokens_main, 0)
+    }
+
     /// [`KVCacheManager::cache_is_noop`] for the request in `slot`.
+    #[link_section = ".text.kvblock_hot"]
     pub fn cache_is_noop_at(&self, slot: usize, num_computed_tokens: usize) -> bool {
         if !self.enable_caching {
             return true;

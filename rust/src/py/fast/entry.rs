@@ -68,6 +68,7 @@ unsafe fn exact_count(o: *mut ffi::PyObject) -> Option<usize> {
 /// # Safety
 /// The arguments are those CPython passes a fastcall method: `args` holds `nargs` positional
 /// arguments and then one value per name in `kwnames` (a tuple, or NULL).
+#[link_section = ".text.kvblock_hot"]
 unsafe fn fast_allocate_slots<'py>(
     py: Python<'py>,
     e: &Entry,
@@ -110,6 +111,7 @@ unsafe fn fast_allocate_slots<'py>(
 ///
 /// # Safety
 /// As for [`fast_allocate_slots`].
+#[link_section = ".text.kvblock_hot"]
 unsafe fn fast_cache_blocks<'py>(
     py: Python<'py>,
     _e: &Entry,
@@ -247,6 +249,7 @@ type Fast = for<'py> unsafe fn(
 ///
 /// # Safety
 /// Called by CPython as a fastcall method, with the GIL held.
+#[link_section = ".text.kvblock_hot"]
 unsafe fn run(
     cell: &PyOnceLock<Entry>,
     fast: Fast,
@@ -266,6 +269,7 @@ unsafe fn run(
     }
 }
 
+#[link_section = ".text.kvblock_hot"]
 unsafe extern "C" fn allocate_slots_entry(
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
@@ -276,6 +280,7 @@ unsafe extern "C" fn allocate_slots_entry(
     unsafe { run(&ALLOCATE_SLOTS, fast_allocate_slots, slf, args, nargs, kwnames) }
 }
 
+#[link_section = ".text.kvblock_hot"]
 unsafe extern "C" fn cache_blocks_entry(
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,

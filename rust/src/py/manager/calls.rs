@@ -25,6 +25,12 @@ impl PyManager {
         Ok(self.state.borrow(py)?.slots.len())
     }
 
+    /// The number of `allocate_slots` calls the block-boundary growth path answered (for
+    /// tests: that it runs, and only where it may).
+    fn _growth_calls(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.state.borrow(py)?.growth_calls)
+    }
+
     /// `get_computed_blocks(request, max_cache_hit_length=None) -> (KVCacheBlocks,
     /// num_computed_tokens, shared_prefix_boundary)`: the longest prefix every group has
     /// cached, capped at `max_cache_hit_length` (default `request.num_tokens - 1`). No

@@ -122,6 +122,8 @@ struct Prior<'py> {
     num_computed: Option<usize>,
     /// `(num_tokens, num_in_flight_tokens)`.
     counts: Option<(usize, usize)>,
+    /// `num_tokens` alone (read without `num_in_flight_tokens`).
+    num_tokens: Option<usize>,
 }
 
 /// What the manager reads from a request object.
@@ -231,6 +233,8 @@ struct ManagerState {
     clock: Option<Py<PyAny>>,
     /// Request object → slot, for the no-op calls of running requests.
     slots: SlotCache,
+    /// `allocate_slots` calls answered by the block-boundary growth path (`grow_at`), for tests.
+    growth_calls: u64,
     /// Verify on hit: how request contents are read (None: off).
     reader: Option<ContentReader>,
 }
@@ -269,6 +273,7 @@ impl PyManager {
     /// `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` with every other
     /// argument at its default, for `fast/entry.rs`: the method's very steps, reads and
     /// errors, without its argument parsing (the caller has checked both counts).
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn fast_allocate_slots<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -300,6 +305,7 @@ impl PyManager {
     }
 
     /// `cache_blocks(request, num_computed_tokens)` for `fast/entry.rs`, likewise.
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn fast_cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,

@@ -108,9 +108,9 @@ impl ManagerState {
             Some(n) => n,
             None => field_count(&f.get(request, Field::NumComputedTokens)?, "request.num_computed_tokens")?,
         };
-        let num_tokens = match prior.counts {
-            Some((n, _)) => n,
-            None => self.num_tokens(request)?,
+        let num_tokens = match (prior.counts, prior.num_tokens) {
+            (Some((n, _)), _) | (None, Some(n)) => n,
+            (None, None) => self.num_tokens(request)?,
         };
         let num_prompt_tokens = match self.vllm_field(request, Field::NumPromptTokens)? {
             Some(v) => field_count(&v, "request.num_prompt_tokens")?,
@@ -206,6 +206,7 @@ impl ManagerState {
     /// request object and its `num_computed_tokens` (its token and in-flight counts only when
     /// needed); otherwise the request's view, hashes and content are read and checked, then
     /// the allocation is made in the pool.
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn allocate<'py>(
         &mut self,
         py: Python<'py>,
@@ -224,8 +225,86 @@ impl ManagerState {
                 if me.noop_at(request, slot, args, &mut prior)? {
                     return me.empty(py);
                 }
+                if let Some(blocks) = me.grow_at(py, request, slot, args, &mut prior)? {
+                    return Ok(blocks);
+                }
             }
         }
+        me.allocate_work(py, request, args, adopts_hits, known, prior)
+    }
+
+    /// `allocate_slots` for a running request at a block boundary, when all the call does is
+    /// append blocks to its tables ([`KVCacheManager::growth_blocks_at`]): those blocks taken
+    /// and returned without the full path's other reads and checks, which change nothing for
+    /// such a call. It reads `request.request_id` and `request.num_tokens`, in the full path's
+    /// order (their errors are the full path's), and keeps them in `prior`. None, with nothing
+    /// changed, for any other call and where the full path has more to do: the pool short of
+    /// blocks (the full path then returns None), KV events or retention on, or the fast paths
+    /// off (`KVBLOCK_NO_FAST_PATHS`: that run keeps the full path's answers to compare).
+    #[inline(never)]
+    fn grow_at<'py>(
+        &mut self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        slot: usize,
+        args: &AllocArgs<'_>,
+        prior: &mut Prior<'py>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let me = self;
+        if !me.inner.plain_full_attention || !crate::py::fast::enabled() || me.inner.retention.has_ttl_pins() {
+            return Ok(None);
+        }
+        let Some(num_computed) = prior.num_computed else { return Ok(None) };
+        let pool = me.pool.bind(py).clone();
+        let (free, plain_pool) = {
+            let p = pool.get().state.borrow(py)?;
+            (p.inner.num_free_blocks(), !p.inner.events_enabled() && p.inner.retention().is_none())
+        };
+        if !plain_pool {
+            return Ok(None);
+        }
+        let id = match &prior.id {
+            Some(id) => id.clone(),
+            None => {
+                let id = me.id_of(request)?;
+                prior.id = Some(id.clone());
+                id
+            }
+        };
+        let num_tokens = match (prior.counts, prior.num_tokens) {
+            (Some((n, _)), _) | (None, Some(n)) => n,
+            (None, None) => {
+                let n = me.num_tokens(request)?;
+                prior.num_tokens = Some(n);
+                n
+            }
+        };
+        let Some(need) = me.inner.growth_blocks_at(slot, num_computed, num_tokens, args) else { return Ok(None) };
+        if need > free {
+            return Ok(None);
+        }
+        let mut p = pool.get().state.borrow_mut(py)?;
+        let new = me.inner.allocate_growth_at(&mut p.inner, slot, request_id_str(&id)?, num_computed, args);
+        sync_kept_tags(&me.inner.coord, &mut p);
+        drop(p);
+        me.growth_calls += 1;
+        me.blocks_of(py, new.py_err()?).map(Some)
+    }
+
+    /// [`ManagerState::allocate`] past its no-op check: `known` and `prior` are what the check
+    /// found and read. Kept out of line, so that the no-op check's code stays small and
+    /// together (see `HOT`).
+    #[inline(never)]
+    fn allocate_work<'py>(
+        &mut self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        args: &AllocArgs<'_>,
+        adopts_hits: bool,
+        known: Option<usize>,
+        prior: Prior<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let me = self;
         let v = me.view_after(request, args.has_scheduled_reqs, prior)?;
         // the slot found for the request object, if it is its id's slot (else looked up by id)
         let known = match known {
@@ -268,6 +347,7 @@ impl ManagerState {
     /// `cache_blocks(request, n)` once `n` is read: nothing to do with caching off or with no
     /// newly full block (then only the request's slot is looked up), else the request's view
     /// and hashes are read and checked and its newly full blocks cached.
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn cache(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>, n: usize) -> PyResult<()> {
         let me = self;
         if !me.inner.enable_caching {
@@ -280,6 +360,19 @@ impl ManagerState {
                 return Ok(());
             }
         }
+        me.cache_work(py, request, n, id)
+    }
+
+    /// [`ManagerState::cache`] past its no-op check (out of line, as `allocate_work`).
+    #[inline(never)]
+    fn cache_work<'py>(
+        &mut self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        n: usize,
+        id: Option<Bound<'py, PyString>>,
+    ) -> PyResult<()> {
+        let me = self;
         let v = me.view_after(request, false, Prior { id, ..Prior::default() })?;
         let hashes = me.hashes(request)?;
         let content = {
@@ -302,6 +395,7 @@ impl ManagerState {
     /// `request.num_computed_tokens`, and its token and in-flight counts only when needed
     /// (at a block boundary); the slot cache has already checked its id. What it read goes
     /// into `prior`, for [`ManagerState::view_after`].
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn noop_at(
         &self,
         request: &Bound<'_, PyAny>,
@@ -329,6 +423,7 @@ impl ManagerState {
     /// address when it was seen before (see `fast/slot_cache.rs`), else from its id's characters;
     /// None for a request the manager does not hold. Also returns the `request_id` it read, if
     /// it read one (for [`ManagerState::view_after`]).
+    #[link_section = ".text.kvblock_hot"]
     pub(super) fn known_slot<'py>(
         &mut self,
         request: &Bound<'py, PyAny>,
