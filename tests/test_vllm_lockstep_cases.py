@@ -873,13 +873,15 @@ def test_refused_adoption_of_a_partial_hybrid_hit_leaves_no_table():
 @pytest.mark.parametrize("events", [False, True])
 def test_decode_steps_across_block_boundaries_take_vllms_blocks_until_the_pool_runs_out(groups, lookahead, events):
     """kvblock answers a running request's block-boundary ``allocate_slots`` (every group full
-    attention, nothing newly full to cache, slots past its tables) by appending the blocks
-    itself, past the full path's reads and checks (``grow_at`` in ``py/manager/state.rs``).
-    Two requests decode side by side in a pool that cached a finished request's blocks: every
-    call returns vLLM's blocks (evicting the cached ones in vLLM's order) and leaves vLLM's
+    attention) that only appends blocks (slots past its tables, nothing newly full to cache)
+    or only caches a newly full block past the full path's other reads and checks
+    (``boundary_at`` in ``py/manager/state.rs``).
+    Two requests decode side by side in a pool that cached a finished request's blocks (skipping
+    the caching after every third step, so that some calls have a full block to cache): every call returns
+    vLLM's blocks (evicting the cached ones in vLLM's order) and leaves vLLM's
     state, up to and past the step where the pool runs out (None, nothing changed). The
-    growth path answers the boundary calls with the fast paths on and KV events off, and no
-    call with events on (the full path makes their events)."""
+    boundary path answers calls of both kinds with the fast paths on and KV events off, and
+    no call with events on (the full path makes their events)."""
     specs = [FullAttentionSpec(block_size=4, **A) for _ in range(groups)]
     v, k = _both(specs, 1 + 12 * groups, 4, 4, enable_kv_cache_events=events)
     done_v, done_k = (_request("done", list(range(200, 212)), 4) for _ in range(2))
@@ -904,13 +906,15 @@ def test_decode_steps_across_block_boundaries_take_vllms_blocks_until_the_pool_r
             for r in (rv, rk):
                 r.num_computed_tokens += 1
                 r.append_output_token_ids(300 + step)
-            _same(v, k, lambda: v.cache_blocks(rv, rv.num_computed_tokens),
-                  lambda: k.cache_blocks(rk, rk.num_computed_tokens))
+            if step % 3 != 2:  # else the next call caches the block that filled
+                _same(v, k, lambda: v.cache_blocks(rv, rv.num_computed_tokens),
+                      lambda: k.cache_blocks(rk, rk.num_computed_tokens))
     assert refused > 0  # the pool ran out
     if events:
         assert v.take_events() == k.take_events()
-    grew = _CORE._growth_calls(k)
+    grew, cached = _CORE._boundary_calls(k)
     if _core.FAST_PATHS and not events:
-        assert grew > 0
+        # with lookahead the slots run a block ahead, so a block fills in a call that takes none
+        assert grew > 0 and (cached > 0) == (lookahead > 0)
     else:
-        assert grew == 0
+        assert (grew, cached) == (0, 0)

@@ -416,6 +416,75 @@ mod pool_and_manager {
             p.check_invariants().unwrap();
         }
     }
+
+    #[test]
+    fn boundary_steps_do_what_the_full_call_does() {
+        // boundary_step_at / allocate_growth_at (the binding's block-boundary path): where a
+        // decode step's call only appends blocks, or only caches a newly full block, doing
+        // just that leaves the manager and pool as the full allocate_slots does, with the same
+        // blocks returned; both kinds happen, so the check bites
+        use _core::manager::BoundaryStep;
+        for lookahead in [0, 2] {
+            let cfg = config(vec![group(Kind::FullAttention, 4, 0), group(Kind::FullAttention, 4, 1)], 64, 4);
+            let mut m = KVCacheManager::new(&cfg).unwrap();
+            let mut p = BlockPool::new(64, true, 4, false).unwrap();
+            let mut tokens: Vec<i64> = (0..10).collect();
+            admit(&mut m, &mut p, "a", &tokens, 4);
+            let prompt = tokens.len();
+            let mut computed = prompt;
+            let (mut grew, mut cached) = (0, 0);
+            for step in 0..40 {
+                let hs = hashes(&tokens, 4);
+                let req = RequestView {
+                    request_id: "a",
+                    num_computed_tokens: computed,
+                    num_tokens: tokens.len(),
+                    num_prompt_tokens: prompt,
+                    ..Default::default()
+                };
+                let args = AllocArgs {
+                    num_new_tokens: 1,
+                    num_lookahead_tokens: lookahead,
+                    has_scheduled_reqs: true,
+                    ..Default::default()
+                };
+                let slot = m.coord.slot("a").unwrap();
+                let boundary = m.boundary_step_at(slot, computed, tokens.len(), &args);
+                let (mut m2, mut p2) = (m.clone(), p.clone());
+                let new = m.allocate_slots(&mut p, &req, &hs, &args).unwrap().unwrap();
+                match boundary {
+                    Some(BoundaryStep::Grow(n)) => {
+                        let got = m2.allocate_growth_at(&mut p2, slot, "a", computed, &args).unwrap();
+                        assert_eq!(got, new, "step {step}: other blocks");
+                        assert_eq!(got.iter().map(Vec::len).sum::<usize>(), n, "step {step}: miscounted");
+                        grew += 1;
+                    }
+                    Some(BoundaryStep::Cache(to_cache)) => {
+                        assert!(new.iter().all(|g| g.is_empty()), "step {step}: a caching call allocated {new:?}");
+                        m2.cache_blocks(&mut p2, &req, &hs, to_cache).unwrap();
+                        cached += 1;
+                    }
+                    None => {}
+                }
+                if boundary.is_some() {
+                    assert_eq!(snapshot(&m2, &p2, "a"), snapshot(&m, &p, "a"), "step {step}: {boundary:?}");
+                }
+                computed += 1;
+                tokens.push(1001 + step);
+                if step % 3 != 2 {
+                    // else the next call caches the block that filled
+                    let hs = hashes(&tokens, 4);
+                    let req = RequestView { num_computed_tokens: computed, num_tokens: tokens.len(), ..req };
+                    m.cache_blocks(&mut p, &req, &hs, computed).unwrap();
+                }
+            }
+            assert!(
+                grew >= 3 && (cached > 0) == (lookahead > 0),
+                "lookahead {lookahead}: {grew} grew, {cached} cached"
+            );
+            p.check_invariants().unwrap();
+        }
+    }
 }
 
 mod plain_blocks {

@@ -118,6 +118,16 @@ pub struct KVCacheManager {
     pub verify: Option<HitVerifier>,
 }
 
+/// The one thing a running request's `allocate_slots` call at a block boundary does (see
+/// [`KVCacheManager::boundary_step_at`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BoundaryStep {
+    /// Append this many new blocks (over all groups) to the request's tables.
+    Grow(usize),
+    /// Cache the request's newly full blocks up to this many tokens.
+    Cache(usize),
+}
+
 /// What [`KVCacheManager::check_alloc`] leaves for later: an error vLLM raises only after its
 /// capacity check (None returned first if the blocks do not fit), and whether kvblock must
 /// then undo the empty tables and checkpoints the count made (`undo`: vLLM itself is past
@@ -768,7 +778,7 @@ impl KVCacheManager {
     /// True for the arguments of a running request's step (no hit blocks or external tokens
     /// to adopt, no encoder tokens, no reserve, no whole-sequence fit, no zeroing skipped) on a
     /// manager without a watermark: the calls [`KVCacheManager::allocate_is_noop_at`] and
-    /// [`KVCacheManager::growth_blocks_at`] answer.
+    /// [`KVCacheManager::boundary_step_at`] answer.
     #[inline(always)]
     fn running_step_args(&self, a: &AllocArgs<'_>) -> bool {
         a.new_computed.is_none()
@@ -783,19 +793,21 @@ impl KVCacheManager {
     }
 
     /// For an `allocate_slots` call [`KVCacheManager::allocate_is_noop_at`] found not to be a
-    /// no-op: when all the call would do is append new blocks to the request's tables (every
-    /// group plain full attention, the request in `slot` holding a table in each with no
-    /// partial hit, nothing newly full to cache, no verify on hit, and more slots asked for
-    /// than its tables cover: a decode step at a block boundary), the number of blocks it
-    /// takes over all groups, as `get_num_blocks_to_allocate` counts them. None for any other
-    /// call (the full path runs). `num_tokens` is the request's token count.
-    pub fn growth_blocks_at(
+    /// no-op, on a manager whose groups are all plain full attention (no verify on hit), for
+    /// the request in `slot` holding a table in each group with no partial hit: what the call
+    /// does when it does one thing only (a decode step at a block boundary), else None (the
+    /// full path runs). [`BoundaryStep::Grow`]: slots past its tables are asked for and nothing
+    /// newly full waits to be cached; the blocks it takes over all groups, as
+    /// `get_num_blocks_to_allocate` counts them for a running request.
+    /// [`BoundaryStep::Cache`]: its tables cover the slots and a newly full block waits; the
+    /// token count it caches up to. `num_tokens` is the request's token count.
+    pub fn boundary_step_at(
         &self,
         slot: usize,
         num_computed_tokens: usize,
         num_tokens: usize,
         a: &AllocArgs<'_>,
-    ) -> Option<usize> {
+    ) -> Option<BoundaryStep> {
         if !self.plain_full_attention || self.verify.is_some() || a.delay_cache_blocks || !self.running_step_args(a) {
             return None;
         }
@@ -807,24 +819,26 @@ impl KVCacheManager {
         let need_slot =
             total.saturating_add(a.num_new_tokens).saturating_add(a.num_lookahead_tokens).min(self.max_model_len);
         let to_cache = total.saturating_add(a.num_new_tokens).min(num_tokens);
-        let mut need = 0;
+        let (mut need, mut caches) = (0, false);
         for (gid, m) in self.coord.managers.iter().enumerate() {
             let r = m.req(slot)?;
             if !r.present || r.partial_hit.is_some() {
                 return None;
             }
             if self.enable_caching {
-                let c = r.num_cached?;
-                if c < self.coord.num_cacheable_tokens(to_cache, gid) / bs {
-                    return None; // a newly full block to cache
-                }
+                caches |= r.num_cached? < self.coord.num_cacheable_tokens(to_cache, gid) / bs;
             }
             need += cdiv(need_slot, bs).saturating_sub(r.blocks.len());
         }
-        (need > 0).then_some(need)
+        match (need, caches) {
+            (0, true) => Some(BoundaryStep::Cache(to_cache)),
+            (n, false) if n > 0 => Some(BoundaryStep::Grow(n)),
+            _ => None,
+        }
     }
 
-    /// `allocate_slots` for a call [`KVCacheManager::growth_blocks_at`] answered (the caller
+    /// `allocate_slots` for a call [`KVCacheManager::boundary_step_at`] answered
+    /// [`BoundaryStep::Grow`] for (the caller
     /// has checked that the pool holds that many free blocks): the new blocks appended to the
     /// request's tables, per group, exactly as the full path takes them (its remaining steps
     /// change nothing for such a call).

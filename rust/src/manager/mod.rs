@@ -42,4 +42,4 @@ pub mod sliding_window;
 pub mod spec;
 
 pub use crate::hashing::source::HashSource;
-pub use kv_cache_manager::{AllocArgs, KVCacheManager, RequestView};
+pub use kv_cache_manager::{AllocArgs, BoundaryStep, KVCacheManager, RequestView};

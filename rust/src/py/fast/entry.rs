@@ -16,6 +16,12 @@
 //! (the same borrow, reads, no-op check, allocation and errors) past its argument parsing.
 //! Any other call goes to the PyO3 method with the same arguments, so results and errors are
 //! the method's own either way.
+//!
+//! These entries and the no-op checks they run (`ManagerState::allocate` / `cache` up to their
+//! no-op answer, the slot lookup, `KVCacheManager::allocate_is_noop_at` / `cache_is_noop_at`)
+//! are placed in one link section, `.text.kvblock_hot`, with the rest of each call kept out of
+//! line: inside a scheduler step their code is cold, and together it spans three pages of
+//! the library instead of six.
 
 use crate::py::manager::PyManager;
 use pyo3::exceptions::PyValueError;

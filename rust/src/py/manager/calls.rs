@@ -25,10 +25,11 @@ impl PyManager {
         Ok(self.state.borrow(py)?.slots.len())
     }
 
-    /// The number of `allocate_slots` calls the block-boundary growth path answered (for
-    /// tests: that it runs, and only where it may).
-    fn _growth_calls(&self, py: Python<'_>) -> PyResult<u64> {
-        Ok(self.state.borrow(py)?.growth_calls)
+    /// The numbers of `allocate_slots` calls the block-boundary path answered, `(appending
+    /// blocks, caching)` (for tests: that it runs, and only where it may).
+    fn _boundary_calls(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        let c = self.state.borrow(py)?.boundary_calls;
+        Ok((c[0], c[1]))
     }
 
     /// `get_computed_blocks(request, max_cache_hit_length=None) -> (KVCacheBlocks,

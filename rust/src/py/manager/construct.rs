@@ -277,7 +277,7 @@ impl PyManager {
             hit_limit: HitLimit::SkipFlag,
             clock,
             slots: SlotCache::default(),
-            growth_calls: 0,
+            boundary_calls: [0; 2],
             reader,
         };
         Ok(PyManager { state: GilCell::new(state, "KVCacheManagerCore") })

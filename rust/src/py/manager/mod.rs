@@ -22,7 +22,7 @@ use super::hit_verify::ContentReader;
 use crate::manager::hit_verify::BlockContent;
 use crate::manager::release::ReleaseRules;
 use crate::manager::spec::{Caller, GroupSpec, Kind, MambaMode, ManagerConfig};
-use crate::manager::{AllocArgs, KVCacheManager, RequestView};
+use crate::manager::{AllocArgs, BoundaryStep, KVCacheManager, RequestView};
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -233,8 +233,9 @@ struct ManagerState {
     clock: Option<Py<PyAny>>,
     /// Request object → slot, for the no-op calls of running requests.
     slots: SlotCache,
-    /// `allocate_slots` calls answered by the block-boundary growth path (`grow_at`), for tests.
-    growth_calls: u64,
+    /// `allocate_slots` calls the block-boundary path (`boundary_at`) answered, for tests:
+    /// `[appending blocks, caching]`.
+    boundary_calls: [u64; 2],
     /// Verify on hit: how request contents are read (None: off).
     reader: Option<ContentReader>,
 }

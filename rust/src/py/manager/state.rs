@@ -225,7 +225,7 @@ impl ManagerState {
                 if me.noop_at(request, slot, args, &mut prior)? {
                     return me.empty(py);
                 }
-                if let Some(blocks) = me.grow_at(py, request, slot, args, &mut prior)? {
+                if let Some(blocks) = me.boundary_at(py, request, slot, args, &mut prior)? {
                     return Ok(blocks);
                 }
             }
@@ -233,16 +233,19 @@ impl ManagerState {
         me.allocate_work(py, request, args, adopts_hits, known, prior)
     }
 
-    /// `allocate_slots` for a running request at a block boundary, when all the call does is
-    /// append blocks to its tables ([`KVCacheManager::growth_blocks_at`]): those blocks taken
-    /// and returned without the full path's other reads and checks, which change nothing for
-    /// such a call. It reads `request.request_id` and `request.num_tokens`, in the full path's
-    /// order (their errors are the full path's), and keeps them in `prior`. None, with nothing
-    /// changed, for any other call and where the full path has more to do: the pool short of
-    /// blocks (the full path then returns None), KV events or retention on, or the fast paths
-    /// off (`KVBLOCK_NO_FAST_PATHS`: that run keeps the full path's answers to compare).
+    /// `allocate_slots` for a running request at a block boundary, when the call does one
+    /// thing only ([`KVCacheManager::boundary_step_at`]): append blocks to the request's
+    /// tables (taken and returned here, without the full path's other reads and checks, which
+    /// change nothing for such a call), or cache its newly full blocks (as `cache_blocks` does,
+    /// returning the empty `KVCacheBlocks`). It reads `request.request_id` and
+    /// `request.num_tokens` in the full path's order (their errors are the full path's) and
+    /// keeps them in `prior`; the caching reads the rest of the request's view as the full
+    /// path does. None, with nothing changed, for any other call and where the full path has
+    /// more to do: the pool short of blocks (the full path then returns None), KV events or
+    /// retention on, or the fast paths off (`KVBLOCK_NO_FAST_PATHS`: that run keeps the full
+    /// path's answers to compare).
     #[inline(never)]
-    fn grow_at<'py>(
+    fn boundary_at<'py>(
         &mut self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
@@ -279,21 +282,27 @@ impl ManagerState {
                 n
             }
         };
-        let Some(need) = me.inner.growth_blocks_at(slot, num_computed, num_tokens, args) else { return Ok(None) };
-        if need > free {
-            return Ok(None);
+        match me.inner.boundary_step_at(slot, num_computed, num_tokens, args) {
+            Some(BoundaryStep::Grow(need)) if need <= free => {
+                let mut p = pool.get().state.borrow_mut(py)?;
+                let new = me.inner.allocate_growth_at(&mut p.inner, slot, request_id_str(&id)?, num_computed, args);
+                sync_kept_tags(&me.inner.coord, &mut p);
+                drop(p);
+                me.boundary_calls[0] += 1;
+                me.blocks_of(py, new.py_err()?).map(Some)
+            }
+            Some(BoundaryStep::Cache(to_cache)) => {
+                me.cache_work(py, request, to_cache, std::mem::take(prior))?;
+                me.boundary_calls[1] += 1;
+                me.empty(py).map(Some)
+            }
+            _ => Ok(None),
         }
-        let mut p = pool.get().state.borrow_mut(py)?;
-        let new = me.inner.allocate_growth_at(&mut p.inner, slot, request_id_str(&id)?, num_computed, args);
-        sync_kept_tags(&me.inner.coord, &mut p);
-        drop(p);
-        me.growth_calls += 1;
-        me.blocks_of(py, new.py_err()?).map(Some)
     }
 
     /// [`ManagerState::allocate`] past its no-op check: `known` and `prior` are what the check
     /// found and read. Kept out of line, so that the no-op check's code stays small and
-    /// together (see `HOT`).
+    /// together in the `.text.kvblock_hot` section with the checks it calls.
     #[inline(never)]
     fn allocate_work<'py>(
         &mut self,
@@ -360,7 +369,7 @@ impl ManagerState {
                 return Ok(());
             }
         }
-        me.cache_work(py, request, n, id)
+        me.cache_work(py, request, n, Prior { id, ..Prior::default() })
     }
 
     /// [`ManagerState::cache`] past its no-op check (out of line, as `allocate_work`).
@@ -370,10 +379,10 @@ impl ManagerState {
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
         n: usize,
-        id: Option<Bound<'py, PyString>>,
+        prior: Prior<'py>,
     ) -> PyResult<()> {
         let me = self;
-        let v = me.view_after(request, false, Prior { id, ..Prior::default() })?;
+        let v = me.view_after(request, false, prior)?;
         let hashes = me.hashes(request)?;
         let content = {
             let mut rv = v.as_view(0)?;
