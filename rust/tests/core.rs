@@ -353,6 +353,28 @@ mod pool_and_manager {
         .is_err());
     }
 
+    /// A manager of `groups` (4-token blocks) and its 64-block pool, with request "a" admitted
+    /// with a 10-token prompt (returned).
+    fn admitted_decoder(groups: Vec<GroupSpec>) -> (KVCacheManager, BlockPool, Vec<i64>) {
+        let mut m = KVCacheManager::new(&config(groups, 64, 4)).unwrap();
+        let mut p = BlockPool::new(64, true, 4, false).unwrap();
+        let tokens: Vec<i64> = (0..10).collect();
+        admit(&mut m, &mut p, "a", &tokens, 4);
+        (m, p, tokens)
+    }
+
+    /// Request `id` in its decode steps: `computed` of `num_tokens` tokens, `prompt` of them
+    /// the prompt.
+    fn decode_view(id: &str, computed: usize, num_tokens: usize, prompt: usize) -> RequestView<'_> {
+        RequestView {
+            request_id: id,
+            num_computed_tokens: computed,
+            num_tokens,
+            num_prompt_tokens: prompt,
+            ..Default::default()
+        }
+    }
+
     /// What the fast paths may skip: the pool's observable state and the manager's.
     fn snapshot(m: &KVCacheManager, p: &BlockPool, id: &str) -> String {
         let mut free = Vec::new();
@@ -369,24 +391,14 @@ mod pool_and_manager {
         for groups in
             [vec![group(Kind::FullAttention, 4, 0)], vec![group(Kind::FullAttention, 4, 0), group(window, 4, 1)]]
         {
-            let cfg = config(groups, 64, 4);
-            let mut m = KVCacheManager::new(&cfg).unwrap();
-            let mut p = BlockPool::new(64, true, 4, false).unwrap();
-            let mut tokens: Vec<i64> = (0..10).collect();
-            admit(&mut m, &mut p, "a", &tokens, 4);
+            let (mut m, mut p, mut tokens) = admitted_decoder(groups);
             let prompt = tokens.len();
             let mut computed = prompt;
             tokens.push(1000);
             let (mut noops, mut full) = (0, 0);
             for step in 0..40 {
                 let hs = hashes(&tokens, 4);
-                let req = RequestView {
-                    request_id: "a",
-                    num_computed_tokens: computed,
-                    num_tokens: tokens.len(),
-                    num_prompt_tokens: prompt,
-                    ..Default::default()
-                };
+                let req = decode_view("a", computed, tokens.len(), prompt);
                 let args = AllocArgs { num_new_tokens: 1, has_scheduled_reqs: true, ..Default::default() };
                 let noop = m.allocate_is_noop("a", computed, tokens.len(), 0, &args);
                 let before = snapshot(&m, &p, "a");
@@ -425,23 +437,14 @@ mod pool_and_manager {
         // blocks returned; both kinds happen, so the check bites
         use _core::manager::BoundaryStep;
         for lookahead in [0, 2] {
-            let cfg = config(vec![group(Kind::FullAttention, 4, 0), group(Kind::FullAttention, 4, 1)], 64, 4);
-            let mut m = KVCacheManager::new(&cfg).unwrap();
-            let mut p = BlockPool::new(64, true, 4, false).unwrap();
-            let mut tokens: Vec<i64> = (0..10).collect();
-            admit(&mut m, &mut p, "a", &tokens, 4);
+            let groups = vec![group(Kind::FullAttention, 4, 0), group(Kind::FullAttention, 4, 1)];
+            let (mut m, mut p, mut tokens) = admitted_decoder(groups);
             let prompt = tokens.len();
             let mut computed = prompt;
             let (mut grew, mut cached) = (0, 0);
             for step in 0..40 {
                 let hs = hashes(&tokens, 4);
-                let req = RequestView {
-                    request_id: "a",
-                    num_computed_tokens: computed,
-                    num_tokens: tokens.len(),
-                    num_prompt_tokens: prompt,
-                    ..Default::default()
-                };
+                let req = decode_view("a", computed, tokens.len(), prompt);
                 let args = AllocArgs {
                     num_new_tokens: 1,
                     num_lookahead_tokens: lookahead,
