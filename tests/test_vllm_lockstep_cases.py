@@ -880,8 +880,9 @@ def test_decode_steps_across_block_boundaries_take_vllms_blocks_until_the_pool_r
     the caching after every third step, so that some calls have a full block to cache): every call returns
     vLLM's blocks (evicting the cached ones in vLLM's order) and leaves vLLM's
     state, up to and past the step where the pool runs out (None, nothing changed). The
-    boundary path answers calls of both kinds with the fast paths on and KV events off, and
-    no call with events on (the full path makes their events)."""
+    boundary path answers calls of both kinds with the fast paths on and KV events off (only
+    appending ones without lookahead, where a block fills in the call that needs the next),
+    and no call with events on (the full path makes their events)."""
     specs = [FullAttentionSpec(block_size=4, **A) for _ in range(groups)]
     v, k = _both(specs, 1 + 12 * groups, 4, 4, enable_kv_cache_events=events)
     done_v, done_k = (_request("done", list(range(200, 212)), 4) for _ in range(2))
@@ -897,12 +898,15 @@ def test_decode_steps_across_block_boundaries_take_vllms_blocks_until_the_pool_r
     refused = 0
     for step in range(40):
         for rv, rk in pairs:
-            got = _same(v, k, lambda: v.allocate_slots(rv, 1, num_lookahead_tokens=lookahead),
-                        lambda: k.allocate_slots(rk, 1, num_lookahead_tokens=lookahead))
+            out = {}
+            got = _same(v, k, lambda: out.setdefault("v", v.allocate_slots(rv, 1, num_lookahead_tokens=lookahead)),
+                        lambda: out.setdefault("k", k.allocate_slots(rk, 1, num_lookahead_tokens=lookahead)))
+            assert not isinstance(got, Exception)
+            assert (out["k"] is None) == (got is None)
             if got is None:
                 refused += 1
                 continue
-            assert not isinstance(got, Exception)
+            assert out["k"].get_block_ids() == got.get_block_ids(), f"step {step}: other new blocks"
             for r in (rv, rk):
                 r.num_computed_tokens += 1
                 r.append_output_token_ids(300 + step)

@@ -143,7 +143,7 @@ fn algorithm_names() {
 
 mod pool_and_manager {
     use _core::hashing::{BlockHasher, Digest, HashAlgo};
-    use _core::manager::spec::{GroupSpec, Kind, ManagerConfig};
+    use _core::manager::spec::{Caller, GroupSpec, Kind, ManagerConfig};
     use _core::manager::{AllocArgs, KVCacheManager, RequestView};
     use _core::pool::block_pool::BlockPool;
 
@@ -353,10 +353,10 @@ mod pool_and_manager {
         .is_err());
     }
 
-    /// A manager of `groups` (4-token blocks) and its 64-block pool, with request "a" admitted
-    /// with a 10-token prompt (returned).
-    fn admitted_decoder(groups: Vec<GroupSpec>) -> (KVCacheManager, BlockPool, Vec<i64>) {
-        let mut m = KVCacheManager::new(&config(groups, 64, 4)).unwrap();
+    /// A manager of `groups` (4-token blocks) serving `caller`, and its 64-block pool, with
+    /// request "a" admitted with a 10-token prompt (returned).
+    fn admitted_decoder(groups: Vec<GroupSpec>, caller: Caller) -> (KVCacheManager, BlockPool, Vec<i64>) {
+        let mut m = KVCacheManager::new(&ManagerConfig { caller, ..config(groups, 64, 4) }).unwrap();
         let mut p = BlockPool::new(64, true, 4, false).unwrap();
         let tokens: Vec<i64> = (0..10).collect();
         admit(&mut m, &mut p, "a", &tokens, 4);
@@ -391,7 +391,7 @@ mod pool_and_manager {
         for groups in
             [vec![group(Kind::FullAttention, 4, 0)], vec![group(Kind::FullAttention, 4, 0), group(window, 4, 1)]]
         {
-            let (mut m, mut p, mut tokens) = admitted_decoder(groups);
+            let (mut m, mut p, mut tokens) = admitted_decoder(groups, Caller::Kvblock);
             let prompt = tokens.len();
             let mut computed = prompt;
             tokens.push(1000);
@@ -438,7 +438,7 @@ mod pool_and_manager {
         use _core::manager::BoundaryStep;
         for lookahead in [0, 2] {
             let groups = vec![group(Kind::FullAttention, 4, 0), group(Kind::FullAttention, 4, 1)];
-            let (mut m, mut p, mut tokens) = admitted_decoder(groups);
+            let (mut m, mut p, mut tokens) = admitted_decoder(groups, Caller::Vllm);
             let prompt = tokens.len();
             let mut computed = prompt;
             let (mut grew, mut cached) = (0, 0);
@@ -486,6 +486,14 @@ mod pool_and_manager {
                 "lookahead {lookahead}: {grew} grew, {cached} cached"
             );
             p.check_invariants().unwrap();
+            // kvblock's own API checks each call in full: the path never answers for it (a
+            // call that appends one block for vLLM's manager)
+            let args = AllocArgs { num_new_tokens: 3, has_scheduled_reqs: true, ..Default::default() };
+            for (caller, answer) in [(Caller::Vllm, Some(BoundaryStep::Grow(1))), (Caller::Kvblock, None)] {
+                let (k, _, tokens) = admitted_decoder(vec![group(Kind::FullAttention, 4, 0)], caller);
+                let slot = k.coord.slot("a").unwrap();
+                assert_eq!(k.boundary_step_at(slot, tokens.len(), tokens.len() + 1, &args), answer);
+            }
         }
     }
 }

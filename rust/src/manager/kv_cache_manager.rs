@@ -688,7 +688,7 @@ impl KVCacheManager {
     /// full block to cache or the inputs are strict, `num_in_flight_tokens` only for sliding
     /// window groups). The binding answers vLLM's decode steps this way, reading nothing but
     /// `request.num_computed_tokens` from the request.
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub fn allocate_is_noop_at(
         &self,
         slot: usize,
@@ -793,7 +793,8 @@ impl KVCacheManager {
     }
 
     /// For an `allocate_slots` call [`KVCacheManager::allocate_is_noop_at`] found not to be a
-    /// no-op, on a manager whose groups are all plain full attention (no verify on hit), for
+    /// no-op, on vLLM's manager ([`Caller::Vllm`]) whose groups are all plain full attention
+    /// (no verify on hit), for
     /// the request in `slot` holding a table in each group with no partial hit: what the call
     /// does when it does one thing only (a decode step at a block boundary), else None (the
     /// full path runs). [`BoundaryStep::Grow`]: slots past its tables are asked for and nothing
@@ -808,11 +809,14 @@ impl KVCacheManager {
         num_tokens: usize,
         a: &AllocArgs<'_>,
     ) -> Option<BoundaryStep> {
-        if !self.plain_full_attention || self.verify.is_some() || a.delay_cache_blocks || !self.running_step_args(a) {
+        // vLLM's manager only: kvblock's own API (strict inputs) checks each call in full
+        if !self.vllm_caller()
+            || !self.plain_full_attention
+            || self.verify.is_some()
+            || a.delay_cache_blocks
+            || !self.running_step_args(a)
+        {
             return None;
-        }
-        if self.caller.is_kvblock() && num_tokens > self.max_model_len {
-            return None; // the full path raises
         }
         let bs = self.coord.hash_block_size;
         let total = num_computed_tokens.min(self.max_model_len);
@@ -856,7 +860,7 @@ impl KVCacheManager {
     }
 
     /// [`KVCacheManager::cache_is_noop`] for the request in `slot`.
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub fn cache_is_noop_at(&self, slot: usize, num_computed_tokens: usize) -> bool {
         if !self.enable_caching {
             return true;

@@ -19,7 +19,7 @@
 //!
 //! These entries and the no-op checks they run (`ManagerState::allocate` / `cache` up to their
 //! no-op answer, the slot lookup, `KVCacheManager::allocate_is_noop_at` / `cache_is_noop_at`)
-//! are placed in one link section, `.text.kvblock_hot`, with the rest of each call kept out of
+//! are placed in one link section on Linux, `.text.kvblock_hot`, with the rest of each call kept out of
 //! line: inside a scheduler step their code is cold, and together it spans three pages of
 //! the library instead of six.
 
@@ -74,7 +74,7 @@ unsafe fn exact_count(o: *mut ffi::PyObject) -> Option<usize> {
 /// # Safety
 /// The arguments are those CPython passes a fastcall method: `args` holds `nargs` positional
 /// arguments and then one value per name in `kwnames` (a tuple, or NULL).
-#[link_section = ".text.kvblock_hot"]
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe fn fast_allocate_slots<'py>(
     py: Python<'py>,
     e: &Entry,
@@ -117,7 +117,7 @@ unsafe fn fast_allocate_slots<'py>(
 ///
 /// # Safety
 /// As for [`fast_allocate_slots`].
-#[link_section = ".text.kvblock_hot"]
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe fn fast_cache_blocks<'py>(
     py: Python<'py>,
     _e: &Entry,
@@ -255,7 +255,7 @@ type Fast = for<'py> unsafe fn(
 ///
 /// # Safety
 /// Called by CPython as a fastcall method, with the GIL held.
-#[link_section = ".text.kvblock_hot"]
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe fn run(
     cell: &PyOnceLock<Entry>,
     fast: Fast,
@@ -275,7 +275,7 @@ unsafe fn run(
     }
 }
 
-#[link_section = ".text.kvblock_hot"]
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe extern "C" fn allocate_slots_entry(
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
@@ -286,7 +286,7 @@ unsafe extern "C" fn allocate_slots_entry(
     unsafe { run(&ALLOCATE_SLOTS, fast_allocate_slots, slf, args, nargs, kwnames) }
 }
 
-#[link_section = ".text.kvblock_hot"]
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe extern "C" fn cache_blocks_entry(
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,

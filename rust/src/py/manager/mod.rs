@@ -274,7 +274,7 @@ impl PyManager {
     /// `allocate_slots(request, num_new_tokens, num_lookahead_tokens=...)` with every other
     /// argument at its default, for `fast/entry.rs`: the method's very steps, reads and
     /// errors, without its argument parsing (the caller has checked both counts).
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn fast_allocate_slots<'py>(
         slf: &Bound<'py, Self>,
         request: &Bound<'py, PyAny>,
@@ -306,7 +306,7 @@ impl PyManager {
     }
 
     /// `cache_blocks(request, num_computed_tokens)` for `fast/entry.rs`, likewise.
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn fast_cache_blocks(
         slf: &Bound<'_, Self>,
         request: &Bound<'_, PyAny>,

@@ -206,7 +206,7 @@ impl ManagerState {
     /// request object and its `num_computed_tokens` (its token and in-flight counts only when
     /// needed); otherwise the request's view, hashes and content are read and checked, then
     /// the allocation is made in the pool.
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn allocate<'py>(
         &mut self,
         py: Python<'py>,
@@ -356,7 +356,7 @@ impl ManagerState {
     /// `cache_blocks(request, n)` once `n` is read: nothing to do with caching off or with no
     /// newly full block (then only the request's slot is looked up), else the request's view
     /// and hashes are read and checked and its newly full blocks cached.
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn cache(&mut self, py: Python<'_>, request: &Bound<'_, PyAny>, n: usize) -> PyResult<()> {
         let me = self;
         if !me.inner.enable_caching {
@@ -404,7 +404,7 @@ impl ManagerState {
     /// `request.num_computed_tokens`, and its token and in-flight counts only when needed
     /// (at a block boundary); the slot cache has already checked its id. What it read goes
     /// into `prior`, for [`ManagerState::view_after`].
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn noop_at(
         &self,
         request: &Bound<'_, PyAny>,
@@ -432,7 +432,7 @@ impl ManagerState {
     /// address when it was seen before (see `fast/slot_cache.rs`), else from its id's characters;
     /// None for a request the manager does not hold. Also returns the `request_id` it read, if
     /// it read one (for [`ManagerState::view_after`]).
-    #[link_section = ".text.kvblock_hot"]
+    #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub(super) fn known_slot<'py>(
         &mut self,
         request: &Bound<'py, PyAny>,
