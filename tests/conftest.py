@@ -35,6 +35,18 @@ def require_module(name: str):
     return pytest.importorskip(name)
 
 
+def pytest_sessionstart(session) -> None:
+    """Ctrl-C reaches the processes tests start. A suite started with SIGINT ignored (under
+    ``nohup``, or ``cmd &`` in a shell without job control) passes that to every child, and a
+    Python started so installs no KeyboardInterrupt handler: the tests that stop a server or
+    the CLI with SIGINT would wait for a Ctrl-C it never sees. A Python handler here is reset to
+    the default in each child at exec, so the children get Python's usual handler."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_configure(config) -> None:
     """vLLM's CPU tests run offline (shared/vllm/README.md): before any test module imports
     vLLM, lay a Hugging Face cache of shared/vllm/hf-configs in a temporary folder and point
