@@ -84,7 +84,8 @@ class KVCacheBlock:
     _block_hash_num_tokens = block_hash_num_tokens
 
     def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
-        """Give the block a key (not in the map until inserted); AssertionError if it has one."""
+        """Give the block a key (not in the map until inserted); AssertionError if it has one,
+        ValueError for the null block (which never holds a key)."""
         self._pool.set_block_hash(self.block_id, block_hash, num_tokens)
 
     def reset_hash(self) -> None:
@@ -347,7 +348,8 @@ class BlockHashToBlockMap:
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         """Cache ``block`` under ``key`` (``BlockHashWithGroupId`` bytes), beside any block
-        already there (vLLM keeps duplicates).
+        already there (vLLM keeps duplicates). Raises ValueError, changing nothing, for the
+        null block, which never holds a key.
         """
         self._pool.map_insert(key, block.block_id)
 
@@ -447,6 +449,10 @@ class BlockPool(_core.BlockPoolCore):
 
     #: The KV event classes the pool builds (vLLM's own in :class:`kvblock.vllm.BlockPool`).
     event_classes: tuple[Any, Any, Any] = (BlockStored, BlockRemoved, AllBlocksCleared)
+    #: :meth:`cache_full_blocks` refuses a block listed twice in its range (kvblock's own API);
+    #: :class:`kvblock.vllm.BlockPool` takes it as vLLM does (the later listing promotes the
+    #: key the earlier one just gave).
+    _distinct_cached_blocks: bool = True
     #: HiSparse only: ``(source group, host pool view)``, so a manager's ``KVCacheBlocks`` view
     #: that group's ids (host-pool ids) through the host pool (``kvblock.vllm.hisparse.bind``).
     _hisparse_group_view: tuple[int, Callable[[], Callable[[int], Any]]] | None = None
@@ -530,7 +536,9 @@ class BlockPool(_core.BlockPoolCore):
 
     # -- vLLM's BlockPool API ----------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """One cached block per group for ``block_hash``, or None if any group misses."""
+        """One cached block per group for ``block_hash``, or None if any group misses. Raises
+        TypeError / ValueError naming ``kv_cache_group_ids[i]`` for a group id that is not an
+        int in ``[0, 2**32)``."""
         ids = self.get_cached_block_ids(block_hash, list(kv_cache_group_ids))
         return None if ids is None else [self._view(b) for b in ids]
 
@@ -604,7 +612,11 @@ class BlockPool(_core.BlockPoolCore):
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under the request's block hashes
         (viewed at ``block_size``) and group ``kv_cache_group_id``; null blocks and blocks
         ``block_mask`` (aligned with the range) rules out are skipped. With events on, one
-        ``BlockStored`` covers the range."""
+        ``BlockStored`` covers the range.
+
+        Raises ValueError naming ``blocks``, changing nothing and recording no event, for a
+        block listed twice in the range (:class:`kvblock.vllm.BlockPool`, as vLLM's, takes the
+        later listing as the promotion of the key the earlier one gave)."""
         # only the range is read (as vLLM's does)
         ids = [0] * num_cached_blocks + _own_ids(self, blocks[num_cached_blocks:num_full_blocks], "blocks")
         self._cache_full_blocks(
@@ -615,6 +627,7 @@ class BlockPool(_core.BlockPoolCore):
             block_size,
             kv_cache_group_id,
             None if block_mask is None else [bool(m) for m in block_mask],
+            self._distinct_cached_blocks,
         )
 
     def emit_cached_block_events(
@@ -640,7 +653,9 @@ class BlockPool(_core.BlockPoolCore):
         )
 
     def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
-        """Re-point ``src_block``'s cache keys to ``dst_block`` (which has none); no events."""
+        """Re-point ``src_block``'s cache keys to ``dst_block`` (which has none); no events.
+        Raises, changing nothing, AssertionError if ``dst_block`` has a key and ValueError
+        (naming ``dst``) if it is the null block, which never holds a key."""
         self.move_block_hash_ids(src_block.block_id, dst_block.block_id)
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:

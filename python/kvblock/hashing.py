@@ -529,7 +529,17 @@ def _request_extra_keys(
 
 
 def make_block_hash_with_group_id(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
-    """``block_hash + group_id.to_bytes(4, "big")`` (the key of the hash -> block map)."""
+    """``block_hash + group_id.to_bytes(4, "big")`` (the key of the hash -> block map).
+
+    Raises TypeError naming ``group_id`` for a bool or a non-int, ValueError naming it for an
+    int outside ``[0, 2**32)`` (``int.to_bytes`` raised an OverflowError naming nothing).
+    """
+    if type(group_id) is not int:
+        if isinstance(group_id, bool) or not hasattr(type(group_id), "__index__"):
+            raise TypeError(f"group_id: expected int, got {type(group_id).__name__}")
+        group_id = operator.index(group_id)
+    if not 0 <= group_id < 1 << 32:
+        raise ValueError(f"group_id: {group_id} is out of range (must be in [0, 2**32))")
     return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
 
 

@@ -916,3 +916,90 @@ mod residency_restore {
         assert_eq!(rebuilt.residency().unwrap().sampled_ids(), got);
     }
 }
+
+/// Bad input to the pool's raw faces is refused before anything changes: a block listed twice
+/// in one kvblock `cache_full_blocks`, the null block given a key (it would become a prefix
+/// hit), a clock reading that is not finite.
+mod refused_input {
+    use _core::error::Error;
+    use _core::hashing::{BlockHasher, Digest, HashAlgo};
+    use _core::pool::block_pool::{BlockPool, NULL_BLOCK};
+    use _core::pool::cache_map::Key;
+
+    fn hashes(n: usize) -> Vec<Digest> {
+        let tokens: Vec<i64> = (0..(n * 4) as i64).collect();
+        BlockHasher::new(HashAlgo::Sha256).hash_chain(0, &[1u8; 32], &tokens, 4, |_| None).unwrap()
+    }
+
+    /// The free queue, the map's keys with their blocks (sorted) and the pending events.
+    type State = (Vec<u32>, Vec<(Key, Vec<u32>)>, usize);
+
+    /// What a refused call must leave as it was.
+    fn state(p: &BlockPool) -> State {
+        let mut map: Vec<(Key, Vec<u32>)> = p.cache_map().iter().collect();
+        map.sort_by(|a, b| (a.0.hash.as_bytes(), a.0.group).cmp(&(b.0.hash.as_bytes(), b.0.group)));
+        (p.free_queue().collect(), map, p.num_pending_events())
+    }
+
+    fn value_error_naming(r: _core::error::Result<()>, arg: &str) {
+        match r {
+            Err(Error::Value(m)) => assert!(m.starts_with(&format!("{arg}: ")), "{m}"),
+            other => panic!("expected a value error naming {arg}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_block_listed_twice_is_found_before_caching() {
+        let mut p = BlockPool::new(8, true, 4, true).unwrap();
+        let mut b = Vec::new();
+        p.get_new_blocks(2, &mut b).unwrap();
+        let before = state(&p);
+        let table = [b[0], b[1], b[0]];
+        let r = p.check_distinct_blocks(&table, 0, 3, None, "block_ids");
+        match &r {
+            Err(Error::Value(m)) => assert!(m.contains(&format!("block {} is listed twice (at 0 and 2)", b[0])), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(state(&p), before);
+        // the null block, masked-out blocks and blocks outside the range are not cached: not repeats
+        p.check_distinct_blocks(&[NULL_BLOCK, b[0], NULL_BLOCK, b[1]], 0, 4, None, "blocks").unwrap();
+        p.check_distinct_blocks(&table, 0, 3, Some(&[true, true, false]), "blocks").unwrap();
+        p.check_distinct_blocks(&table, 1, 3, None, "blocks").unwrap();
+        p.check_distinct_blocks(&table, 0, 2, None, "blocks").unwrap();
+        // distinct blocks are cached as before
+        p.cache_full_blocks(&b, 0, 2, &hashes(2), 4, 0, None, 0).unwrap();
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_null_block_never_takes_a_key() {
+        let mut p = BlockPool::new(8, true, 4, true).unwrap();
+        let mut b = Vec::new();
+        p.get_new_blocks(1, &mut b).unwrap();
+        p.cache_full_blocks(&b, 0, 1, &hashes(1), 4, 0, None, 0).unwrap();
+        let before = state(&p);
+        value_error_naming(p.move_block_hashes(b[0], NULL_BLOCK), "dst");
+        let key = Key { hash: hashes(2)[1], group: 0 };
+        value_error_naming(p.map_insert(key, NULL_BLOCK), "block_id");
+        value_error_naming(p.set_block_hash(NULL_BLOCK, key, Some(4)), "block_id");
+        assert_eq!(state(&p), before);
+        assert_eq!(p.block_key(NULL_BLOCK).unwrap(), None);
+        assert_eq!(p.lookup(&hashes(1)[0], 0), Some(b[0]));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_time_that_is_not_finite_is_refused_with_retention_on_or_off() {
+        for retention in [false, true] {
+            let mut p = BlockPool::new(8, true, 4, false).unwrap();
+            if retention {
+                p.enable_retention(35, 1.0).unwrap();
+                p.set_time(5.0).unwrap();
+            }
+            for t in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                value_error_naming(p.set_time(t), "now_s");
+            }
+            p.set_time(6.0).unwrap();
+        }
+    }
+}

@@ -142,6 +142,9 @@ class BlockPool(_BlockPool):
     built."""
 
     event_classes = (BlockStored, BlockRemoved, AllBlocksCleared)
+    #: vLLM's ``cache_full_blocks`` takes a block listed twice in one call (the later listing
+    #: promotes the key the earlier one gave): so does this pool.
+    _distinct_cached_blocks = False
 
     if RELEASE.block_hash_map_ids:
 

@@ -251,8 +251,12 @@ impl BlockPool {
 
     /// Read the clock (seconds, any origin, non-decreasing for sensible decay): free blocks
     /// whose priority ran out move to the default level's tail, in expiry order. No-op with
-    /// retention off.
+    /// retention off; a time that is not finite (NaN, inf) is refused, changing nothing,
+    /// whether retention is on or not.
     pub fn set_time(&mut self, now_s: f64) -> Result<()> {
+        if !now_s.is_finite() {
+            return Err(Error::value("now_s", format!("{now_s} is not a finite time")));
+        }
         let Some(r) = self.retention.as_deref_mut() else { return Ok(()) };
         let mut out = std::mem::take(&mut self.scratch);
         out.clear();
@@ -884,6 +888,38 @@ impl BlockPool {
         !self.watchers.is_empty()
     }
 
+    /// Refuse (`Error::Value` naming `arg`) a block listed twice among those
+    /// [`BlockPool::cache_full_blocks`] would key for the same arguments (`table[num_cached..
+    /// num_full]`, null blocks and those `mask` rules out aside): kvblock's own API keys each
+    /// block once per call. vLLM's `cache_full_blocks` takes the later listing as the
+    /// promotion of the key the earlier one just gave (one `BlockRemoved`, and a
+    /// `BlockStored` that reports both keys), which its callers rely on never happening.
+    /// Changes nothing; arguments `cache_full_blocks` would refuse are left to it.
+    pub fn check_distinct_blocks(
+        &mut self,
+        table: &[u32],
+        num_cached: usize,
+        num_full: usize,
+        mask: Option<&[bool]>,
+        arg: &str,
+    ) -> Result<()> {
+        let end = num_full.min(table.len());
+        if end.saturating_sub(num_cached) < 2 {
+            return Ok(());
+        }
+        let keep = |i: usize| table[i] != NULL_BLOCK && mask.is_none_or(|m| m.get(i - num_cached) != Some(&false));
+        let mut seen = std::mem::take(&mut self.scratch);
+        seen.clear();
+        seen.extend((num_cached..end).filter(|&i| keep(i)).map(|i| table[i]));
+        seen.sort_unstable();
+        let repeated = seen.windows(2).find(|w| w[0] == w[1]).map(|w| w[0]);
+        self.scratch = seen;
+        let Some(b) = repeated else { return Ok(()) };
+        let mut at = (num_cached..end).filter(|&i| keep(i) && table[i] == b);
+        let (i, j) = (at.next().unwrap_or(num_cached), at.next().unwrap_or(num_cached));
+        Err(Error::value(arg, format!("block {b} is listed twice (at {i} and {j}); one call caches each block once")))
+    }
+
     /// `cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
     /// kv_cache_group_id, block_mask)`: key blocks `table[num_cached..num_full]` under the
     /// request's hashes at `block_size` (`hashes`, already viewed at that size), skipping null
@@ -1103,9 +1139,11 @@ impl BlockPool {
 
     /// `move_block_hashes(src, dst)`: re-point every key of `src` that is in the map to `dst`
     /// (which must have none); no events.
+    /// The null block never holds a key (a key on it would make it a prefix hit).
     pub fn move_block_hashes(&mut self, src: u32, dst: u32) -> Result<()> {
         self.check_id(src)?;
         self.check_id(dst)?;
+        self.check_can_hold_key(dst, "dst")?;
         if self.meta[dst as usize].key_slot != NO_KEY || self.secondary.contains_key(&dst) {
             return Err(Error::Assertion(format!("move_block_hashes: block {dst} already has a hash")));
         }
@@ -1115,6 +1153,16 @@ impl BlockPool {
         for key in removed {
             // the token count applies to the first (primary) insertion only
             self.insert_block_hash(key, None, dst, (t != NO_TOKENS).then_some(t as usize));
+        }
+        Ok(())
+    }
+
+    /// Refuse (`Error::Value` naming `arg`) the null block as a block to give a key: it never
+    /// holds one (a key on it would make the manager hand it out as a prefix hit).
+    #[inline]
+    fn check_can_hold_key(&self, b: u32, arg: &str) -> Result<()> {
+        if b == NULL_BLOCK {
+            return Err(Error::value(arg, "block 0 is the null block, which cannot hold a cache key"));
         }
         Ok(())
     }
@@ -1173,9 +1221,10 @@ impl BlockPool {
     // ---- the map's and blocks' raw faces (vLLM code and tests that reach inside) ----
 
     /// `block.set_block_hash(key, num_tokens)`: give a block without a hash a primary key,
-    /// not (yet) in the map.
+    /// not (yet) in the map. The null block is refused.
     pub fn set_block_hash(&mut self, b: u32, key: Key, num_tokens: Option<usize>) -> Result<()> {
         self.check_id(b)?;
+        self.check_can_hold_key(b, "block_id")?;
         if self.meta[b as usize].key_slot != NO_KEY {
             return Err(Error::Assertion("The block already has a hash. This should not happen.".into()));
         }
@@ -1199,8 +1248,10 @@ impl BlockPool {
 
     /// `cached_block_hash_to_block.insert(key, block)`: list `b` under `key` (its primary key
     /// if it has none, or the detached primary key it was given by hand; else a further key).
+    /// The null block is refused.
     pub fn map_insert(&mut self, key: Key, b: u32) -> Result<()> {
         self.check_id(b)?;
+        self.check_can_hold_key(b, "block_id")?;
         let s = self.meta[b as usize].key_slot;
         if s != NO_KEY && self.map.key_of(s) == key {
             if self.map.is_detached(s) {

@@ -64,6 +64,45 @@ pub fn opt_count(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<usize>> {
     usize::try_from(v).map(Some).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
 }
 
+/// [`int64`] that must be > 0, or None for `None`: 0 and a negative value alike are a
+/// `ValueError` saying "must be > 0".
+pub fn opt_positive(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<usize>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    let v = int64(obj, arg)?;
+    match usize::try_from(v) {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(value_err(arg, format!("must be > 0, got {v}"))),
+    }
+}
+
+/// A sequence of ids (KV-cache group ids), each a [`uint32`] named `arg[i]` (a bool, a
+/// non-int or an int outside `[0, 2**32)` is refused, naming the item); a str, bytes or an
+/// object that is not iterable is a `TypeError` naming `arg`. PyO3's own `Vec<u32>`
+/// conversion raised an `OverflowError` naming nothing for `[-1]`.
+pub fn uint32_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
+    let not_a_sequence = || {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        type_err(arg, format!("expected a sequence of ints, got {ty}"))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    let items = obj.try_iter().map_err(|_| not_a_sequence())?;
+    let mut out = Vec::new();
+    for (i, item) in items.enumerate() {
+        let item = item?;
+        // the common case without building the item's name; a bool (an int to PyO3) and
+        // anything that does not fit are read again by `uint32`, which names the item
+        match item.extract::<u32>() {
+            Ok(v) if !item.is_instance_of::<PyBool>() => out.push(v),
+            _ => out.push(uint32(&item, &format!("{arg}[{i}]"))?),
+        }
+    }
+    Ok(out)
+}
+
 /// [`int64`], or None for `None`.
 pub fn opt_int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<i64>> {
     if obj.is_none() {
@@ -93,12 +132,16 @@ named!(int64 -> i64:
     num_hash_lookahead_tokens = "num_hash_lookahead_tokens",
     digest_memo_blocks = "digest_memo_blocks",
 );
-named!(uint32 -> u32: block_id_u32 = "block_id", group_id = "group_id");
+named!(uint32 -> u32:
+    block_id_u32 = "block_id", group_id = "group_id", src = "src", dst = "dst",
+);
+named!(uint32_seq -> Vec<u32>: kv_cache_group_ids = "kv_cache_group_ids");
 named!(count -> usize:
     num_cached_blocks = "num_cached_blocks", num_full_blocks = "num_full_blocks",
     block_size_count = "block_size",
 );
-named!(opt_count -> Option<usize>: max_blocks = "max_blocks", opt_block_size = "block_size");
+named!(opt_count -> Option<usize>: max_blocks = "max_blocks");
+named!(opt_positive -> Option<usize>: opt_block_size = "block_size");
 named!(uint64 -> u64: now_ms = "now_ms", ttl_ms = "ttl_ms");
 named!(opt_str -> Option<String>: medium = "medium");
 

@@ -12,8 +12,11 @@ impl PyBlockPool {
 
     /// `cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
     /// kv_cache_group_id, block_mask)` on the table's ids: the request's hashes are viewed at
-    /// `block_size`; `block_mask` (aligned with the range) skips blocks.
-    #[pyo3(signature = (request, block_ids, num_cached_blocks, num_full_blocks, block_size, group_id, block_mask=None))]
+    /// `block_size`; `block_mask` (aligned with the range) skips blocks. With `distinct`
+    /// (kvblock's own API) a block listed twice in the range is a ValueError naming `blocks`,
+    /// nothing changed and no event; without it (vLLM's), the later listing promotes the key
+    /// the earlier one gave, as vLLM's `cache_full_blocks` does.
+    #[pyo3(signature = (request, block_ids, num_cached_blocks, num_full_blocks, block_size, group_id, block_mask=None, distinct=false))]
     #[allow(clippy::too_many_arguments)] // the facade's cache_full_blocks arguments
     fn _cache_full_blocks(
         &self,
@@ -25,12 +28,17 @@ impl PyBlockPool {
         #[pyo3(from_py_with = crate::py::args::block_size_count)] block_size: usize,
         #[pyo3(from_py_with = crate::py::args::group_id)] group_id: u32,
         block_mask: Option<Vec<bool>>,
+        distinct: bool,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         if num_cached_blocks >= num_full_blocks {
             return Ok(());
         }
         let ids = block_ids_of(block_ids, "blocks")?;
+        if distinct {
+            let mask = block_mask.as_deref();
+            me.inner.check_distinct_blocks(&ids, num_cached_blocks, num_full_blocks, mask, "blocks").py_err()?;
+        }
         let hashes = PyHashes::of(request.getattr(Field::BlockHashes.interned(py))?, "request.block_hashes")?;
         let view = ScaledHashes::new(&hashes, me.inner.hash_block_size(), block_size).py_err()?;
         let end = num_full_blocks.min(ids.len().max(num_cached_blocks));

@@ -12,12 +12,14 @@ impl PyBlockPool {
         Ok(me.inner.reset_prefix_cache())
     }
 
-    /// `move_block_hashes(src_block, dst_block)` on ids.
+    /// `move_block_hashes(src_block, dst_block)` on ids. Raises ValueError naming the
+    /// argument, changing nothing, for an id out of range or `dst` the null block (which never
+    /// holds a key); AssertionError (vLLM's) if `dst` has a key.
     fn move_block_hash_ids(
         &self,
         py: Python<'_>,
-        #[pyo3(from_py_with = crate::py::args::block_id_u32)] src: u32,
-        #[pyo3(from_py_with = crate::py::args::block_id_u32)] dst: u32,
+        #[pyo3(from_py_with = crate::py::args::src)] src: u32,
+        #[pyo3(from_py_with = crate::py::args::dst)] dst: u32,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         me.inner.move_block_hashes(src, dst).py_err()
@@ -99,7 +101,7 @@ impl PyBlockPool {
     }
 
     /// `block.set_block_hash(key, num_tokens)`: give a block without a hash a key (not in the
-    /// map until inserted). AssertionError if it has one.
+    /// map until inserted). AssertionError if it has one; ValueError for the null block.
     #[pyo3(signature = (block_id, key, num_tokens=None))]
     fn set_block_hash(
         &self,
@@ -232,7 +234,8 @@ impl PyBlockPool {
         self.state.with(py, |me| me.inner.cache_map().get_all(&key))
     }
 
-    /// `cached_block_hash_to_block.insert(key, block)` on an id.
+    /// `cached_block_hash_to_block.insert(key, block)` on an id. Raises ValueError naming
+    /// `block_id`, changing nothing, for the null block (which never holds a key).
     fn map_insert(
         &self,
         py: Python<'_>,

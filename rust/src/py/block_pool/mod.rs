@@ -349,14 +349,22 @@ impl PyBlockPool {
 
     /// A block's generation: how many times it was handed out anew or lost its keys (a hit
     /// that recorded another generation is stale).
-    fn block_generation(&self, py: Python<'_>, block_id: u32) -> PyResult<u32> {
+    fn block_generation(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<u32> {
         self.state.with(py, |me| me.inner.generation(block_id))?.py_err()
     }
 
     /// Retention state of a block: `(priority asked for or None, priority now, free-queue
     /// level or None when not free)`; None with retention off.
     #[allow(clippy::type_complexity)]
-    fn _retention_of(&self, py: Python<'_>, block_id: u32) -> PyResult<Option<(Option<u8>, u8, Option<usize>)>> {
+    fn _retention_of(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = super::args::block_id_u32)] block_id: u32,
+    ) -> PyResult<Option<(Option<u8>, u8, Option<usize>)>> {
         let me = self.state.borrow(py)?;
         me.inner.check_ids(&[block_id]).py_err()?;
         Ok(me.inner.retention().map(|r| {
@@ -444,7 +452,8 @@ impl PyBlockPool {
     }
 
     /// Read the clock (seconds): free blocks whose priority ran out decay to the default.
-    /// No-op with retention off; ValueError for a non-finite time.
+    /// No-op with retention off; ValueError naming `now_s`, changing nothing, for a time that
+    /// is not finite (NaN, inf), with retention on or off.
     fn set_time(&self, py: Python<'_>, now_s: f64) -> PyResult<()> {
         self.state.borrow_mut(py)?.inner.set_time(now_s).py_err()
     }
@@ -506,8 +515,9 @@ impl PyBlockPool {
     /// list of bytes (at least `num_full_blocks` of them; the hash before the first cached one
     /// is the events' parent); `block_size`: tokens per block for events (default: the pool's
     /// `hash_block_size`). Raises ValueError / TypeError, changing nothing, for bad ids, the
-    /// null block, a block that already holds a key (cached before), hashes of the wrong type
-    /// or length, too few hashes or negative counts.
+    /// null block, a block that already holds a key (cached before) or is listed twice in the
+    /// range, hashes of the wrong type or length, too few hashes, negative counts or a
+    /// `block_size` that is not > 0.
     #[pyo3(signature = (block_ids, block_hashes, num_cached_blocks, num_full_blocks, block_size=None, group_id=0))]
     #[allow(clippy::too_many_arguments)] // vLLM's cache_full_blocks arguments, plus the GIL token
     fn cache_ids(
@@ -521,9 +531,6 @@ impl PyBlockPool {
         #[pyo3(from_py_with = super::args::group_id)] group_id: u32,
     ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
-        if block_size == Some(0) {
-            return Err(value_err("block_size", "must be > 0"));
-        }
         me.check_group(group_id)?;
         let (first, end) = (num_cached_blocks, num_full_blocks);
         if first >= end {
@@ -540,6 +547,7 @@ impl PyBlockPool {
         if ids[first..end].contains(&NULL_BLOCK) {
             return Err(value_err("blocks", "cannot cache the null block"));
         }
+        me.inner.check_distinct_blocks(&ids, first, end, None, "block_ids").py_err()?;
         let hs = (0..end)
             .map(|i| list_digest(hashes, i, "block_hashes"))
             .collect::<crate::error::Result<Vec<_>>>()
@@ -603,12 +611,13 @@ impl PyBlockPool {
     }
 
     /// `get_cached_block(block_hash, kv_cache_group_ids)` on ids: one block per group, or None
-    /// if any group misses.
+    /// if any group misses. A group id that is not an int in `[0, 2**32)` is refused, naming
+    /// it (`kv_cache_group_ids[i]`).
     fn get_cached_block_ids(
         &self,
         py: Python<'_>,
         block_hash: &Bound<'_, PyBytes>,
-        kv_cache_group_ids: Vec<u32>,
+        #[pyo3(from_py_with = super::args::kv_cache_group_ids)] kv_cache_group_ids: Vec<u32>,
     ) -> PyResult<Option<Vec<u32>>> {
         let me = self.state.borrow(py)?;
         let mut out = Vec::with_capacity(kv_cache_group_ids.len());

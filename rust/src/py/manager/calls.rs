@@ -238,7 +238,7 @@ impl PyManager {
         group: usize,
         block_hashes: &Bound<'_, PyAny>,
         max_length: &Bound<'_, PyAny>,
-        kv_cache_group_ids: Vec<u32>,
+        #[pyo3(from_py_with = crate::py::args::kv_cache_group_ids)] kv_cache_group_ids: Vec<u32>,
         drop_eagle_block: bool,
         alignment_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<Vec<u32>>, usize)> {
@@ -307,7 +307,9 @@ impl PyManager {
         let (hits, gens) = me.hit_ids_and_generations(py, new_computed_blocks)?;
         let gens = if me.inner.caller.is_kvblock() { gens } else { None };
         let skip: Vec<u32> = match skip_zeroing_group_ids {
-            Some(s) if !s.is_none() && me.inner.caller.is_kvblock() => s.extract()?,
+            Some(s) if !s.is_none() && me.inner.caller.is_kvblock() => {
+                crate::py::args::uint32_seq(s, "skip_zeroing_group_ids")?
+            }
             // vLLM asks `i in skip_zeroing_group_ids` of each group, only when allocating
             // external blocks
             Some(s) if !s.is_none() && num_external_computed_tokens > 0 => {
