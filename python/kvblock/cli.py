@@ -17,13 +17,16 @@
 Exit status: 0 success (``index serve``: stopped by SIGTERM); 1 ``--compare`` found kvblock and
 the reference disagreeing, or ``index serve`` cannot bind its address; 2 bad input or settings
 (the message says which; never a traceback); 3 some requests can never fit in the cache (the
-report of the others is printed first); 130 interrupted (Ctrl-C), at any point.
+report of the others is printed first); 130 interrupted (Ctrl-C), at any point. Standard output's
+reader gone before the output was written (``kvblock ... | head -1``): the command stops quietly
+(no message) with 0, every command alike, as it would if the output had fitted in the pipe.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -891,14 +894,59 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The exit status when standard output's reader goes away (``kvblock ... | head -1``): 0, as
+#: ripgrep. Whether the output is cut depends on the pipe's timing (a report that fitted in the
+#: pipe before the reader left was written, and the command ended with its own status), so any
+#: other status (141 = 128 + SIGPIPE, as a C tool stopped by SIGPIPE) would make the same pipeline
+#: end now 0 and now that, failing ``set -o pipefail`` scripts at random. The reader chose to stop
+#: reading: a report cut short does not give its exit-3 verdict.
+EXIT_STDOUT_CLOSED = 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvblock`` command; returns the exit status (see the module docstring).
-    Ctrl-C anywhere in it, imports included: ``kvblock: interrupted``, 130."""
+    Ctrl-C anywhere in it, imports included: ``kvblock: interrupted``, 130. Standard output's
+    reader gone (a closed pipe), while the command writes or at its last flush: no message,
+    :data:`EXIT_STDOUT_CLOSED`."""
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:
+            # the output still buffered (argparse's --help too) goes now, where a closed pipe is
+            # answered as any other write's, not at the interpreter's exit ("Exception ignored
+            # ... BrokenPipeError", exit status 120)
+            if sys.stdout is not None:
+                sys.stdout.flush()
     except KeyboardInterrupt:
         print("kvblock: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as e:
+        status = _stdout_closed()
+        if isinstance(e.__context__, KeyboardInterrupt):  # Ctrl-C, then the last flush failed
+            print("kvblock: interrupted", file=sys.stderr)
+            return 130
+        return status
+    except SystemExit as e:
+        # rich's Console answers a broken pipe itself with SystemExit(1) (Console.on_broken_pipe),
+        # raised while handling the BrokenPipeError
+        if isinstance(e.__context__, BrokenPipeError):
+            return _stdout_closed()
+        raise
+
+
+def _stdout_closed() -> int:
+    """Standard output's reader is gone: point file descriptor 1 at ``os.devnull`` (the Python
+    docs' note on SIGPIPE), so that no later flush, the interpreter's at exit included, can raise
+    again; returns :data:`EXIT_STDOUT_CLOSED`."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (replaced, closed)
+        pass
+    return EXIT_STDOUT_CLOSED
 
 
 #: Options whose values may look negative (``--capacities -1GiB``): argparse reads such a value
@@ -973,6 +1021,8 @@ def _main(argv: Sequence[str] | None) -> int:
         # settings the core refuses (e.g. a pool beyond the int32 block-id range)
         print(_usage_message(f"{type(e).__name__}: {e}", _command_of(argv)), end="", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # standard output's reader is gone: main() ends quietly
+        raise
     except (MemoryError, RecursionError, OSError) as e:  # the machine's, not the command line's
         print(f"kvblock: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
