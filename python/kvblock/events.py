@@ -10,6 +10,7 @@ omitted when equal to the default. A :class:`KVEventBatch` is an array
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -87,15 +88,75 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+#: the event classes a batch carries, by name: this module's and vLLM's own
+#: (``vllm.distributed.kv_events``, the same msgspec wire format)
+_EVENT_NAMES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+#: event classes already checked (this module's, then vLLM's as they come)
+_event_classes: set[type] = {BlockStored, BlockRemoved, AllBlocksCleared}
+_EVENT_EXPECTED = "BlockStored, BlockRemoved or AllBlocksCleared, kvblock.events' or vLLM's"
+
+
+def _is_event(ev: object) -> bool:
+    cls = type(ev)
+    if cls in _event_classes:
+        return True
+    if isinstance(ev, (BlockStored, BlockRemoved, AllBlocksCleared)) or (
+            isinstance(ev, msgspec.Struct) and cls.__name__ in _EVENT_NAMES):
+        _event_classes.add(cls)
+        return True
+    return False
+
+
 def encode_batch(events: list[KVCacheEvent], ts: float | None = None, data_parallel_rank: int | None = None) -> bytes:
-    """msgpack bytes of a :class:`KVEventBatch` (``ts`` defaults to ``time.time()``)."""
-    return _encoder.encode(KVEventBatch(ts=time.time() if ts is None else ts, events=events,
+    """msgpack bytes of a :class:`KVEventBatch` (``ts`` defaults to ``time.time()``).
+
+    Args:
+        events: a list (or tuple) of :class:`BlockStored` / :class:`BlockRemoved` /
+            :class:`AllBlocksCleared`, this module's or vLLM's (``vllm.distributed.kv_events``).
+        ts: the batch's timestamp, a finite number (seconds since the epoch in vLLM's).
+        data_parallel_rank: the engine's data-parallel rank, an int >= 0, or None.
+
+    Raises:
+        TypeError: ``events`` is not a list of such events, ``ts`` not a number or
+            ``data_parallel_rank`` not an int (each named); nothing is encoded.
+        ValueError: ``ts`` not finite, ``data_parallel_rank`` negative.
+    """
+    if not isinstance(events, (list, tuple)):
+        raise TypeError(f"events: expected a list of KV cache events ({_EVENT_EXPECTED}), got "
+                        f"{type(events).__name__}")
+    for i, ev in enumerate(events):
+        if not _is_event(ev):
+            raise TypeError(f"events[{i}]: expected a KV cache event ({_EVENT_EXPECTED}), got {type(ev).__name__}")
+    if ts is None:
+        ts = time.time()
+    elif isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        raise TypeError(f"ts: expected a number (seconds) or None, got {type(ts).__name__}")
+    elif not math.isfinite(ts):
+        raise ValueError(f"ts: expected a finite number, got {ts!r}")
+    if data_parallel_rank is not None:
+        if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int):
+            raise TypeError(f"data_parallel_rank: expected an int or None, got {type(data_parallel_rank).__name__}")
+        if data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank: expected an int >= 0 or None, got {data_parallel_rank}")
+    return _encoder.encode(KVEventBatch(ts=float(ts), events=events if isinstance(events, list) else list(events),
                                         data_parallel_rank=data_parallel_rank))
 
 
 def decode_batch(data: bytes) -> KVEventBatch:
-    """Parse the bytes of a :class:`KVEventBatch`."""
-    return _decoder.decode(data)
+    """Parse the bytes of a :class:`KVEventBatch`.
+
+    Raises:
+        TypeError: ``data`` is not bytes-like (bytes, bytearray, memoryview).
+        msgspec.DecodeError: ``data`` is not a batch in vLLM's msgpack format (malformed, an
+            unknown event type, a missing field or a field of the wrong type:
+            ``msgspec.ValidationError``, a subclass); a ValueError, naming ``data``.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data: expected the bytes of a KV event batch, got {type(data).__name__}")
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as e:  # ValidationError included; the same class, with context
+        raise type(e)(f"data: not a KV event batch in vLLM's msgpack format ({e})") from None
 
 
 def block_stored_for_request(
