@@ -123,6 +123,46 @@ def test_record_prefix_cache_stats_checks_num_hits(manager, value, exc, message)
     assert manager.make_prefix_cache_stats().requests == 0
 
 
+@pytest.mark.parametrize("bad", [None, "a", 3, object()], ids=["None", "request-id", "int", "object"])
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_record_prefix_cache_stats_names_a_non_request(bad, log_stats):
+    """kvblock's own manager: ``record_prefix_cache_stats(None, 1)`` (and
+    ``prefix_cache_lookup_enabled(None)``) raised AttributeError where every other method
+    raises a TypeError naming ``request``; now the same TypeError, the stats unchanged.
+    (kvblock.vllm's manager keeps vLLM's AttributeError, as the reference keeps its plain
+    attribute reads.)"""
+    manager = KVCacheManager(40, 4, max_model_len=64, log_stats=log_stats)
+    message = r"^request: expected a request with a `skip_reading_prefix_cache` attribute, got "
+    with pytest.raises(TypeError, match=message + type(bad).__name__):
+        manager.record_prefix_cache_stats(bad, 1)
+    with pytest.raises(TypeError, match=message):
+        manager.prefix_cache_lookup_enabled(bad)
+    with pytest.raises(TypeError, match=r"^request: .*got NoneType"):
+        manager.get_computed_blocks(None)  # the core's words, which these now share
+    stats = manager.make_prefix_cache_stats()
+    assert stats is None if not log_stats else (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+
+
+def test_record_prefix_cache_stats_reads_the_whole_request_before_counting():
+    """A request-like object lacking ``num_tokens`` / ``num_preemptions`` is named the same way
+    and counts nothing; num_hits past the request's tokens is a ValueError naming both."""
+    manager = KVCacheManager(40, 4, max_model_len=64, log_stats=True)
+
+    class Partial:
+        skip_reading_prefix_cache = False
+        num_tokens = 9
+
+    with pytest.raises(TypeError, match=r"^request: expected a request with a `num_preemptions` attribute, got Partial"):
+        manager.record_prefix_cache_stats(Partial(), 1)
+    req = Request("a", list(range(9)), block_hasher=manager.request_block_hasher)
+    with pytest.raises(ValueError, match=r"num_hits \(10\) exceeds num_tokens \(9\)"):
+        manager.record_prefix_cache_stats(req, 10)
+    assert manager.prefix_cache_stats.requests == 0
+    manager.record_prefix_cache_stats(req, 4)
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (1, 9, 4)
+
+
 @pytest.mark.parametrize(
     "flag",
     ["enable_caching", "log_stats", "enable_kv_cache_events", "use_eagle",

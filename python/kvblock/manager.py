@@ -184,6 +184,15 @@ def _check_flags(**flags: Any) -> None:
             raise TypeError(f"{name}: must be a bool, got {type(value).__name__} {value!r}")
 
 
+def _request_attr(request: Any, name: str) -> Any:
+    """``request.<name>``; a ``TypeError`` naming ``request`` when it has no such attribute
+    (None, a request id given for the request), in the words of the core's request checks."""
+    try:
+        return getattr(request, name)
+    except AttributeError:
+        raise TypeError(f"request: expected a request with a `{name}` attribute, got {type(request).__name__}") from None
+
+
 #: The most blocks a pool holds (block ids are int32).
 _MAX_BLOCKS = 2**31 - 1
 
@@ -575,18 +584,26 @@ class KVCacheManager(_core.KVCacheManagerCore):
         """True if ``request`` reads the prefix cache: caching is on and its
         ``skip_reading_prefix_cache`` is false (vLLM's rule; stats count only such requests).
         """
-        return self.enable_caching and not request.skip_reading_prefix_cache
+        skip = _request_attr(request, "skip_reading_prefix_cache")
+        return self.enable_caching and not skip
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """Record one admission: ``queries += request.num_tokens``, ``hits += num_hits``
         (or the ``preempted_*`` counters for a preempted request). No-op unless ``log_stats``
-        and the request reads the prefix cache."""
+        and the request reads the prefix cache.
+
+        Raises (the stats unchanged):
+            TypeError: ``request`` is not a request (None, a request id: no
+                ``skip_reading_prefix_cache``, ``num_tokens`` or ``num_preemptions``), or
+                ``num_hits`` is not an int; each named.
+            ValueError: ``num_hits`` negative, or more than ``request.num_tokens``.
+        """
         hashing._count_arg("num_hits", num_hits, 0)
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+        if not self.prefix_cache_lookup_enabled(request) or not self.log_stats:
             return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens, num_hits=num_hits, preempted=request.num_preemptions > 0
-        )
+        num_tokens = _request_attr(request, "num_tokens")
+        preempted = _request_attr(request, "num_preemptions") > 0
+        self.prefix_cache_stats.record(num_tokens=num_tokens, num_hits=num_hits, preempted=preempted)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The current stats (None without ``log_stats``); a fresh object takes their place."""
