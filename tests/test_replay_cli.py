@@ -184,6 +184,9 @@ def test_option_errors_exit_2(capsys, argv, message):
     ('{"timestamp": 0, "input_length": -700, "output_length": 1, "hash_ids": [0, 1]}', "input_length must be > 0, got -700"),
     ('{"timestamp": 0, "input_length": 700, "output_length": -1, "hash_ids": [0, 1]}', "output_length must be >= 0, got -1"),
     ('{"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [0, 1]}', "hash_ids has 2 ids but input_length 1500 needs ceil(1500/512) = 3"),
+    # was accepted: "scheduler steps" printed ~300 digits and the table grew hundreds of columns
+    ('{"timestamp": 1e300, "input_length": 700, "output_length": 1, "hash_ids": [0, 1]}',
+     "timestamp must be at most 31,622,400,000 ms (366 days after the trace start), got 1e+300"),
 ])
 def test_bad_lines_name_their_line_and_can_be_skipped(tmp_path, capsys, bad, message):
     path = write(tmp_path, "t.jsonl", [GOOD[0], bad, GOOD[1]])
@@ -194,6 +197,28 @@ def test_bad_lines_name_their_line_and_can_be_skipped(tmp_path, capsys, bad, mes
     assert code == 0 and "skipped 1 bad line(s); first, line 2" in err
     d = json.loads(out)
     assert d["served"] == 2 and d["skipped_lines"] == 1
+
+
+def test_absurd_timestamp_is_one_error_line_from_the_command(tmp_path):
+    """The user's case, as a real ``kvblock replay`` process printing its table: a line with
+    ``"timestamp": 1e300`` is refused in one ``kvblock: error:`` line naming it, exit 2, no
+    table (it printed a ~300-digit "scheduler steps" row, hundreds of columns wide)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import kvblock
+
+    path = write(tmp_path, "t.jsonl", [GOOD[0], {"timestamp": 1e300, "input_length": 700, "output_length": 1,
+                                                 "hash_ids": [0, 1]}])
+    env = {**os.environ, "PYTHONPATH": str(Path(kvblock.__file__).resolve().parent.parent)}
+    p = subprocess.run([sys.executable, "-m", "kvblock", "replay", path, "--no-progress"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.splitlines() == [
+        f"kvblock: error: {path}:2: timestamp must be at most 31,622,400,000 ms (366 days after the trace start), "
+        "got 1e+300 (pass --skip-bad-lines to skip such lines) (see kvblock replay --help)"]
 
 
 def test_unservable_requests_exit_3_after_the_report(tmp_path, capsys):

@@ -238,6 +238,8 @@ BAD_LINES = [
     ('{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": []}', "input_length must be > 0"),
     ('{"timestamp": 0, "input_length": 5, "output_length": -1, "hash_ids": [0]}', "output_length must be >= 0"),
     ('{"timestamp": -3, "input_length": 5, "output_length": 1, "hash_ids": [0]}', "timestamp must be"),
+    ('{"timestamp": 1e300, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+     "timestamp must be at most 31,622,400,000 ms (366 days after the trace start), got 1e+300"),
     ('{"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [0, 1]}', "hash_ids has 2 ids but input_length 1500 needs ceil(1500/512) = 3"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}', "hash_ids must be in"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [99999999999999999999]}', ""),
@@ -312,6 +314,36 @@ def test_all_lines_bad_with_skipping(tmp_path):
     # the format detected first (no --format): the same message, not "has no requests"
     with pytest.raises(ReplayError, match=r"no valid request \(2 bad lines skipped; first on line 1"):
         load_trace(path, skip_bad_lines=True)
+
+
+@pytest.mark.parametrize("fmt, unit, limit", [("mooncake", "ms", 31_622_400_000), ("bailian", "s", 31_622_400),
+                                              ("tokens", "ms", 31_622_400_000)])
+def test_timestamps_are_bounded_to_366_days_in_the_trace_unit(tmp_path, fmt, unit, limit):
+    """A timestamp of 1e300 was accepted: the report's "scheduler steps" row printed a
+    ~300-digit number of simulated seconds and the table grew hundreds of columns wide. Every
+    format refuses a timestamp past 366 days (in its own unit) as a bad line, with its number,
+    and accepts the bound itself."""
+    from kvblock.replay.trace import MAX_ARRIVAL_MS
+
+    assert MAX_ARRIVAL_MS == 366 * 24 * 3600 * 1000
+
+    def line(ts):
+        if fmt == "mooncake":
+            return mooncake(ts, 5, 1, [0])
+        if fmt == "bailian":
+            return {"chat_id": 1, "timestamp": ts, "input_length": 5, "output_length": 1, "hash_ids": [0]}
+        return {"prompt_token_ids": [1, 2], "timestamp": ts}
+
+    ok = load_trace(write_jsonl(tmp_path / "ok.jsonl", [line(0), line(limit)]), format=fmt)
+    assert ok.requests[-1].arrival_ms == MAX_ARRIVAL_MS
+    for bad in (limit + 1, 1e300, 1.7e308):
+        path = write_jsonl(tmp_path / "bad.jsonl", [line(0), line(bad)])
+        with pytest.raises(TraceFormatError) as e:
+            load_trace(path, format=fmt)
+        assert e.value.line == 2 and str(e.value).startswith(f"{path}:2: ")
+        assert f"timestamp must be at most {limit:,} {unit} (366 days after the trace start)" in str(e.value)
+        t = load_trace(path, format=fmt, skip_bad_lines=True)
+        assert [r.line for r in t.requests] == [1] and [b.line for b in t.bad_lines] == [2]
 
 
 def test_hash_id_bounds_depend_on_the_trace_block_size(tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from .mooncake import hash_id_request
-from .trace import TraceRequest
+from .trace import TraceRequest, arrival_ms
 
 __all__ = ["BAILIAN_BLOCK_SIZE", "BailianRecord", "decode_bailian"]
 
@@ -41,13 +41,13 @@ def decode_bailian(raw: bytes, line: int, index: int, trace_block_size: int) -> 
 
     Raises:
         msgspec.DecodeError / msgspec.ValidationError: malformed JSON or bad field types;
-        ValueError: invalid lengths, ids or turn (see
+        ValueError: invalid lengths, ids, turn or timestamp (at most 31,622,400 s: 366 days; see
             :func:`kvblock.replay.mooncake.hash_id_request`).
     """
     rec = _DECODER.decode(raw)
     if rec.turn < 0:
         raise ValueError(f"turn must be >= 0, got {rec.turn}")
     return hash_id_request(
-        index, line, rec.timestamp * 1000.0, rec.input_length, rec.output_length, rec.hash_ids,
+        index, line, arrival_ms(rec.timestamp, "s"), rec.input_length, rec.output_length, rec.hash_ids,
         trace_block_size, session=rec.chat_id,
     )

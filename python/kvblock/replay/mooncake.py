@@ -12,12 +12,11 @@ of that block. Unknown extra fields are ignored.
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import numpy as np
 
 from .trace import TraceRequest
+from .trace import arrival_ms as to_arrival_ms  # hash_id_request's argument is arrival_ms
 
 __all__ = ["MOONCAKE_BLOCK_SIZE", "MooncakeRecord", "decode_mooncake", "hash_id_request"]
 
@@ -51,15 +50,15 @@ def hash_id_request(
 
     Raises:
         ValueError: a negative or zero ``input_length``, a negative ``output_length``, a
-            negative or non-finite timestamp, ``len(hash_ids) != ceil(input_length /
+            negative or non-finite timestamp or one beyond 366 days
+            (:data:`~kvblock.replay.trace.MAX_ARRIVAL_MS`), ``len(hash_ids) != ceil(input_length /
             trace_block_size)``, or an id outside ``[0, 2**63 // trace_block_size)``.
     """
     if input_length <= 0:
         raise ValueError(f"input_length must be > 0, got {input_length}")
     if output_length < 0:
         raise ValueError(f"output_length must be >= 0, got {output_length}")
-    if not math.isfinite(arrival_ms) or arrival_ms < 0:
-        raise ValueError(f"timestamp must be a finite number >= 0, got {arrival_ms}")
+    arrival = to_arrival_ms(arrival_ms)
     expected = -(-input_length // trace_block_size)
     if len(hash_ids) != expected:
         raise ValueError(
@@ -76,7 +75,7 @@ def hash_id_request(
     return TraceRequest(
         index=index,
         request_id=f"req-{index}",
-        arrival_ms=float(arrival_ms),
+        arrival_ms=arrival,
         prompt_len=input_length,
         output_len=output_length,
         hash_ids=ids,

@@ -13,13 +13,12 @@ tokens to generate, so that a later prompt containing the answer can hit its blo
 
 from __future__ import annotations
 
-import math
 from typing import Union
 
 import msgspec
 import numpy as np
 
-from .trace import TraceRequest
+from .trace import TraceRequest, arrival_ms
 
 __all__ = ["TokenRecord", "decode_tokens"]
 
@@ -80,12 +79,11 @@ def decode_tokens(raw: bytes, line: int, index: int) -> TraceRequest:
             )
     else:
         n_out = len(outputs) if outputs is not None else 1
-    if not math.isfinite(rec.timestamp) or rec.timestamp < 0:
-        raise ValueError(f"timestamp must be a finite number >= 0, got {rec.timestamp}")
+    arrival = arrival_ms(rec.timestamp)
     return TraceRequest(
         index=index,
         request_id=rec.request_id if rec.request_id is not None else f"req-{index}",
-        arrival_ms=float(rec.timestamp),
+        arrival_ms=arrival,
         prompt_len=len(prompt_arr),
         output_len=n_out,
         prompt_tokens=prompt_arr,

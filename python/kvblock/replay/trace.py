@@ -8,6 +8,7 @@ deterministic tokens by :mod:`kvblock.replay.expand`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,32 @@ import numpy as np
 
 from .jsonl import BadLine
 
-__all__ = ["SchedulerDefaults", "Trace", "TraceRequest"]
+__all__ = ["MAX_ARRIVAL_MS", "SchedulerDefaults", "Trace", "TraceRequest", "arrival_ms"]
+
+#: The latest arrival a trace line may give: 366 days after the trace start, in milliseconds.
+#: Trace timestamps count from the trace's start; a later one is corrupt, in another unit or an
+#: epoch time (and its idle time would print as a number of hundreds of digits in the report).
+MAX_ARRIVAL_MS = 366 * 86_400_000
+
+#: milliseconds per unit of a trace's ``timestamp`` field
+_MS_PER_UNIT = {"ms": 1.0, "s": 1000.0}
+
+
+def arrival_ms(timestamp: float, unit: str = "ms") -> float:
+    """A trace line's ``timestamp`` (in ``unit``: ``"ms"`` or ``"s"``) as milliseconds.
+
+    Raises:
+        ValueError: a negative or non-finite timestamp, or one beyond :data:`MAX_ARRIVAL_MS`
+            (366 days; the message gives the bound in ``unit``).
+    """
+    if not math.isfinite(timestamp) or timestamp < 0:
+        raise ValueError(f"timestamp must be a finite number >= 0, got {timestamp}")
+    per_unit = _MS_PER_UNIT[unit]
+    limit = MAX_ARRIVAL_MS / per_unit
+    if timestamp > limit:
+        raise ValueError(f"timestamp must be at most {limit:,.0f} {unit} (366 days after the trace start), "
+                         f"got {timestamp!r}")
+    return float(timestamp) * per_unit
 
 
 @dataclass(slots=True)
