@@ -45,3 +45,39 @@ def test_a_scale_or_step_must_be_finite(capsys):
     for opt in ("--time-scale", "--step-ms"):
         code, out, err = run_cli(capsys, "replay", "builtin:chat", "--limit", "10", opt, "inf", "--no-progress")
         assert code == 2 and f"{opt} must be a finite number > 0, got inf" in err
+
+
+@pytest.mark.parametrize(
+    "opts, msg",
+    [
+        (["--time-scale", "1e290"], "--time-scale must be <= 31,622,400,000 (a 1 ms trace scaled past 366 days), got 1e+290"),
+        (["--step-ms", "1e300"], "--step-ms must be <= 31,622,400,000 (366 days), got 1e+300"),
+        (["--retention", "ttl", "--ttl-s", "inf"], "--ttl-s must be at most 366 days (31,622,400 s), got inf"),
+        (["--retention", "ttl", "--ttl-s", "1e300"], "--ttl-s must be at most 366 days (31,622,400 s), got 1e+300"),
+        (["--instances", "2", "--speculative-ttl-ms", "inf"], "--speculative-ttl-ms must be >= 0 and at most 366 days"),
+        (["--instances", "2", "--speculative-ttl-ms", "nan"], "--speculative-ttl-ms must be >= 0 and at most 366 days"),
+        (["--instances", "2", "--load-weight", "nan"], "--load-weight must be a finite number >= 0, got nan"),
+    ],
+    ids=["time-scale", "step-ms", "ttl-inf", "ttl-huge", "spec-ttl-inf", "spec-ttl-nan", "load-weight-nan"],
+)
+def test_an_absurd_simulated_time_is_refused(capsys, opts, msg):
+    """``--time-scale 1e290`` printed a ~300-digit scheduler-step count: a simulated time past
+    the 366 days a trace's timestamps may span is a usage error (exit 2) naming the option."""
+    code, out, err = run_cli(capsys, "replay", "builtin:chat", "--limit", "10", *opts, "--no-progress")
+    assert code == 2 and msg in err and out == "", (code, err)
+    assert err.startswith("kvblock: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_scale_past_366_days_of_the_trace_is_refused(tmp_path):
+    """Within the factor bound, the trace's last arrival scaled must stay within 366 days."""
+    from kvblock.replay import SimConfig
+    from kvblock.replay.config import check_time_span
+    from kvblock.replay.errors import SettingError
+    from kvblock.replay.trace import Trace, TraceRequest
+
+    reqs = [TraceRequest(i, f"r{i}", t, 16, 1) for i, t in enumerate((0.0, 1000.0))]
+    trace = Trace(name="t", source="t", requests=reqs)
+    check_time_span(trace, SimConfig(time_scale=3e7))  # 1 s -> about 347 days
+    with pytest.raises(SettingError, match=r"^time_scale 4e\+07 puts the trace's last arrival \(1000 ms\) past 366 days"):
+        check_time_span(trace, SimConfig(time_scale=4e7))
+    check_time_span(trace, SimConfig(time_scale=4e7, asap=True))  # arrival times ignored

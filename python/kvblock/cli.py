@@ -752,9 +752,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--asap", action=argparse.BooleanOptionalAction, default=_UNSET,
                    help="ignore timestamps: all requests wait from the start (default off for traces)")
     g.add_argument("--step-ms", type=_float, default=_UNSET, metavar="MS",
-                   help="simulated duration of a scheduler step (default 20)")
+                   help="simulated duration of a scheduler step, at most 366 days (default 20)")
     g.add_argument("--time-scale", type=_float, default=_UNSET, metavar="X",
-                   help="multiply arrival times by X; 0.5 doubles the request rate (default 1)")
+                   help="multiply arrival times by X; 0.5 doubles the request rate (default 1); the last "
+                   "arrival scaled must stay within 366 days, as a trace's own timestamps")
     g.add_argument("--impl", choices=("kvblock", "reference"), default=_UNSET,
                    help="KV cache manager: kvblock (Rust) or the pure-Python reference (default kvblock)")
     g.add_argument("--ideal", action="store_true",
@@ -844,7 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--speculative-ttl-ms", type=_float, default=None, metavar="MS",
                     help="cache-aware: speculative entries living MS on the simulated clock (default 0: off)")
     fs.add_argument("--time-scale", type=_float, default=None, metavar="X",
-                    help="multiply arrival times by X (default 1)")
+                    help="multiply arrival times by X (default 1; the last arrival scaled within 366 days)")
     sw.add_argument("--json", action="store_true", help="print the data as JSON")
     sw.add_argument("--no-progress", action="store_true", help="no progress bar")
     sw.set_defaults(func=_cmd_sweep)

@@ -12,9 +12,17 @@ import numpy as np
 from ..hashing import ALGORITHMS
 from .backends import IMPLS
 from .errors import ReplayError, SettingError
-from .trace import SchedulerDefaults, Trace
+from .trace import MAX_ARRIVAL_MS, SchedulerDefaults, Trace
 
-__all__ = ["DEFAULTS", "SimConfig"]
+__all__ = ["DEFAULTS", "MAX_SIMULATED_MS", "SimConfig", "check_time_span"]
+
+
+#: The longest simulated time: a scheduler step (``step_ms``), the scale of arrival times
+#: (``time_scale``, the trace time a 1 ms trace becomes) and a trace's arrivals once scaled
+#: (:func:`check_time_span`) must stay within the 366 days a trace's own timestamps may span
+#: (:data:`~kvblock.replay.trace.MAX_ARRIVAL_MS`): past it a simulated clock in ms is no
+#: longer a schedule (``time_scale=1e290`` printed a 300-digit step count).
+MAX_SIMULATED_MS = MAX_ARRIVAL_MS
 
 
 #: The most blocks a pool can have: block ids are int32, as in vLLM.
@@ -38,6 +46,25 @@ def available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def check_time_span(trace: Trace, cfg: SimConfig) -> None:
+    """Refuse a ``time_scale`` that puts the trace's last arrival past
+    :data:`MAX_SIMULATED_MS` (366 days) on the simulated clock (not checked with ``asap``,
+    which ignores arrival times).
+
+    Raises:
+        SettingError: naming ``time_scale`` (the ``kvblock`` command: ``--time-scale``).
+    """
+    if cfg.asap or not trace.requests:
+        return
+    last = max(r.arrival_ms for r in trace.requests)
+    if last * cfg.time_scale > MAX_SIMULATED_MS:
+        raise SettingError(
+            "time_scale",
+            f"{{name}} {cfg.time_scale:g} puts the trace's last arrival ({last:g} ms) past 366 days on the "
+            f"simulated clock; use at most {MAX_SIMULATED_MS / last:g}",
+        )
 
 
 def check_engine_memory(instances: int, num_blocks: int | None) -> None:
@@ -155,6 +182,15 @@ class SimConfig:
             raise SettingError("step_ms", f"{{name}} must be a finite number > 0, got {self.step_ms}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise SettingError("time_scale", f"{{name}} must be a finite number > 0, got {self.time_scale}")
+        if self.step_ms > MAX_SIMULATED_MS:
+            raise SettingError(
+                "step_ms", f"{{name}} must be <= {MAX_SIMULATED_MS:,} (366 days), got {self.step_ms:g}"
+            )
+        if self.time_scale > MAX_SIMULATED_MS:
+            raise SettingError(
+                "time_scale",
+                f"{{name}} must be <= {MAX_SIMULATED_MS:,} (a 1 ms trace scaled past 366 days), got {self.time_scale:g}",
+            )
         from .retention import RetentionPolicy
 
         RetentionPolicy(self.retention, self.block_size, self.pin_tokens, self.ttl_s)  # checks them

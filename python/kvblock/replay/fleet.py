@@ -33,7 +33,7 @@ import numpy as np
 
 from ..events import encode_batch
 from .blockhash import RequestHasher
-from .config import SimConfig, check_engine_memory
+from .config import SimConfig, check_engine_memory, check_time_span
 from .errors import ReplayError
 from .result import ReplayResult, Unservable
 from .retention import RetentionPolicy
@@ -104,8 +104,11 @@ class FleetConfig:
             raise ReplayError(f"--instances must be >= 1, got {self.instances}")
         if self.router not in POLICIES:
             raise ReplayError(f"unknown --router {self.router!r}; choose from {', '.join(POLICIES)}")
-        if not self.speculative_ttl_ms >= 0:
-            raise ReplayError(f"--speculative-ttl-ms must be >= 0, got {self.speculative_ttl_ms}")
+        if not 0 <= self.speculative_ttl_ms <= 366 * 86_400_000:  # NaN, inf, past a trace's 366 days
+            raise ReplayError(
+                f"--speculative-ttl-ms must be >= 0 and at most 366 days (31,622,400,000 ms), "
+                f"got {self.speculative_ttl_ms:g}"
+            )
         if not 0 <= self.load_weight < math.inf:
             raise ReplayError(f"--load-weight must be a finite number >= 0, got {self.load_weight}")
         if self.transport not in TRANSPORTS:
@@ -317,6 +320,7 @@ def replay_fleet(trace: Trace, cfg: SimConfig, fleet: FleetConfig,
 
     cfg.validate()
     fleet.validate()
+    check_time_span(trace, cfg)
     check_engine_memory(fleet.instances, cfg.num_blocks)
     if cfg.ideal:
         raise ReplayError("a fleet replay schedules requests; --ideal is for one engine")

@@ -55,7 +55,7 @@ class RetentionPolicy:
         ttl_s: the ``ttl`` policy's seconds.
 
     Raises:
-        SettingError: an unknown policy, a non-positive ``ttl_s`` or ``pin_tokens`` (a
+        SettingError: an unknown policy, a non-positive ``ttl_s`` (or one past 366 days) or ``pin_tokens`` (a
             :class:`ReplayError` naming the field, or its option on the command line).
     """
 
@@ -65,6 +65,8 @@ class RetentionPolicy:
             raise SettingError("retention", f"unknown {{name}} {name!r}; choose from {', '.join(POLICIES)}")
         if not ttl_s > 0:
             raise SettingError("ttl_s", f"{{name}} must be > 0, got {ttl_s}")
+        if not ttl_s <= 366 * 86_400:  # inf, or past the 366 days a trace's timestamps may span
+            raise SettingError("ttl_s", f"{{name}} must be at most 366 days (31,622,400 s), got {ttl_s:g}")
         if pin_tokens is not None and pin_tokens < block_size:
             raise SettingError("pin_tokens", f"{{name}} must be at least one block ({block_size}), got {pin_tokens}")
         self.name = name

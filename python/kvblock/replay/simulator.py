@@ -48,7 +48,7 @@ import numpy as np
 from ..request import RequestStatus
 from .backends import Impl, get_impl
 from .blockhash import RequestHasher
-from .config import SimConfig, check_engine_memory
+from .config import SimConfig, check_engine_memory, check_time_span
 from .retention import RetentionPolicy
 from .result import ReplayResult, Unservable
 from .simrequest import SimRequest
@@ -109,11 +109,14 @@ class Replayer:
         Raises:
             ReplayError: invalid settings, or a pool larger than the memory available
                 (:func:`~kvblock.replay.config.check_engine_memory`); ValueError: ``cfg`` names
-                another implementation, block size or hash algorithm than this replayer.
+                another implementation, block size or hash algorithm than this replayer;
+                SettingError: a ``time_scale`` that puts the last arrival past 366 days
+                (:func:`~kvblock.replay.config.check_time_span`).
         """
         cfg.validate()
         if (cfg.impl, cfg.block_size, cfg.hash_algo) != (self.impl.name, self.block_size, self.hash_algo):
             raise ValueError("cfg does not match this Replayer's impl / block_size / hash_algo")
+        check_time_span(trace, cfg)
         num_blocks = cfg.resolved_num_blocks(trace)
         check_engine_memory(1, num_blocks)
         t0 = time.perf_counter()

@@ -103,6 +103,111 @@ pub fn uint32_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
     Ok(out)
 }
 
+/// A sequence argument's items, each read by `item` under the name `arg[i]`; a str, bytes or
+/// an object that is not iterable is a `TypeError` naming `arg` (`what`: the items expected).
+pub fn seq_of<T>(
+    obj: &Bound<'_, PyAny>,
+    arg: &str,
+    what: &str,
+    item: impl Fn(&Bound<'_, PyAny>, &str) -> PyResult<T>,
+) -> PyResult<Vec<T>> {
+    let not_a_sequence = || {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        type_err(arg, format!("expected a sequence of {what}, got {ty}"))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    let items = obj.try_iter().map_err(|_| not_a_sequence())?;
+    let mut out = Vec::new();
+    for (i, x) in items.enumerate() {
+        out.push(item(&x?, &format!("{arg}[{i}]"))?);
+    }
+    Ok(out)
+}
+
+/// A sequence of [`count`]s, each named `arg[i]`.
+pub fn count_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<usize>> {
+    seq_of(obj, arg, "ints", count)
+}
+
+/// A sequence of [`uint64`]s, each named `arg[i]`.
+pub fn uint64_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u64>> {
+    seq_of(obj, arg, "ints", uint64)
+}
+
+/// [`uint32_seq`], or None for `None`.
+pub fn opt_uint32_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<Vec<u32>>> {
+    if obj.is_none() {
+        return Ok(None);
+    }
+    uint32_seq(obj, arg).map(Some)
+}
+
+/// The `n` items of a tuple (or other sequence of length `n`, not a str) named `arg`; anything
+/// else is a `TypeError` naming `arg`.
+pub fn tuple_items<'py>(obj: &Bound<'py, PyAny>, arg: &str, n: usize) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let bad = || {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        type_err(arg, format!("expected a tuple of {n} items, got {ty}"))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(bad());
+    }
+    let items: Vec<Bound<'py, PyAny>> = obj.try_iter().map_err(|_| bad())?.collect::<PyResult<_>>()?;
+    if items.len() != n {
+        return Err(type_err(arg, format!("expected a tuple of {n} items, got {}", items.len())));
+    }
+    Ok(items)
+}
+
+/// A sequence of `(count, count)` pairs, the items named `arg[i][j]`.
+pub fn count_pairs(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<(usize, usize)>> {
+    seq_of(obj, arg, "(int, int) tuples", |x, name| {
+        let t = tuple_items(x, name, 2)?;
+        Ok((count(&t[0], &format!("{name}[0]"))?, count(&t[1], &format!("{name}[1]"))?))
+    })
+}
+
+/// A sequence of `(uint64, count)` pairs, the items named `arg[i][j]`.
+pub fn uint64_count_pairs(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<(u64, usize)>> {
+    seq_of(obj, arg, "(int, int) tuples", |x, name| {
+        let t = tuple_items(x, name, 2)?;
+        Ok((uint64(&t[0], &format!("{name}[0]"))?, count(&t[1], &format!("{name}[1]"))?))
+    })
+}
+
+/// A str item named `arg` (a `TypeError` naming it otherwise).
+pub fn string(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<String> {
+    match obj.cast::<PyString>() {
+        Ok(s) => utf8(s, arg).map(str::to_owned),
+        Err(_) => {
+            let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+            Err(type_err(arg, format!("expected str, got {ty}")))
+        }
+    }
+}
+
+/// A sequence of `(str, count)` pairs, the items named `arg[i][j]`.
+pub fn str_count_pairs(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<(String, usize)>> {
+    seq_of(obj, arg, "(str, int) tuples", |x, name| {
+        let t = tuple_items(x, name, 2)?;
+        Ok((string(&t[0], &format!("{name}[0]"))?, count(&t[1], &format!("{name}[1]"))?))
+    })
+}
+
+/// A sequence of `(str, count, count)` triples, the items named `arg[i][j]`.
+pub fn str_count_triples(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<(String, usize, usize)>> {
+    seq_of(obj, arg, "(str, int, int) tuples", |x, name| {
+        let t = tuple_items(x, name, 3)?;
+        Ok((
+            string(&t[0], &format!("{name}[0]"))?,
+            count(&t[1], &format!("{name}[1]"))?,
+            count(&t[2], &format!("{name}[2]"))?,
+        ))
+    })
+}
+
 /// [`int64`], or None for `None`.
 pub fn opt_int64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<i64>> {
     if obj.is_none() {
@@ -135,14 +240,30 @@ named!(int64 -> i64:
 named!(uint32 -> u32:
     block_id_u32 = "block_id", group_id = "group_id", src = "src", dst = "dst",
 );
+named!(uint32 -> u32: instance_id = "id");
 named!(uint32_seq -> Vec<u32>: kv_cache_group_ids = "kv_cache_group_ids");
+named!(opt_uint32_seq -> Option<Vec<u32>>: opt_ids = "ids");
 named!(count -> usize:
     num_cached_blocks = "num_cached_blocks", num_full_blocks = "num_full_blocks",
-    block_size_count = "block_size",
+    block_size_count = "block_size", warm_from = "warm_from", threads = "threads",
+    host_group = "host_group", num_blocks_count = "num_blocks", max_model_len = "max_model_len",
+    num_reprefillable_tokens = "num_reprefillable_tokens", group = "group",
+    num_computed_tokens_count = "num_computed_tokens", num_host_pages = "num_host_pages",
+    k = "k", start_count = "start", num_tokens = "num_tokens", num_pages = "num_pages",
+    num_held_pages = "num_held_pages",
 );
+named!(count_seq -> Vec<usize>: resident_groups = "resident_groups", admission_caps = "admission_caps");
+named!(count_pairs -> Vec<(usize, usize)>: hot_groups = "hot_groups");
+named!(uint64_count_pairs -> Vec<(u64, usize)>: enqueued = "enqueued", completed = "completed");
+named!(str_count_pairs -> Vec<(String, usize)>: requests_pairs = "requests");
+named!(str_count_triples -> Vec<(String, usize, usize)>: requests_triples = "requests");
 named!(opt_count -> Option<usize>: max_blocks = "max_blocks");
 named!(opt_positive -> Option<usize>: opt_block_size = "block_size");
-named!(uint64 -> u64: now_ms = "now_ms", ttl_ms = "ttl_ms");
+named!(uint64 -> u64: now_ms = "now_ms", ttl_ms = "ttl_ms", watcher = "watcher",
+    birth_time_ns = "birth_time_ns", last_access_ns = "last_access_ns", block_size_u64 = "block_size",
+    trace_block_size = "trace_block_size", num_blocks_u64 = "num_blocks",
+);
+named!(uint64_seq -> Vec<u64>: history = "history", capacities = "capacities");
 named!(opt_str -> Option<String>: medium = "medium");
 
 /// [`int64`] narrowed to `[0, 2**63)`: a negative value is a `ValueError` naming the argument
@@ -151,6 +272,19 @@ pub fn uint64(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u64> {
     let v = int64(obj, arg)?;
     u64::try_from(v).map_err(|_| value_err(arg, format!("must be >= 0, got {v}")))
 }
+
+/// An int in `[0, 2**64)` (a random seed: `random.getrandbits(64)`); a bool or a non-int is a
+/// `TypeError`, any other int a `ValueError`, each naming the argument.
+pub fn uint64_full(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<u64> {
+    if !obj.is_instance_of::<PyBool>() {
+        if let Ok(v) = obj.extract::<u64>() {
+            return Ok(v);
+        }
+    }
+    let v = int64(obj, arg)?; // the TypeError, or the negative value
+    Err(value_err(arg, format!("{v} is out of range (must be in [0, 2**64))")))
+}
+named!(uint64_full -> u64: seed = "seed");
 
 /// A `str` or `None` argument; anything else is a `TypeError` naming it.
 pub fn opt_str(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<String>> {

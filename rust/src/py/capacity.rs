@@ -28,7 +28,7 @@ pub struct PyCapacityRequests {
 impl PyCapacityRequests {
     #[new]
     fn new(
-        block_size: u64,
+        #[pyo3(from_py_with = crate::py::args::block_size_u64)] block_size: u64,
         prompt_len: PyReadonlyArray1<'_, i64>,
         offsets: PyReadonlyArray1<'_, i64>,
         blocks: PyReadonlyArray1<'_, u32>,
@@ -46,8 +46,8 @@ impl PyCapacityRequests {
         hash_ids: PyReadonlyArray1<'_, i64>,
         id_offsets: PyReadonlyArray1<'_, i64>,
         prompt_len: PyReadonlyArray1<'_, i64>,
-        trace_block_size: u64,
-        block_size: u64,
+        #[pyo3(from_py_with = crate::py::args::trace_block_size)] trace_block_size: u64,
+        #[pyo3(from_py_with = crate::py::args::block_size_u64)] block_size: u64,
     ) -> PyResult<Self> {
         let ids = hash_ids.as_slice()?;
         let offs: Vec<usize> = u64s(&id_offsets, "id_offsets")?.into_iter().map(|v| v as usize).collect();
@@ -68,7 +68,11 @@ impl PyCapacityRequests {
     }
 
     /// The LRU curve in one pass (requests before `warm_from` are not counted).
-    fn lru_curve(&self, py: Python<'_>, warm_from: usize) -> PyResult<PyLruCurve> {
+    fn lru_curve(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::py::args::warm_from)] warm_from: usize,
+    ) -> PyResult<PyLruCurve> {
         let inner = py.detach(|| lru_curve(&self.inner, warm_from)).py_err()?;
         Ok(PyLruCurve { inner })
     }
@@ -80,10 +84,10 @@ impl PyCapacityRequests {
     fn simulate(
         &self,
         py: Python<'_>,
-        capacities: Vec<u64>,
+        #[pyo3(from_py_with = crate::py::args::capacities)] capacities: Vec<u64>,
         policy: &str,
-        warm_from: usize,
-        threads: usize,
+        #[pyo3(from_py_with = crate::py::args::warm_from)] warm_from: usize,
+        #[pyo3(from_py_with = crate::py::args::threads)] threads: usize,
         by_block: bool,
     ) -> PyResult<Vec<PointTuple>> {
         let policy = Policy::from_name(policy).py_err()?;
@@ -107,12 +111,12 @@ pub struct PyLruCurve {
 #[pymethods]
 impl PyLruCurve {
     /// The point at `num_blocks` as a tuple (see `kvblock._core.LruCurve.point`).
-    fn point(&self, num_blocks: u64) -> PointTuple {
+    fn point(&self, #[pyo3(from_py_with = crate::py::args::num_blocks_u64)] num_blocks: u64) -> PointTuple {
         tuple(self.inner.point(num_blocks))
     }
 
     /// True where the point equals a replay.
-    fn exact_at(&self, num_blocks: u64) -> bool {
+    fn exact_at(&self, #[pyo3(from_py_with = crate::py::args::num_blocks_u64)] num_blocks: u64) -> bool {
         self.inner.exact_at(num_blocks)
     }
 
@@ -142,8 +146,8 @@ pub fn capacity_trie_ids<'py>(
     hash_ids: PyReadonlyArray1<'py, i64>,
     id_offsets: PyReadonlyArray1<'py, i64>,
     prompt_len: PyReadonlyArray1<'py, i64>,
-    trace_block_size: u64,
-    block_size: u64,
+    #[pyo3(from_py_with = crate::py::args::trace_block_size)] trace_block_size: u64,
+    #[pyo3(from_py_with = crate::py::args::block_size_u64)] block_size: u64,
 ) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<u32>>)> {
     let _ = hash_ids.len();
     let ids = hash_ids.as_slice()?;

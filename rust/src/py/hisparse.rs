@@ -4,6 +4,7 @@
 //! before kvblock's manager holds HiSparse groups itself. Host publication keys each host
 //! block under the page hashes given with `set_hashes`.
 
+use super::args;
 use super::block_pool::PyBlockPool;
 use super::errors::{value_err, IntoPy};
 use crate::error::Result;
@@ -113,14 +114,14 @@ impl PyResidency {
     #[new]
     #[allow(clippy::too_many_arguments)] // the coordinator's configuration, as vLLM reads it
     fn new(
-        host_group: usize,
-        block_size: usize,
-        resident_groups: Vec<usize>,
-        admission_caps: Vec<usize>,
-        hot_groups: Vec<(usize, usize)>,
-        num_blocks: usize,
-        max_model_len: usize,
-        num_reprefillable_tokens: usize,
+        #[pyo3(from_py_with = args::host_group)] host_group: usize,
+        #[pyo3(from_py_with = args::block_size_count)] block_size: usize,
+        #[pyo3(from_py_with = args::resident_groups)] resident_groups: Vec<usize>,
+        #[pyo3(from_py_with = args::admission_caps)] admission_caps: Vec<usize>,
+        #[pyo3(from_py_with = args::hot_groups)] hot_groups: Vec<(usize, usize)>,
+        #[pyo3(from_py_with = args::num_blocks_count)] num_blocks: usize,
+        #[pyo3(from_py_with = args::max_model_len)] max_model_len: usize,
+        #[pyo3(from_py_with = args::num_reprefillable_tokens)] num_reprefillable_tokens: usize,
         device_pool: Py<PyBlockPool>,
         host_pool: Py<PyBlockPool>,
     ) -> PyResult<Self> {
@@ -148,7 +149,13 @@ impl PyResidency {
     /// Set (or with None, remove) `request`'s block table in `group`: block ids of the host
     /// pool for the host group, of the device pool otherwise (ValueError for an id outside
     /// the pool, nothing changed).
-    fn set_table(&self, py: Python<'_>, group: usize, request: String, ids: Option<Vec<u32>>) -> PyResult<()> {
+    fn set_table(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::group)] group: usize,
+        request: String,
+        #[pyo3(from_py_with = args::opt_ids)] ids: Option<Vec<u32>>,
+    ) -> PyResult<()> {
         let mut t = self.tables.lock().map_err(|_| value_err("residency", "poisoned"))?;
         if let Some(v) = &ids {
             let pool = if group == t.host_group as usize { &self.host } else { &self.device };
@@ -171,7 +178,11 @@ impl PyResidency {
         Ok(())
     }
 
-    fn advance_scheduled(&self, py: Python<'_>, requests: Vec<(String, usize)>) -> PyResult<()> {
+    fn advance_scheduled(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::requests_pairs)] requests: Vec<(String, usize)>,
+    ) -> PyResult<()> {
         self.run(py, |r, e| r.advance_scheduled(e, &requests))
     }
 
@@ -179,11 +190,21 @@ impl PyResidency {
         self.run(py, |r, e| r.update_residency(e, &request))
     }
 
-    fn publish_when_ready(&self, py: Python<'_>, request: String, num_computed_tokens: usize) -> PyResult<()> {
+    fn publish_when_ready(
+        &self,
+        py: Python<'_>,
+        request: String,
+        #[pyo3(from_py_with = args::num_computed_tokens_count)] num_computed_tokens: usize,
+    ) -> PyResult<()> {
         self.run(py, |r, e| r.publish_when_ready(e, &request, num_computed_tokens))
     }
 
-    fn commit_computed_blocks(&self, py: Python<'_>, request: String, num_host_pages: usize) -> PyResult<()> {
+    fn commit_computed_blocks(
+        &self,
+        py: Python<'_>,
+        request: String,
+        #[pyo3(from_py_with = args::num_host_pages)] num_host_pages: usize,
+    ) -> PyResult<()> {
         self.run(py, |r, e| {
             r.commit_computed_blocks(e, &request, num_host_pages);
             Ok(())
@@ -191,7 +212,12 @@ impl PyResidency {
     }
 
     /// `update_spills(enqueued, completed)` with `{transfer_id: count}` dicts.
-    fn update_spills(&self, py: Python<'_>, enqueued: Vec<(u64, usize)>, completed: Vec<(u64, usize)>) -> PyResult<()> {
+    fn update_spills(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::enqueued)] enqueued: Vec<(u64, usize)>,
+        #[pyo3(from_py_with = args::completed)] completed: Vec<(u64, usize)>,
+    ) -> PyResult<()> {
         self.run(py, |r, e| r.update_spills(e, &enqueued, &completed))
     }
 
@@ -237,7 +263,13 @@ impl PyResidency {
     }
 
     /// `get_residency_row(request, start)` of resident group `k`.
-    fn get_residency_row(&self, py: Python<'_>, k: usize, request: String, start: usize) -> PyResult<Vec<u32>> {
+    fn get_residency_row(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::k)] k: usize,
+        request: String,
+        #[pyo3(from_py_with = args::start_count)] start: usize,
+    ) -> PyResult<Vec<u32>> {
         if k >= self.res.lock().map_err(|_| value_err("residency", "poisoned"))?.layout().resident_groups.len() {
             return Err(value_err("k", "no such resident group"));
         }
@@ -245,7 +277,7 @@ impl PyResidency {
     }
 
     /// Sorted `hot_required` of hot group `k`.
-    fn hot_required(&self, k: usize) -> PyResult<Vec<String>> {
+    fn hot_required(&self, #[pyo3(from_py_with = args::k)] k: usize) -> PyResult<Vec<String>> {
         let r = self.res.lock().map_err(|_| value_err("residency", "poisoned"))?;
         let set = r
             .layout()
@@ -311,7 +343,11 @@ impl PyResidency {
     }
 
     /// `record_pending_host_import(request, num_tokens)`.
-    fn record_pending_host_import(&self, request: String, num_tokens: usize) -> PyResult<()> {
+    fn record_pending_host_import(
+        &self,
+        request: String,
+        #[pyo3(from_py_with = args::num_tokens)] num_tokens: usize,
+    ) -> PyResult<()> {
         self.res
             .lock()
             .map_err(|_| value_err("residency", "poisoned"))?
@@ -321,13 +357,17 @@ impl PyResidency {
 
     /// 0.34's `size_import(request, num_pages)`: the full-sequence host pages of an import
     /// being admitted.
-    fn size_import(&self, request: String, num_pages: usize) -> PyResult<()> {
+    fn size_import(&self, request: String, #[pyo3(from_py_with = args::num_pages)] num_pages: usize) -> PyResult<()> {
         self.res.lock().map_err(|_| value_err("residency", "poisoned"))?.size_import(&request, num_pages);
         Ok(())
     }
 
     /// 0.34's `update_import_reservation(request, num_held_pages)`.
-    fn update_import_reservation(&self, request: String, num_held_pages: usize) -> PyResult<()> {
+    fn update_import_reservation(
+        &self,
+        request: String,
+        #[pyo3(from_py_with = args::num_held_pages)] num_held_pages: usize,
+    ) -> PyResult<()> {
         self.res
             .lock()
             .map_err(|_| value_err("residency", "poisoned"))?
@@ -351,7 +391,7 @@ impl PyResidency {
     fn build_row_mirrors(
         &self,
         py: Python<'_>,
-        requests: Vec<(String, usize, usize)>,
+        #[pyo3(from_py_with = args::requests_triples)] requests: Vec<(String, usize, usize)>,
     ) -> PyResult<Vec<(Vec<usize>, usize, usize)>> {
         self.run(py, |r, e| {
             Ok(r.build_row_mirrors(e, &requests)
@@ -362,7 +402,11 @@ impl PyResidency {
     }
 
     /// `all_context_pages_resident([(request, num_computed_tokens, num_scheduled_tokens)])`.
-    fn all_context_pages_resident(&self, py: Python<'_>, requests: Vec<(String, usize, usize)>) -> PyResult<bool> {
+    fn all_context_pages_resident(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = args::requests_triples)] requests: Vec<(String, usize, usize)>,
+    ) -> PyResult<bool> {
         self.run(py, |r, e| Ok(r.all_context_pages_resident(e, &requests)))
     }
 

@@ -179,7 +179,7 @@ impl PyPrefixIndex {
 
     /// `instance_name(id: int) -> str | None`: the name of instance id `id`, None if no
     /// instance has it.
-    fn instance_name(&self, id: u32) -> Option<String> {
+    fn instance_name(&self, #[pyo3(from_py_with = crate::py::args::instance_id)] id: u32) -> Option<String> {
         self.inner.instance_name(id).map(str::to_owned)
     }
 

@@ -28,7 +28,12 @@ impl PyBlockPool {
     /// `unpin_blocks` on ids: drop a reference on each; blocks reaching 0 join the tail of the
     /// free queue; `watcher` (the caller's id for its callback) fires when the pool reuses
     /// them (`_take_fired_watchers`).
-    fn unpin_ids(&self, py: Python<'_>, ids: &Bound<'_, PyAny>, watcher: u64) -> PyResult<()> {
+    fn unpin_ids(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::py::args::watcher)] watcher: u64,
+    ) -> PyResult<()> {
         let mut me = self.state.borrow_mut(py)?;
         let ids = block_ids_of(ids, "blocks")?;
         me.inner.unpin_blocks(&ids, watcher).py_err()
@@ -270,8 +275,9 @@ impl PyBlockPool {
     }
 
     /// Restore a key taken out with `map_detach`, with the blocks it had.
-    fn map_reattach(&self, py: Python<'_>, key: &Bound<'_, PyAny>, block_ids: Vec<u32>) -> PyResult<()> {
+    fn map_reattach(&self, py: Python<'_>, key: &Bound<'_, PyAny>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let key = key_arg(key)?;
+        let block_ids = block_ids_of(block_ids, "block_ids")?;
         self.state.borrow_mut(py)?.inner.map_reattach(&key, &block_ids).py_err()
     }
 

@@ -121,7 +121,12 @@ impl PyBlockPool {
     /// (a block is sampled iff a uniform draw in [0, 1) is below it, as vLLM's
     /// `random.random() < sample_rate`), from a generator seeded with `seed`; hits and
     /// evictions of sampled blocks are recorded in Rust. Replaces earlier metrics.
-    fn _residency_enable(&self, py: Python<'_>, sample_rate: f64, seed: u64) -> PyResult<()> {
+    fn _residency_enable(
+        &self,
+        py: Python<'_>,
+        sample_rate: f64,
+        #[pyo3(from_py_with = crate::py::args::seed)] seed: u64,
+    ) -> PyResult<()> {
         self.state.borrow_mut(py)?.inner.enable_residency(sample_rate, seed).py_err()
     }
 
@@ -168,9 +173,9 @@ impl PyBlockPool {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = crate::py::args::block_id_u32)] block_id: u32,
-        birth_time_ns: u64,
-        last_access_ns: u64,
-        history: Vec<u64>,
+        #[pyo3(from_py_with = crate::py::args::birth_time_ns)] birth_time_ns: u64,
+        #[pyo3(from_py_with = crate::py::args::last_access_ns)] last_access_ns: u64,
+        #[pyo3(from_py_with = crate::py::args::history)] history: Vec<u64>,
     ) -> PyResult<()> {
         ops::set(&mut self.state.borrow_mut(py)?.inner, block_id, birth_time_ns, last_access_ns, &history)
     }

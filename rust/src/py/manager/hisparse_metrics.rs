@@ -34,7 +34,12 @@ impl PyManager {
 
     /// Turn residency metrics on for the host pool (`_residency_enable`): sampled at
     /// `sample_rate` from a generator seeded with `seed`. Replaces earlier host metrics.
-    fn _hisparse_host_residency_enable(&self, py: Python<'_>, sample_rate: f64, seed: u64) -> PyResult<()> {
+    fn _hisparse_host_residency_enable(
+        &self,
+        py: Python<'_>,
+        sample_rate: f64,
+        #[pyo3(from_py_with = crate::py::args::seed)] seed: u64,
+    ) -> PyResult<()> {
         self.host_pool(py, |h| h.enable_residency(sample_rate, seed).py_err())
     }
 
@@ -75,9 +80,9 @@ impl PyManager {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = crate::py::args::block_id_u32)] block_id: u32,
-        birth_time_ns: u64,
-        last_access_ns: u64,
-        history: Vec<u64>,
+        #[pyo3(from_py_with = crate::py::args::birth_time_ns)] birth_time_ns: u64,
+        #[pyo3(from_py_with = crate::py::args::last_access_ns)] last_access_ns: u64,
+        #[pyo3(from_py_with = crate::py::args::history)] history: Vec<u64>,
     ) -> PyResult<()> {
         self.host_pool(py, |h| ops::set(h, block_id, birth_time_ns, last_access_ns, &history))
     }
