@@ -30,6 +30,7 @@ from collections import Counter
 import pytest
 
 from conftest import require_module
+from fresh_interpreter import run_alone
 
 require_module("vllm")
 
@@ -352,31 +353,10 @@ class HiSparseManagerLockstep(RuleBasedStateMachine):
         COVERAGE["host events"] += any(getattr(e, "medium", None) == "CPU" for e in k_events)
 
 
-#: Set in the fresh interpreter that runs the lockstep (see ``test_hisparse_manager_lockstep``).
-_IN_CHILD = "KVBLOCK_HISPARSE_LOCKSTEP_CHILD"
-
-
 def test_hisparse_manager_lockstep():
-    """The state machine's derandomized run, in a fresh interpreter. Which paths the same
-    examples reach (and so the coverage check below) was found to depend on what ran before
-    in the process: after a ``kvblock replay`` or ``sweep`` in the same pytest process, the
-    run refused 127 allocations instead of 25 and never reached "not all resident", both
-    sides still agreeing at every step (the cause is not known yet: not the hash seed, the
-    garbage collector, environment variables or module globals). Run alone, the examples and
-    their coverage are the same every time, so the run gets a process of its own."""
-    if os.environ.get(_IN_CHILD) != "1":
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        env = {**os.environ, _IN_CHILD: "1"}
-        node = f"{Path(__file__).resolve()}::test_hisparse_manager_lockstep"
-        # the plugins this run loaded that the child needs too (vLLM 0.34's CPU harness)
-        plugins = ["-p", "triton_shim"] if "triton_shim" in sys.modules else []
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, node], env=env,
-                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=1200)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-        assert "1 passed" in r.stdout, r.stdout[-3000:]
+    # in an interpreter of its own, so that its examples (and its coverage check) do not
+    # depend on what ran before in the process (see tests/fresh_interpreter.py)
+    if run_alone(__file__, "test_hisparse_manager_lockstep"):
         return
     HiSparseManagerLockstep.TestCase.settings = settings(
         max_examples=EXAMPLES,

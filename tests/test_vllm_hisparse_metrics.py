@@ -32,6 +32,7 @@ from collections import Counter
 import pytest
 
 from conftest import require_module
+from fresh_interpreter import run_alone
 
 require_module("vllm")
 
@@ -174,6 +175,9 @@ class HiSparseMetricsLockstep(HiSparseManagerLockstep):
 
 
 def test_hisparse_metrics_lockstep():
+    # in an interpreter of its own (see tests/fresh_interpreter.py)
+    if run_alone(__file__, "test_hisparse_metrics_lockstep"):
+        return
     HiSparseMetricsLockstep.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=40,
