@@ -82,16 +82,8 @@ pub fn opt_positive(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Option<usize>
 /// object that is not iterable is a `TypeError` naming `arg`. PyO3's own `Vec<u32>`
 /// conversion raised an `OverflowError` naming nothing for `[-1]`.
 pub fn uint32_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
-    let not_a_sequence = || {
-        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-        type_err(arg, format!("expected a sequence of ints, got {ty}"))
-    };
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(not_a_sequence());
-    }
-    let items = obj.try_iter().map_err(|_| not_a_sequence())?;
     let mut out = Vec::new();
-    for (i, item) in items.enumerate() {
+    for (i, item) in seq_items(obj, arg, "ints")?.enumerate() {
         let item = item?;
         // the common case without building the item's name; a bool (an int to PyO3) and
         // anything that does not fit are read again by `uint32`, which names the item
@@ -103,6 +95,19 @@ pub fn uint32_seq(obj: &Bound<'_, PyAny>, arg: &str) -> PyResult<Vec<u32>> {
     Ok(out)
 }
 
+/// The items of a sequence argument; a str, bytes or an object that is not iterable is a
+/// `TypeError` naming `arg` (`what`: the items expected).
+fn seq_items<'py>(obj: &Bound<'py, PyAny>, arg: &str, what: &str) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
+    let not_a_sequence = || {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+        type_err(arg, format!("expected a sequence of {what}, got {ty}"))
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(not_a_sequence());
+    }
+    obj.try_iter().map_err(|_| not_a_sequence())
+}
+
 /// A sequence argument's items, each read by `item` under the name `arg[i]`; a str, bytes or
 /// an object that is not iterable is a `TypeError` naming `arg` (`what`: the items expected).
 pub fn seq_of<T>(
@@ -111,16 +116,8 @@ pub fn seq_of<T>(
     what: &str,
     item: impl Fn(&Bound<'_, PyAny>, &str) -> PyResult<T>,
 ) -> PyResult<Vec<T>> {
-    let not_a_sequence = || {
-        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-        type_err(arg, format!("expected a sequence of {what}, got {ty}"))
-    };
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(not_a_sequence());
-    }
-    let items = obj.try_iter().map_err(|_| not_a_sequence())?;
     let mut out = Vec::new();
-    for (i, x) in items.enumerate() {
+    for (i, x) in seq_items(obj, arg, what)?.enumerate() {
         out.push(item(&x?, &format!("{arg}[{i}]"))?);
     }
     Ok(out)
