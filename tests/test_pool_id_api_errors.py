@@ -5,7 +5,7 @@ KV-cache groups is a ``ValueError`` naming it (``lookup_prefix`` answered ``[]``
 
 A later new user's findings: a block listed twice in one ``cache_ids`` (or kvblock's own
 ``cache_full_blocks``) was keyed twice, its first key dropped while the events claimed it
-stored; ``move_block_hash_ids`` / ``map_insert`` / ``set_block_hash`` gave the null block a
+stored; ``move_block_hash_ids`` gave the null block a
 key (the manager then handed block 0 out as a hit); group-id lists and ``group_id`` said
 ``OverflowError`` naming nothing for ``-1``; ``block_size=-16`` said "must be >= 0" where 0
 said "must be > 0"; ``set_time(nan)`` was taken with retention off. Each is now refused,
@@ -170,16 +170,11 @@ def _cached_manager():
     "call, arg",
     [
         (lambda p, src, key: p.move_block_hash_ids(src, 0), "dst"),
-        (lambda p, src, key: p.map_insert(key, 0), "block_id"),
-        (lambda p, src, key: p.set_block_hash(0, key, 16), "block_id"),
         (lambda p, src, key: p.move_block_hashes(p.blocks[src], p.null_block), "dst"),
-        (lambda p, src, key: p.cached_block_hash_to_block.insert(key, p.null_block), "block_id"),
-        (lambda p, src, key: p.null_block.set_block_hash(key, 16), "block_id"),
     ],
-    ids=["move_block_hash_ids", "map_insert", "set_block_hash", "move_block_hashes", "map.insert",
-         "block.set_block_hash"],
+    ids=["move_block_hash_ids", "move_block_hashes"],
 )
-def test_the_null_block_never_takes_a_key(call, arg):
+def test_a_key_is_never_moved_onto_the_null_block(call, arg):
     m, r = _cached_manager()
     pool = m.block_pool
     ids = pool.lookup_prefix(r.block_hashes).tolist()
@@ -196,16 +191,24 @@ def test_the_null_block_never_takes_a_key(call, arg):
     assert n == 32 and blocks.get_block_ids() == (ids,)
 
 
-def test_the_null_block_on_a_vllm_pool_is_refused_too():
-    """vLLM would key its null block (and hand it out as a hit); kvblock's vLLM pool refuses."""
+def test_the_raw_map_faces_key_the_null_block_as_vllm_s_map():
+    """``cached_block_hash_to_block.insert`` and ``block.set_block_hash``, the raw faces vLLM's
+    code and tests reach inside with, take the null block as vLLM's own pool does (its
+    ``test_maybe_evict_cached_block`` keys every block by hand, block 0 included)."""
     require_module("vllm")
-    from kvblock.vllm.block_pool import BlockPool as KvPool
+    import vllm.v1.core.block_pool as vbp
 
-    pool = KvPool(10, True, 16)
-    before = _snapshot(pool)
-    with pytest.raises(ValueError, match="^block_id: block 0 is the null block"):
-        pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(Y, 0), pool.null_block)
-    assert _snapshot(pool) == before
+    from kvblock.vllm.block_pool import BlockPool as KvPool
+    from kvblock.vllm.originals import original
+
+    key = make_block_hash_with_group_id(Y, 0)
+    found = []
+    for cls in (original(vbp, "BlockPool"), KvPool):
+        pool = cls(10, True, 16)
+        pool.null_block.set_block_hash(key)
+        pool.cached_block_hash_to_block.insert(key, pool.null_block)
+        found.append(pool.cached_block_hash_to_block.get_one_block(key).block_id)
+    assert found == [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -84,8 +84,8 @@ class KVCacheBlock:
     _block_hash_num_tokens = block_hash_num_tokens
 
     def set_block_hash(self, block_hash: bytes, num_tokens: int | None = None) -> None:
-        """Give the block a key (not in the map until inserted); AssertionError if it has one,
-        ValueError for the null block (which never holds a key)."""
+        """Give the block a key (not in the map until inserted); AssertionError if it has one.
+        The null block takes one too, as vLLM's does (its tests key blocks by hand)."""
         self._pool.set_block_hash(self.block_id, block_hash, num_tokens)
 
     def reset_hash(self) -> None:
@@ -348,8 +348,7 @@ class BlockHashToBlockMap:
 
     def insert(self, key: bytes, block: KVCacheBlock) -> None:
         """Cache ``block`` under ``key`` (``BlockHashWithGroupId`` bytes), beside any block
-        already there (vLLM keeps duplicates). Raises ValueError, changing nothing, for the
-        null block, which never holds a key.
+        already there (vLLM keeps duplicates). The null block is taken, as by vLLM's map.
         """
         self._pool.map_insert(key, block.block_id)
 
