@@ -728,6 +728,41 @@ def test_cache_blocks_fast_entry_answers_every_call_shape_as_the_method(shape, w
     _entry_matches_method("cache_blocks", args, kwargs, who, _eight_tokens)
 
 
+class _SubManager(kv.KVCacheManager):
+    """A subclass of kvblock's vLLM manager: another type behind the same fast entries."""
+
+
+def test_fast_entries_take_each_manager_type_and_refuse_other_selves():
+    """The fast entries check ``self`` once per type (they keep the first manager type seen and
+    skip the MRO walk for it): a manager of another type (a subclass, called after the first
+    type is kept) gets the same answers and state, and an object that is no manager is
+    CPython's ``TypeError`` for a method descriptor, with nothing run."""
+    (m1, r1, w1), _ = _twins()
+    assert m1.allocate_slots(r1, 1, num_lookahead_tokens=0) is m1.empty_kv_cache_blocks  # type kept
+    init_none_hash(sha256)
+    cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], FullAttentionSpec(block_size=4, **A))])
+    sub = _SubManager(cfg, 64, 4, 4, enable_caching=True)
+    assert type(sub) is _SubManager
+    r2 = _request("r", list(range(1, 7)), 4)
+    _decode_ready(sub, r2)
+    for m, r in ((m1, r1), (sub, r2)):
+        assert m.allocate_slots(r, 1, num_lookahead_tokens=0) is m.empty_kv_cache_blocks
+        assert m.cache_blocks(r, 7) is None
+    assert _state(m1) == _state(sub)
+    # across a block boundary both append the same block ids
+    r1.append_output_token_ids(101)
+    r2.append_output_token_ids(101)
+    r1.num_computed_tokens = r2.num_computed_tokens = 7
+    assert _answer(lambda: m1.allocate_slots(r1, 1)) == _answer(lambda: sub.allocate_slots(r2, 1))
+    assert _state(m1) == _state(sub)
+    before = _state(m1)
+    for name, args in (("allocate_slots", (r1, 1)), ("cache_blocks", (r1, 7))):
+        with pytest.raises(TypeError, match="KVCacheManagerCore"):
+            getattr(kv.KVCacheManager, name)(object(), *args)
+    assert _state(m1) == before
+
+
 class _WatchedRequest(Request):
     """A vLLM ``Request`` whose ``num_computed_tokens`` reads are counted and can run a hook
     (raise, or call the manager again) while a manager call reads them."""

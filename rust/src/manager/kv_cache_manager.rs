@@ -859,6 +859,22 @@ impl KVCacheManager {
         self.coord.allocate_new_blocks(pool, slot, request_id, need_slot, num_tokens_main, 0)
     }
 
+    /// Start loading the manager's own fields that [`KVCacheManager::allocate_is_noop_at`] and
+    /// [`KVCacheManager::cache_is_noop_at`] read, besides the request's entries (a hint, see
+    /// [`crate::prefetch`]): for a caller about to ask, so that those misses overlap its own.
+    #[inline(always)]
+    pub fn prefetch_noop_reads(&self) {
+        use crate::prefetch::prefetch_line as line;
+        line((&self.max_model_len as *const usize).cast());
+        line((&self.plain_full_attention as *const bool).cast());
+        line((&self.coord.hash_block_size as *const usize).cast());
+        line((&self.coord.managers as *const Vec<_>).cast());
+        for m in &self.coord.managers {
+            line((&m.reqs as *const Vec<_>).cast());
+            line((&m.cfg as *const _ as *const u8).cast());
+        }
+    }
+
     /// [`KVCacheManager::cache_is_noop`] for the request in `slot`.
     #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
     pub fn cache_is_noop_at(&self, slot: usize, num_computed_tokens: usize) -> bool {

@@ -130,6 +130,12 @@ impl RequestFields {
         self
     }
 
+    /// Start loading the name object of `field` (its hash and type are read by a dict lookup).
+    #[inline(always)]
+    pub fn prefetch_name(&self, field: Field) {
+        crate::prefetch::prefetch_line(self.names[field as usize].as_ptr().cast());
+    }
+
     /// True if `request`'s type is exactly the registered request type.
     #[inline(always)]
     pub fn is_exact_type(&self, request: &Bound<'_, PyAny>) -> bool {

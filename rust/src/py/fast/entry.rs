@@ -15,7 +15,9 @@
 //! `PyManager::fast_allocate_slots` / `PyManager::fast_cache_blocks`: the method's own steps
 //! (the same borrow, reads, no-op check, allocation and errors) past its argument parsing.
 //! Any other call goes to the PyO3 method with the same arguments, so results and errors are
-//! the method's own either way.
+//! the method's own either way. `self` is checked to be a `KVCacheManagerCore` once per type:
+//! the entry keeps the first such type (vLLM's scheduler always calls through one) and takes
+//! a `self` of exactly that type without walking its MRO again.
 //!
 //! These entries and the no-op checks they run (`ManagerState::allocate` / `cache` up to their
 //! no-op answer, the slot lookup, `KVCacheManager::allocate_is_noop_at` / `cache_is_noop_at`)
@@ -42,6 +44,10 @@ struct Entry {
     params: &'static [(&'static str, Param)],
     /// Their names, interned once (keywords are matched by identity first).
     param_names: Vec<Py<PyString>>,
+    /// The exact type of the first `self` found to be a `KVCacheManagerCore` (the Python
+    /// subclass vLLM's scheduler calls), kept alive here: a `self` of that type is one without
+    /// the subtype check's walk of its MRO.
+    known_type: PyOnceLock<Py<pyo3::types::PyType>>,
 }
 
 static ALLOCATE_SLOTS: PyOnceLock<Entry> = PyOnceLock::new();
@@ -65,6 +71,26 @@ unsafe fn exact_count(o: *mut ffi::PyObject) -> Option<usize> {
             return None;
         }
         Some(v as usize)
+    }
+}
+
+/// `slf` as the `KVCacheManagerCore` it is, or None (the full path then raises PyO3's error).
+///
+/// # Safety
+/// `slf` is a live object and the GIL is held.
+#[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
+#[inline(always)]
+unsafe fn manager_of<'py>(py: Python<'py>, e: &Entry, slf: *mut ffi::PyObject) -> Option<Bound<'py, PyManager>> {
+    // SAFETY: as the caller guarantees; a `self` of the remembered type passed the full check
+    // before (the type is kept alive by the entry, so no other type can take its address).
+    unsafe {
+        let ty = ffi::Py_TYPE(slf);
+        if e.known_type.get(py).is_some_and(|t| t.as_ptr() == ty.cast()) {
+            return Some(Bound::from_borrowed_ptr(py, slf).cast_into_unchecked::<PyManager>());
+        }
+        let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
+        let _ = e.known_type.set(py, manager.get_type().unbind());
+        Some(manager)
     }
 }
 
@@ -106,7 +132,7 @@ unsafe fn fast_allocate_slots<'py>(
             exact_count(*args.add(2))?
         };
         let num_new_tokens = exact_count(*args.add(1))?;
-        let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
+        let manager = manager_of(py, e, slf)?;
         let request = Bound::from_borrowed_ptr(py, *args);
         Some(PyManager::fast_allocate_slots(&manager, &request, num_new_tokens, num_lookahead_tokens))
     }
@@ -120,7 +146,7 @@ unsafe fn fast_allocate_slots<'py>(
 #[cfg_attr(target_os = "linux", link_section = ".text.kvblock_hot")]
 unsafe fn fast_cache_blocks<'py>(
     py: Python<'py>,
-    _e: &Entry,
+    e: &Entry,
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
     nargs: ffi::Py_ssize_t,
@@ -132,7 +158,7 @@ unsafe fn fast_cache_blocks<'py>(
     // SAFETY: `args` holds the two positional arguments.
     unsafe {
         let num_computed_tokens = exact_count(*args.add(1))?;
-        let manager = Bound::from_borrowed_ptr(py, slf).cast_into::<PyManager>().ok()?;
+        let manager = manager_of(py, e, slf)?;
         let request = Bound::from_borrowed_ptr(py, *args);
         Some(PyManager::fast_cache_blocks(&manager, &request, num_computed_tokens).map(|()| py.None().into_bound(py)))
     }
@@ -326,6 +352,7 @@ pub fn _fast_entry(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
             descr: descr.unbind(),
             params,
             param_names: params.iter().map(|p| PyString::intern(py, p.0).unbind()).collect(),
+            known_type: PyOnceLock::new(),
         })
     })?;
     Ok(e.descr.clone_ref(py))

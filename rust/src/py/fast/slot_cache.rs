@@ -77,6 +77,14 @@ impl SlotCache {
         Ok((same && generation_at(e.slot) == e.generation).then_some(e.slot))
     }
 
+    /// Start loading the entry [`SlotCache::get`] reads for `request` (a hint only).
+    #[inline(always)]
+    pub fn prefetch(&self, request: &Bound<'_, PyAny>) {
+        if let Some(e) = self.table.get(way(request.as_ptr() as usize)) {
+            crate::prefetch::prefetch_line((e as *const Option<Entry>).cast());
+        }
+    }
+
     /// Remember `request` (whose `request_id` is `id`) at `(slot, generation)`; with the fast
     /// paths off ([`super::enabled`]) nothing is remembered, so [`SlotCache::get`] never answers.
     pub fn insert(&mut self, request: &Bound<'_, PyAny>, id: &Bound<'_, PyString>, slot: usize, generation: u64) {

@@ -284,6 +284,7 @@ impl PyManager {
         let py = slf.py();
         let mut guard = slf.get().state.borrow_mut(py)?;
         let me = &mut *guard;
+        me.prefetch_noop(request, true);
         if me.make_blocks.is_none() {
             return Err(not_initialised());
         }
@@ -313,7 +314,9 @@ impl PyManager {
         num_computed_tokens: usize,
     ) -> PyResult<()> {
         let py = slf.py();
-        slf.get().state.borrow_mut(py)?.cache(py, request, num_computed_tokens)
+        let mut me = slf.get().state.borrow_mut(py)?;
+        me.prefetch_noop(request, false);
+        me.cache(py, request, num_computed_tokens)
     }
 }
 

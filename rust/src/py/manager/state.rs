@@ -353,6 +353,25 @@ impl ManagerState {
         }
     }
 
+    /// Start loading what a no-op `allocate_slots` (`allocate`) or `cache_blocks` reads
+    /// besides the request (hints, see [`crate::prefetch`]): its slot cache entry, the
+    /// manager's fields the no-op checks read, the names of the fields read from the request's
+    /// dict, and (`allocate`) the shared empty result. Inside a scheduler step all of these
+    /// are cold; loaded together at the call's start, their misses overlap instead of
+    /// following one another through the call.
+    #[inline(always)]
+    pub(super) fn prefetch_noop(&self, request: &Bound<'_, PyAny>, allocate: bool) {
+        self.slots.prefetch(request);
+        self.inner.prefetch_noop_reads();
+        self.fields.prefetch_name(Field::RequestId);
+        if allocate {
+            self.fields.prefetch_name(Field::NumComputedTokens);
+            if let Some(e) = &self.empty {
+                crate::prefetch::prefetch_line(e.as_ptr().cast());
+            }
+        }
+    }
+
     /// `cache_blocks(request, n)` once `n` is read: nothing to do with caching off or with no
     /// newly full block (then only the request's slot is looked up), else the request's view
     /// and hashes are read and checked and its newly full blocks cached.
